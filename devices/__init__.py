@@ -1,0 +1,60 @@
+"""Hardware layer: one backend per device type, found by name or auto-detected.
+
+Built in: `cpu`, `cuda`, `npu`. Third-party backends (ROCm, XPU, ...) register a
+`DeviceBackend` subclass under the entry-point group `prefix_cache.devices`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+
+from devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
+
+__all__ = ["DeviceBackend", "DeviceEvent", "HostBuffer", "Transfer", "available",
+           "backend_classes", "get_backend", "wait_event"]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "prefix_cache.devices"
+#: Auto-detection order: an Ascend machine's torch.cuda names may be rebound to
+#: torch.npu by vllm-ascend, so npu is asked first.
+_BUILTIN = {"npu": "devices.npu:NpuBackend", "cuda": "devices.cuda:CudaBackend",
+            "cpu": "devices.cpu:CpuBackend"}
+
+
+def _load(target: str) -> type[DeviceBackend]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def backend_classes() -> dict[str, type[DeviceBackend]]:
+    """Every known backend class by device type: built-ins, then entry points."""
+    classes = {name: _load(target) for name, target in _BUILTIN.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken plugin must not hide the built-ins
+            logger.warning("device backend entry point %r failed to load: %s", ep.name, exc)
+            continue
+        classes.setdefault(ep.name, cls)
+    return classes
+
+
+def available() -> list[str]:
+    """Device types usable in this process, in auto-detection order."""
+    return [name for name, cls in backend_classes().items() if cls.is_available()]
+
+
+def get_backend(name: str | None = None) -> DeviceBackend:
+    """The backend for `name`, or for the first available device type when None."""
+    classes = backend_classes()
+    if name is None:
+        name = next(n for n in _BUILTIN if classes[n].is_available())
+    cls = classes.get(name)
+    if cls is None:
+        raise ValueError(f"unknown device type {name!r}; known: {sorted(classes)}")
+    if not cls.is_available():
+        raise RuntimeError(f"device type {name!r} is not available in this process")
+    return cls()

@@ -1,0 +1,83 @@
+"""What CUDA and Ascend share: torch's device-module API for streams, events and pinned copies.
+
+`torch.get_device_module(name)` gives `Stream`, `Event`, `current_stream` and
+`stream` for both device types, so the staged transfer path below is written
+once. Device modules subclass `AcceleratorBackend` only where the hardware
+differs (CUDA: mapped pinned pools and a scatter kernel; NPU: table rules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
+
+
+class AcceleratorBackend(DeviceBackend):
+    """Staged device→host transfers on one copy stream, ordered after the compute stream.
+
+    Invariant: every copy issued here runs on `copy_stream`, after the event
+    its caller recorded on the compute stream, so launch order is write order.
+    """
+
+    def __init__(self, device_index: int | None = None) -> None:
+        self.module: Any = torch.get_device_module(self.name)
+        index = self.module.current_device() if device_index is None else device_index
+        self._device = torch.device(self.name, index)
+        self.copy_stream = self.module.Stream(device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def record_event(self) -> DeviceEvent:
+        event = self.module.Event()
+        event.record(self.module.current_stream(self._device))
+        return event
+
+    def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().clone()
+
+    def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
+        return HostBuffer(torch.empty(tuple(shape), dtype=dtype, pin_memory=True), pinned=True)
+
+    def _on_copy_stream(self, ready: DeviceEvent | None):
+        if ready is not None:
+            self.copy_stream.wait_event(ready)
+        return self.module.stream(self.copy_stream)
+
+    def _record_copy_done(self) -> DeviceEvent:
+        done = self.module.Event()
+        done.record(self.copy_stream)
+        return done
+
+    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+        if staging is None:  # a one-off write (deferred keys): a pinned page of its own
+            staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        if staging.shape[0] < rows.shape[0]:
+            raise ValueError(f"{self.name}: staged scatter of {rows.shape[0]} rows into a staging "
+                             f"buffer of {staging.shape[0]} rows")
+        host = staging[: rows.shape[0]]
+        with self._on_copy_stream(ready):
+            host.copy_(rows, non_blocking=True)
+            done = self._record_copy_done()
+        target = pool.tensor
+
+        def finish() -> None:
+            target.index_copy_(0, slots, host)
+
+        return Transfer(event=done, finish=finish, keepalive=(rows,))
+
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
+                     ) -> tuple[torch.Tensor, Transfer]:
+        if tensor.device.type != self.name:
+            return tensor.detach().to("cpu", copy=True), Transfer()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with self._on_copy_stream(ready):
+            host.copy_(tensor, non_blocking=True)
+            done = self._record_copy_done()
+        return host, Transfer(event=done, keepalive=(tensor,))

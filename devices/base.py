@@ -1,0 +1,162 @@
+"""The backend contract: what the cache core asks of one device type.
+
+A backend owns the device side of every transfer (streams, events, the kernels
+or DMA that move rows) and the host memory those transfers land in. The core
+never touches a device API directly.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+
+class DeviceEvent(Protocol):
+    """The part of a torch device event the core relies on."""
+
+    def query(self) -> bool: ...
+
+
+class HostBuffer:
+    """An exact-size host tensor, page-locked where the device can use that.
+
+    Invariant: `tensor` stays valid until `close()`; closing twice is a no-op.
+    """
+
+    def __init__(self, tensor: torch.Tensor, *, pinned: bool,
+                 release: Callable[[], None] | None = None) -> None:
+        self.tensor = tensor
+        self.pinned = pinned
+        self._release = release
+        self.device_view: torch.Tensor | None = None  # set by zero-copy backends
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        self.device_view = None
+        if release is not None:
+            release()
+
+
+@dataclass
+class Transfer:
+    """A device→host move in flight.
+
+    Done once `event` has completed (None: complete at creation) and `finish`
+    (the host half of a staged move) has run. `keepalive` holds device tensors
+    the copy still reads until the event completes.
+    """
+
+    event: DeviceEvent | None = None
+    finish: Callable[[], None] | None = None
+    keepalive: tuple[Any, ...] = field(default_factory=tuple)
+
+    @property
+    def complete_at_launch(self) -> bool:
+        return self.event is None and self.finish is None
+
+
+def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str]) -> None:
+    """Poll `event` until it completes; raise TimeoutError naming `what()` after `timeout_s`.
+
+    Device events only offer an unbounded `synchronize()`, so bounded waits poll.
+    """
+    if event is None or event.query():
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what()}: device copy not complete after {timeout_s:.1f}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+class DeviceBackend(ABC):
+    """One device type's streams, events, host memory and row transfers.
+
+    Rows handed to `scatter_rows` / `copy_to_host` must stay unchanged until the
+    returned transfer completes; `snapshot` makes such a private copy.
+    """
+
+    name: ClassVar[str]
+    #: True when `scatter_rows` lands rows straight in the pool (no host step).
+    zero_copy: bool = False
+    #: True when every transfer completes inside the call that starts it.
+    synchronous: bool = False
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this device type can be used in this process."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    def needs_staging(self) -> bool:
+        """Whether `scatter_rows` needs a pinned staging buffer to pass through."""
+        return not (self.zero_copy or self.synchronous)
+
+    # streams and events
+    @abstractmethod
+    def record_event(self) -> DeviceEvent | None:
+        """An event on the current (compute) stream; None where work is synchronous."""
+
+    def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A private copy of `tensor` on its device, ordered on the current stream."""
+        return tensor.detach().clone()
+
+    # host memory
+    @abstractmethod
+    def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
+        """Exact-size host memory the device can copy into (pinned where that exists)."""
+
+    # transfers
+    @abstractmethod
+    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+        """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready`.
+
+        `rows` is `[n, F]` on the device, `slots` an int64 CPU tensor of n
+        distinct slots, `pool.tensor` a `[num_slots, F]` host tensor. `staging`
+        is a host `[>= n, F]` buffer for backends that stage (`needs_staging`);
+        None lets them take a page of their own.
+        """
+
+    @abstractmethod
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
+                     ) -> tuple[torch.Tensor, Transfer]:
+        """A host copy of `tensor`, valid once the transfer completes."""
+
+    # kernel-block knowledge for FullAttentionGroupView
+    def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,
+                          attention_backend: str | None = None) -> str | None:
+        """Why this device's runner table cannot be mirrored, or None when it can.
+
+        `table` is the runner's block table for the cached group; its ids are in
+        units of `table.block_size` tokens. `kernel_block_size` is the attention
+        kernel's block size where the runner splits blocks outside the table.
+        """
+        unit = int(table.block_size)
+        if unit <= 0 or block_size % unit:
+            return f"block table unit {unit} does not divide block_size {block_size}"
+        if kernel_block_size is not None and block_size % kernel_block_size:
+            return (f"kernel block size {kernel_block_size} does not divide "
+                    f"block_size {block_size}")
+        for attr in ("dcp_world_size", "pcp_world_size"):
+            if int(getattr(table, attr, 1)) > 1:
+                return f"{attr}={getattr(table, attr)}: context-parallel striping is not mirrored"
+        return None
+
+    def close(self) -> None:
+        """Release what the backend holds (streams, self-test buffers)."""

@@ -1,0 +1,90 @@
+"""NVIDIA GPUs: exact-size mapped pinned pools and a small-grid scatter kernel into them.
+
+A step's rows cross PCIe once, from the device clone straight into their pool
+slots, on the copy stream after the forward. If mapping host memory is not
+available (no unified addressing, a driver refusal, no Triton and no mapped
+view), a start-up self-test falls back to the staged path shared with NPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from devices.accelerator import AcceleratorBackend
+from devices.base import DeviceEvent, HostBuffer, Transfer
+from devices.cuda import scatter
+from devices.cuda.host_memory import register_host
+from devices.kernel_blocks import CUDA_KERNEL_BLOCK_SIZES, check_kernel_block
+
+logger = logging.getLogger(__name__)
+
+
+class CudaBackend(AcceleratorBackend):
+    """torch.cuda streams and events; zero-copy scatter when the self-test passes."""
+
+    name = "cuda"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        # vllm-ascend rebinds torch.cuda names to torch.npu: ask for a CUDA build too.
+        return torch.version.cuda is not None and torch.cuda.is_available()
+
+    def __init__(self, device_index: int | None = None, *, zero_copy: bool = True) -> None:
+        super().__init__(device_index)
+        self.use_kernel = scatter.triton_available()
+        self.zero_copy = zero_copy and self._self_test()
+
+    def _self_test(self) -> bool:
+        """Scatter a few rows of each word width into a mapped buffer and read them back."""
+        try:
+            for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.uint8):
+                pool = register_host((8, 4), dtype, self.device)
+                try:
+                    pool.tensor.zero_()
+                    rows = torch.arange(8, device=self.device).to(dtype).view(2, 4)
+                    slots = torch.tensor([5, 2], dtype=torch.int64)
+                    transfer = self._scatter_mapped(rows, slots, pool, ready=None)
+                    transfer.event.synchronize()
+                    if not torch.equal(pool.tensor[[5, 2]], rows.cpu()):
+                        raise RuntimeError("rows read back differ from rows written")
+                finally:
+                    pool.close()
+        except Exception as exc:  # any failure means: use the staged path
+            logger.warning("CUDA zero-copy scatter unavailable (%s); using staged copies", exc)
+            return False
+        return True
+
+    def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
+        return register_host(shape, dtype, self.device)
+
+    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+        if self.zero_copy and pool.device_view is not None:
+            return self._scatter_mapped(rows, slots, pool, ready=ready)
+        return super().scatter_rows(rows, slots, pool, ready=ready, staging=staging)
+
+    def _scatter_mapped(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+                        ready: DeviceEvent | None) -> Transfer:
+        host_slots = torch.empty(slots.shape, dtype=torch.int64, pin_memory=True)
+        host_slots.copy_(slots)
+        with self._on_copy_stream(ready):
+            device_slots = host_slots.to(self.device, non_blocking=True)
+            if self.use_kernel:
+                scatter.scatter_rows(rows, device_slots, pool.device_view)
+            else:
+                pool.device_view.index_copy_(0, device_slots, rows)
+            done = self._record_copy_done()
+        return Transfer(event=done, keepalive=(rows, device_slots))
+
+    def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,
+                          attention_backend: str | None = None) -> str | None:
+        reason = super().check_block_table(table, block_size, kernel_block_size)
+        if reason is not None:
+            return reason
+        kernel = kernel_block_size if kernel_block_size is not None else int(table.block_size)
+        return check_kernel_block(CUDA_KERNEL_BLOCK_SIZES, "CUDA", kernel, block_size,
+                                  attention_backend)

@@ -1,0 +1,20 @@
+"""omni-prefix-cache: stage outputs of multi-stage vLLM pipelines, cached by KV-cache block and slot.
+
+Nothing here imports vLLM at module scope: vLLM objects are read by attribute.
+"""
+
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
+from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheStagingTimeoutError,
+                                 OmniPrefixCacheUnmatchError)
+from prefix_cache.gate import stage_prefix_cache_config
+from prefix_cache.group_view import FullAttentionGroupView
+from prefix_cache.block_pool import PrefixBlockPool
+from prefix_cache.manager import OmniPrefixCacheManager, StageCacheOutputs
+from prefix_cache.tasks import TaskState, WriteTask
+
+__all__ = [
+    "HIDDEN_KEY", "FullAttentionGroupView", "ModelCachePolicy", "OmniPrefixCacheError",
+    "OmniPrefixCacheManager", "OmniPrefixCacheStagingTimeoutError", "OmniPrefixCacheUnmatchError",
+    "PrefixBlockPool", "PrefixCacheConfig", "StageCacheOutputs", "TaskState", "WriteTask",
+    "stage_prefix_cache_config",
+]

@@ -1,0 +1,95 @@
+"""The one module that knows vLLM's SchedulerOutput field names (vLLM 0.23 to 0.33).
+
+`translate_step` turns a scheduler output — or any object with the same
+fields, such as a `types.SimpleNamespace` — into the events the manager acts
+on. Fields that moved between releases are read through getattr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
+
+
+@dataclass(frozen=True)
+class StartedRequest:
+    """A request in `scheduled_new_reqs`: its id, tokens already cached and the cached group's blocks."""
+
+    req_id: str
+    num_computed_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What one scheduler step means to the cache, in the order the manager applies it."""
+
+    finished: tuple[str, ...]
+    preempted: frozenset[str]
+    block_copies: tuple[tuple[int, int], ...]
+    started: tuple[StartedRequest, ...]
+    resumed: frozenset[str]
+    num_scheduled_tokens: Mapping[str, int]
+
+
+def _req_id(new_req: Any) -> str:
+    req_id = getattr(new_req, "req_id", None)
+    return getattr(new_req, "request_id", None) if req_id is None else req_id
+
+
+def _group_blocks(block_ids: Any, group_id: int, req_id: str) -> tuple[int, ...]:
+    """The cached group's block list out of vLLM's per-group tuple (or a bare list)."""
+    if block_ids is None:
+        return ()
+    groups = list(block_ids)
+    if groups and not isinstance(groups[0], (list, tuple)):
+        groups = [groups]  # a single group given as a flat list
+    if group_id >= len(groups):
+        raise OmniPrefixCacheUnmatchError(
+            f"request {req_id}: block_ids has {len(groups)} KV-cache group(s), "
+            f"the cache mirrors group {group_id}")
+    return tuple(int(b) for b in groups[group_id])
+
+
+def _resumed(cached: Any) -> frozenset[str]:
+    if cached is None:
+        return frozenset()
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is not None:  # vLLM >= 0.11.1
+        return frozenset(resumed)
+    flags = getattr(cached, "resumed_from_preemption", None) or ()
+    return frozenset(r for r, flag in zip(getattr(cached, "req_ids", ()), flags) if flag)
+
+
+def _block_copies(copies: Iterable[Any] | None) -> tuple[tuple[int, int], ...]:
+    out = []
+    for copy in copies or ():
+        if isinstance(copy, (tuple, list)):
+            src, dst = copy
+        else:
+            src, dst = copy.src_block_id, copy.dst_block_id
+        out.append((int(src), int(dst)))
+    return tuple(out)
+
+
+def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
+    """The step's events from a vLLM `SchedulerOutput` (0.23-0.33) or a look-alike."""
+    started = tuple(
+        StartedRequest(_req_id(new), int(getattr(new, "num_computed_tokens", 0) or 0),
+                       _group_blocks(getattr(new, "block_ids", None), group_id, _req_id(new)))
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ())
+    for req in started:
+        if req.num_computed_tokens < 0:
+            raise OmniPrefixCacheUnmatchError(
+                f"request {req.req_id}: negative num_computed_tokens {req.num_computed_tokens}")
+    return StepEvents(
+        finished=tuple(getattr(scheduler_output, "finished_req_ids", None) or ()),
+        preempted=frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+        block_copies=_block_copies(getattr(scheduler_output, "kv_cache_block_copies", None)),
+        started=started,
+        resumed=_resumed(getattr(scheduler_output, "scheduled_cached_reqs", None)),
+        num_scheduled_tokens=dict(getattr(scheduler_output, "num_scheduled_tokens", None) or {}),
+    )

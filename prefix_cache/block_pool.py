@@ -1,0 +1,112 @@
+"""The durable host mirror: one `(num_blocks, block_size, *feat)` tensor per key, indexed by vLLM slot.
+
+Slot reuse is the eviction: when vLLM hands a block to a new tenant, the
+tenant's first write claims its slots and every older row there stops counting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from devices.base import DeviceBackend, HostBuffer
+
+
+@dataclass
+class PoolKey:
+    """One cached output: its host storage and, per slot, which claim and task its rows belong to."""
+
+    name: str
+    storage: HostBuffer
+    feat_shape: tuple[int, ...]
+    version: np.ndarray   # int64[num_slots]: slot claim the rows were written under (0: none)
+    producer: np.ndarray  # int64[num_slots]: write task that lands those rows
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The storage as `[num_slots, F]`."""
+        return self.storage.tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.tensor.dtype
+
+    @property
+    def row_width(self) -> int:
+        return self.storage.tensor.shape[1]
+
+
+class PrefixBlockPool:
+    """Host rows of every cached key, with a claim per slot and a version per (slot, key).
+
+    Invariant: the rows of key k at slot s belong to the slot's current tenant
+    iff `keys[k].version[s] == slot_claim[s] != 0`; anything else reads as absent.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self._backend = backend
+        self.slot_claim = np.zeros(self.num_slots, dtype=np.int64)
+        #: unresolved reads per slot; a claim must first resolve the reads pinning its slots
+        self.read_pins = np.zeros(self.num_slots, dtype=np.int32)
+        self.keys: dict[str, PoolKey] = {}
+
+    def allocate(self, name: str, feat_shape: tuple[int, ...], dtype: torch.dtype) -> PoolKey:
+        """Host storage for a new key; does not touch shared tables, so it may run unlocked."""
+        width = math.prod(feat_shape)
+        storage = self._backend.alloc_host((self.num_slots, width), dtype)
+        return PoolKey(name, storage, tuple(feat_shape),
+                       np.zeros(self.num_slots, dtype=np.int64),
+                       np.zeros(self.num_slots, dtype=np.int64))
+
+    def install(self, key: PoolKey) -> None:
+        if key.name in self.keys:
+            raise KeyError(f"pool key {key.name!r} is already installed")
+        self.keys[key.name] = key
+
+    def present(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Mask of `slots` whose `name` rows belong to the slot's current tenant."""
+        key = self.keys.get(name)
+        if key is None:
+            return np.zeros(len(slots), dtype=bool)
+        claims = self.slot_claim[slots]
+        return (key.version[slots] == claims) & (claims != 0)
+
+    def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
+        """`out[i] = rows of name at slots[i]`, whole blocks at a time where slots run block-aligned."""
+        flat = self.keys[name].flat
+        bs = self.block_size
+        n = len(slots)
+        if n and n % bs == 0:
+            runs = slots.reshape(-1, bs)
+            firsts = runs[:, 0]
+            if not (firsts % bs).any() and (runs - firsts[:, None] == np.arange(bs)).all():
+                blocks = torch.from_numpy(firsts // bs)
+                torch.index_select(flat.view(self.num_blocks, -1), 0, blocks,
+                                   out=out.view(n // bs, -1))
+                return
+        torch.index_select(flat, 0, torch.from_numpy(slots), out=out)
+
+    def copy_block(self, src_block: int, dst_block: int, claim: int) -> None:
+        """Mirror vLLM's copy of block `src_block` into `dst_block` (already claimed as `claim`)."""
+        bs = self.block_size
+        src = np.arange(src_block * bs, (src_block + 1) * bs)
+        dst = src - src_block * bs + dst_block * bs
+        for key in self.keys.values():
+            keep = self.present(key.name, src)
+            key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]
+            key.version[dst] = np.where(keep, claim, 0)
+            key.producer[dst] = 0
+
+    def nbytes(self) -> dict[str, int]:
+        return {name: key.storage.nbytes for name, key in self.keys.items()}
+
+    def close(self) -> None:
+        for key in self.keys.values():
+            key.storage.close()
+        self.keys.clear()

@@ -1,0 +1,62 @@
+"""The configuration gate every runner calls at KV-cache init: cache on, off, or refused with a reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefix_cache.config import PrefixCacheConfig
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
+
+_FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def _refuse(reason: str) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(f"omni prefix cache refused for this stage: {reason}")
+
+
+def _is_full_attention(spec: Any) -> bool:
+    """A full-attention spec by class name (vLLM's hierarchy), with no window or chunking."""
+    names = [cls.__name__ for cls in type(spec).__mro__]
+    if not any(name in _FULL_ATTENTION_SPECS for name in names):
+        return False
+    if "RSWASpec" in names or getattr(spec, "rswa_window", None) is not None:
+        return False  # vLLM >= 0.32 R-SWA frees decode blocks mid-request: a sliding window
+    return getattr(spec, "sliding_window", None) is None and \
+        getattr(spec, "attention_chunk_size", None) is None
+
+
+def stage_prefix_cache_config(*, kv_cache_config: Any, cache_config: Any,
+                              kv_transfer_config: Any = None, scheduler_config: Any = None,
+                              model_config: Any = None, speculative_config: Any = None,
+                              parallel_config: Any = None, is_pooling_model: bool = False,
+                              ) -> PrefixCacheConfig | None:
+    """None when prefix caching is off or the stage pools; a config when supported; else raises."""
+    if not getattr(cache_config, "enable_prefix_caching", False) or is_pooling_model:
+        return None
+    if kv_transfer_config is not None and (
+            getattr(kv_transfer_config, "is_kv_consumer", False)
+            or getattr(kv_transfer_config, "kv_role", None) in ("kv_consumer", "kv_both")):
+        raise _refuse(f"kv_role {getattr(kv_transfer_config, 'kv_role', None)!r} receives "
+                      f"remote KV, which is indistinguishable from a local prefix hit")
+    if speculative_config is not None:
+        raise _refuse("speculative decoding keeps num_computed_tokens optimistic during the "
+                      "forward, so rows would be mirrored at the wrong slots")
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) != 1 or not _is_full_attention(groups[0].kv_cache_spec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise _refuse(f"KV cache groups {kinds}: exactly one full-attention table is mirrored "
+                      f"(hybrid, sliding-window and multi-group caches are not)")
+    # the group's spec, not the cache config, is the truth for its block table
+    block_size = int(groups[0].kv_cache_spec.block_size)
+    match_unit = getattr(cache_config, "prefix_match_unit", None)
+    if match_unit is not None and int(match_unit) < block_size:
+        raise _refuse(f"prefix_match_unit {match_unit} < block_size {block_size} makes hits "
+                      f"end inside a block")
+    for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel_config, field, 1) or 1)
+        if size > 1:
+            raise _refuse(f"{field}={size} stripes tokens across ranks")
+    return PrefixCacheConfig.from_vllm_config(num_blocks=int(kv_cache_config.num_blocks),
+                                              block_size=block_size,
+                                              scheduler_config=scheduler_config,
+                                              model_config=model_config)

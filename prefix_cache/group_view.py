@@ -1,0 +1,79 @@
+"""FullAttentionGroupView: the step's row order and slots, read from the runner's persistent batch.
+
+It reads the CPU block table and `num_computed_tokens_cpu`, never the device
+`slot_mapping`, so it costs no device synchronisation. The device backend
+decides at the first step whether the runner's table layout can be mirrored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import devices
+from devices.base import DeviceBackend
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
+
+
+class FullAttentionGroupView:
+    """Slots of one full-attention KV-cache group, `slot = table[req, pos // u] * u + pos % u`.
+
+    `u` is the table's own block unit (`table.block_size`): allocator blocks, or
+    kernel blocks where the runner splits them; both give the same slot when
+    `u` divides `block_size`, which the backend checks before the first step.
+    """
+
+    def __init__(self, input_batch: Any, block_size: int, *, group_id: int = 0,
+                 backend: DeviceBackend | None = None, kernel_block_size: int | None = None,
+                 attention_backend: str | None = None) -> None:
+        self.input_batch = input_batch
+        self.block_size = block_size
+        self.group_id = group_id
+        self.backend = backend if backend is not None else devices.get_backend()
+        self.kernel_block_size = kernel_block_size
+        self.attention_backend = attention_backend
+        self._checked = False
+
+    def _table(self) -> Any:
+        tables = self.input_batch.block_table
+        try:
+            return tables[self.group_id]
+        except (IndexError, KeyError, TypeError) as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"runner has no block table for KV-cache group {self.group_id}") from exc
+
+    def check(self) -> None:
+        """Refuse a table layout the cache cannot mirror (done once, at the first step)."""
+        reason = self.backend.check_block_table(self._table(), self.block_size,
+                                                self.kernel_block_size, self.attention_backend)
+        if reason is not None:
+            raise OmniPrefixCacheUnmatchError(
+                f"{self.backend.name} runner's block table for group {self.group_id} cannot be "
+                f"mirrored: {reason}")
+        self._checked = True
+
+    def batch_req_ids(self) -> list[str]:
+        return [r for r in self.input_batch.req_ids if r is not None]
+
+    def step_slots_cpu(self, req_ids: Sequence[str],
+                       num_scheduled_tokens: Mapping[str, int]) -> torch.Tensor:
+        if not self._checked:
+            self.check()
+        table = self._table()
+        unit = int(table.block_size)
+        ids = table.get_numpy_array() if hasattr(table, "get_numpy_array") \
+            else table.get_cpu_tensor().numpy()
+        index_of = self.input_batch.req_id_to_index
+        rows = np.fromiter((index_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        counts = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64,
+                             count=len(req_ids))
+        computed = np.asarray(self.input_batch.num_computed_tokens_cpu)[rows].astype(np.int64)
+        total = int(counts.sum())
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(computed, counts) + np.arange(total) - starts
+        row_of = np.repeat(rows, counts)
+        blocks = ids[row_of, positions // unit].astype(np.int64)
+        return torch.from_numpy(blocks * unit + positions % unit)

@@ -1,0 +1,643 @@
+"""OmniPrefixCacheManager: the public facade that turns engine steps into pool writes and hit reads.
+
+Engine thread: `new_step_starts(so)` → forward → `save_outputs(...)` → step id;
+then exactly one `materialize(sid, req_ids)` or `discard_step(sid)`, possibly on
+the output-builder thread while the engine runs the next step.
+
+Only the engine thread claims slots and launches writes, so launch order is
+claim order; the committer lands writes in that order, the prefetch thread
+resolves reads ahead of `materialize`. `_lock` covers tables only and is never
+held while waiting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+import devices
+from devices.base import DeviceBackend, Transfer, wait_event
+from prefix_cache.adapter import translate_step
+from prefix_cache.block_pool import PoolKey, PrefixBlockPool
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
+from prefix_cache.controller import Committer
+from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
+from prefix_cache.outputs import StepOutputs, split_outputs
+from prefix_cache.reads import Prefetcher, RowRead
+from prefix_cache.staging import StagingPool
+from prefix_cache.stats import CacheStats
+from prefix_cache.tasks import DeferredChunk, TaskState, WriteTask
+
+logger = logging.getLogger(__name__)
+
+
+class GroupView(Protocol):
+    """Row order and slots of a step's outputs (see FullAttentionGroupView)."""
+
+    def batch_req_ids(self) -> Sequence[str]: ...
+
+    def step_slots_cpu(self, req_ids: Sequence[str],
+                       num_scheduled_tokens: Mapping[str, int]) -> torch.Tensor: ...
+
+
+class StageCacheOutputs(NamedTuple):
+    """What `materialize` hands the next stage; every tensor is a CPU tensor the caller owns."""
+
+    hidden_states: dict[str, torch.Tensor] | None
+    mm_outputs: dict[str, dict[str, torch.Tensor]]
+    leftover: dict[str, Any]
+
+
+@dataclass
+class _PendingStep:
+    """What `new_step_starts` learned, waiting for this step's `save_outputs`."""
+
+    num_scheduled_tokens: Mapping[str, int]
+    hit_spans: dict[str, tuple[int, np.ndarray]]  # req -> (hit tokens, hit slots)
+
+
+@dataclass
+class _StepRecord:
+    """A saved step until it is materialized or discarded (consumed exactly once)."""
+
+    step_id: int
+    staging_slot: int
+    rows: dict[str, tuple[int, int]]                    # req -> row range in the step
+    per_token: dict[str, tuple[int, ...]]               # key -> feature shape, hidden first
+    step_reads: dict[str, RowRead]                      # immediate key -> all rows of the step
+    host_rows: dict[str, tuple[torch.Tensor, Transfer]]  # deferred key -> this step's host rows
+    hit_reads: dict[str, dict[str, RowRead]]            # req -> key -> [hit + step rows]
+    leftover: dict[str, Any]
+    leftover_transfers: list[Transfer] = field(default_factory=list)
+
+    def reads(self) -> Iterable[RowRead]:
+        yield from self.step_reads.values()
+        for per_key in self.hit_reads.values():
+            yield from per_key.values()
+
+
+class OmniPrefixCacheManager:
+    """Stage-output prefix cache for one stage, keyed by the KV cache's blocks and slots."""
+
+    def __init__(self, config: PrefixCacheConfig, view: GroupView, *,
+                 backend: DeviceBackend | None = None, group_id: int = 0) -> None:
+        self.config = config
+        self.view = view
+        self.group_id = group_id
+        self.backend = backend if backend is not None else devices.get_backend(config.device)
+        self.policy = ModelCachePolicy()
+        self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend)
+        self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
+                                   self.backend)
+        self._stats = CacheStats()
+        self._lock = threading.Lock()
+        self._claims = itertools.count(1)
+        self._task_ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        self._live: set[str] = set()
+        self._pending: _PendingStep | None = None
+        self._steps: dict[int, _StepRecord] = {}
+        self._tasks: dict[int, WriteTask] = {}          # launched or open, not landed
+        self._open_deferred: dict[str, WriteTask] = {}  # req -> its open deferred write
+        self._deferred_writes: defaultdict[str, int] = defaultdict(int)
+        self._pinned: set[RowRead] = set()
+        self._budget_used = 0
+        self._fatal: BaseException | None = None
+        self._closed = False
+        timeout = config.staging_claim_timeout_s
+        self._committer = Committer(timeout, self._on_landed)
+        self._prefetcher = Prefetcher(self.pool, timeout, self._unpin)
+
+    # ------------------------------------------------------------------ public API
+
+    def register_policy(self, policy: ModelCachePolicy) -> None:
+        """Set what the model emits; call before the first step."""
+        self._check_usable("register_policy")
+        self.policy = policy
+
+    def preallocate(self, key: str, feat_shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Allocate `key`'s pool now (at KV-cache init), so no request pays for it."""
+        self._check_usable("preallocate")
+        if key not in self.pool.keys:
+            self.pool.install(self.pool.allocate(key, tuple(feat_shape), dtype))
+
+    def new_step_starts(self, scheduler_output: Any) -> None:
+        """Apply a scheduler step: retire finished requests first, mirror block copies, note hits."""
+        with self._stats.timed("new_step_starts"):
+            self._check_usable("new_step_starts")
+            events = translate_step(scheduler_output, self.group_id)
+            bs = self.config.block_size
+            spans: dict[str, tuple[int, np.ndarray]] = {}
+            live_after_finish = self._live.difference(events.finished)
+            for new in events.started:
+                h = new.num_computed_tokens
+                if new.req_id in live_after_finish or h == 0:
+                    continue  # an already-live id got its rows before; a miss has no span
+                if h % bs:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"request {new.req_id}: prefix hit of {h} tokens is not aligned to "
+                        f"block_size {bs}; vLLM never caches partial blocks")
+                blocks = np.asarray(new.block_ids[: h // bs], dtype=np.int64)
+                if len(blocks) < h // bs:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"request {new.req_id}: prefix hit of {h} tokens but only "
+                        f"{len(new.block_ids)} block ids")
+                if (blocks <= 0).any() or (blocks >= self.config.num_blocks).any():
+                    raise OmniPrefixCacheUnmatchError(
+                        f"request {new.req_id}: hit block ids {blocks.tolist()} outside "
+                        f"1..{self.config.num_blocks - 1}")
+                spans[new.req_id] = (h, (blocks[:, None] * bs + np.arange(bs)).ravel())
+            for req_id in events.finished:
+                self._retire(req_id)
+            for src, dst in events.block_copies:
+                self._mirror_block_copy(src, dst)
+            self._live.update(new.req_id for new in events.started)
+            self._pending = _PendingStep(events.num_scheduled_tokens, spans)
+
+    def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
+                     *, num_tokens_unpadded: int, num_tokens_padded: int) -> int:
+        """Save this step's rows; returns the step id to materialize or discard."""
+        with self._stats.timed("save_outputs"):
+            self._check_usable("save_outputs")
+            n = num_tokens_unpadded
+            if not 0 <= n <= num_tokens_padded:
+                raise ValueError(f"save_outputs: num_tokens_unpadded={n} must be within "
+                                 f"0..num_tokens_padded={num_tokens_padded}")
+            if n > self.config.staging_capacity_tokens:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
+                    f"{self.config.staging_capacity_tokens}")
+            if self._pending is None:
+                raise OmniPrefixCacheUnmatchError(
+                    "save_outputs called without new_step_starts for this step")
+            pending, self._pending = self._pending, None
+            outputs = split_outputs(hidden_states, mm_outputs, n, num_tokens_padded, self.policy)
+            rows, slots = self._step_layout(pending.num_scheduled_tokens, n)
+            self._ensure_keys(outputs)
+            self._check_hidden_hits(pending.hit_spans, slots, outputs)
+            step_id = next(self._step_ids)
+            slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
+                                      lambda: len(self._tasks))
+            try:
+                record = self._save(step_id, slot, outputs, rows, slots, pending.hit_spans)
+            except BaseException:
+                self.staging.release(slot, "step")
+                self.staging.release(slot, "write")
+                raise
+            with self._lock:
+                self._steps[step_id] = record
+            return step_id
+
+    def materialize(self, step_id: int, req_ids: Iterable[str]) -> StageCacheOutputs:
+        """Full-prompt outputs of `req_ids` for a saved step: hit rows, then this step's rows."""
+        with self._stats.timed("materialize"):
+            req_ids = list(req_ids)
+            record = self._consume(step_id, req_ids)
+            try:
+                return self._assemble(record, req_ids)
+            finally:
+                self._release_step(record)
+
+    def discard_step(self, step_id: int) -> None:
+        """Consume a saved step without reading it."""
+        with self._stats.timed("discard_step"):
+            self._release_step(self._consume(step_id, ()))
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters since start: tokens, rows, bytes, staging waits, time per public call, pool bytes."""
+        out = self._stats.snapshot()
+        out["staging_waits"] = self.staging.waits
+        out["staging_wait_s"] = self.staging.wait_time_s
+        out["staging_bytes"] = self.staging.nbytes()
+        with self._lock:
+            out["tasks_in_flight"] = len(self._tasks)
+            out["steps_unconsumed"] = len(self._steps)
+            out["deferred_device_bytes"] = self._budget_used
+        for key, nbytes in self.pool.nbytes().items():
+            out[f"pool_bytes.{key}"] = nbytes
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the threads and release pinned memory and device clones; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.config.staging_claim_timeout_s
+        self._committer.close(timeout)
+        self._prefetcher.close(timeout)
+        with self._lock:
+            reads = list(self._pinned)
+            open_tasks = list(self._open_deferred.values())
+            self._open_deferred.clear()
+            self._steps.clear()
+        for read in reads:
+            read.cancel(self._unpin)
+        for task in open_tasks:
+            task.fail(OmniPrefixCacheError("cache shut down before the request finished"))
+            task.chunks.clear()
+        self.pool.close()
+        self.staging.close()
+        self.backend.close()
+
+    def __enter__(self) -> OmniPrefixCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ step bookkeeping
+
+    def _check_usable(self, call: str) -> None:
+        if self._closed:
+            raise OmniPrefixCacheError(f"{call}: the prefix cache was shut down")
+        if self._fatal is not None:
+            raise OmniPrefixCacheError(
+                f"{call}: an earlier write failed: {self._fatal}") from self._fatal
+
+    def _step_layout(self, scheduled: Mapping[str, int], n: int
+                     ) -> tuple[dict[str, tuple[int, int]], np.ndarray]:
+        """Row range of each request in batch order, and the slot of every row."""
+        order = [r for r in self.view.batch_req_ids() if scheduled.get(r, 0) > 0]
+        counts = [int(scheduled[r]) for r in order]
+        if sum(counts) != n or len(order) != sum(1 for c in scheduled.values() if c > 0):
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: {n} rows but the batch {order} schedules {sum(counts)} tokens "
+                f"for {len(order)} of {len(scheduled)} requests")
+        ends = np.cumsum(counts)
+        rows = {r: (int(e - c), int(e)) for r, c, e in zip(order, counts, ends)}
+        slots = self.view.step_slots_cpu(order, scheduled).numpy().astype(np.int64, copy=False)
+        if len(slots) != n:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: the view gave {len(slots)} slots for {n} rows")
+        if n and (slots.min() < self.config.block_size or slots.max() >= self.pool.num_slots):
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: slots outside 1..{self.config.num_blocks - 1} blocks "
+                f"(min {slots.min()}, max {slots.max()}); block 0 is vLLM's null block")
+        return rows, slots
+
+    def _ensure_keys(self, outputs: StepOutputs) -> None:
+        """Allocate pools for keys seen for the first time (unlocked), then install them."""
+        for key, rows in outputs.per_token().items():
+            feat, dtype = tuple(rows.shape[1:]), rows.dtype
+            pool_key = self.pool.keys.get(key)
+            if pool_key is None:
+                with self._stats.timed("pool_allocation"):
+                    pool_key = self.pool.allocate(key, feat, dtype)
+                with self._lock:
+                    self.pool.install(pool_key)
+            elif (pool_key.feat_shape, pool_key.dtype) != (feat, dtype):
+                raise ValueError(f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
+                                 f"{pool_key.feat_shape} {pool_key.dtype}")
+
+    def _check_hidden_hits(self, spans: Mapping[str, tuple[int, np.ndarray]],
+                           step_slots: np.ndarray, outputs: StepOutputs) -> None:
+        """A hit on hidden rows nobody wrote (nor writes this step) is fatal; checked before any claim."""
+        if outputs.hidden is None:
+            return
+        for req_id, (h, hit_slots) in spans.items():
+            with self._lock:
+                present = self.pool.present(HIDDEN_KEY, hit_slots)
+            missing = ~present & ~np.isin(hit_slots, step_slots)
+            if missing.any():
+                raise OmniPrefixCacheUnmatchError(
+                    f"request {req_id}: prefix hit of {h} tokens but hidden rows of "
+                    f"{int(missing.sum())} hit slots were never written (first slot "
+                    f"{int(hit_slots[missing][0])}); the cache does not match vLLM's KV cache")
+
+    # ------------------------------------------------------------------ writes
+
+    def _save(self, step_id: int, slot: int, outputs: StepOutputs,
+              rows: dict[str, tuple[int, int]], slots: np.ndarray,
+              spans: dict[str, tuple[int, np.ndarray]]) -> _StepRecord:
+        n = len(slots)
+        sync = self.backend.synchronous
+        immediate = {k: v if sync else self.backend.snapshot(v)
+                     for k, v in outputs.immediate.items()}
+        ready = self.backend.record_event()
+        self._resolve_conflicts(slots)
+        claim = next(self._claims)
+        task = WriteTask(next(self._task_ids), f"step {step_id}", staging_slot=slot)
+        with self._lock:
+            self.pool.slot_claim[slots] = claim
+            for key in immediate:
+                pool_key = self.pool.keys[key]
+                pool_key.version[slots] = claim
+                pool_key.producer[slots] = task.task_id
+            self._tasks[task.task_id] = task
+        slots_t = torch.from_numpy(slots)
+        try:
+            self._launch(task, [
+                self.backend.scatter_rows(
+                    rows_.reshape(n, -1), slots_t, self.pool.keys[key].storage, ready=ready,
+                    staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
+                                                 rows_.dtype)
+                             if self.backend.needs_staging else None))
+                for key, rows_ in immediate.items()])
+        except BaseException as exc:
+            self._launch_failed(task, exc)
+            raise
+        host_rows = {key: self.backend.copy_to_host(rows_, ready=ready)
+                     for key, rows_ in outputs.deferred.items()}
+        self._append_deferred(outputs.deferred, rows, slots, claim)
+        leftover, leftover_transfers = self._copy_leftover(outputs.leftover, ready)
+        record = _StepRecord(step_id, slot, rows, outputs.feature_shapes(),
+                             {}, host_rows, {}, leftover, leftover_transfers)
+        self._plan_reads(record, immediate.keys(), slots, task, spans)
+        self._stats.add(rows_saved=n, bytes_saved=sum(
+            v.numel() * v.element_size() for v in outputs.per_token().values()))
+        return record
+
+    def _launch(self, task: WriteTask, transfers: list[Transfer]) -> None:
+        """Move a task whose copies were just issued to QUEUED and hand it to the committer."""
+        task.transfers = transfers
+        task.transition(TaskState.QUEUED)
+        if all(t.complete_at_launch for t in transfers):
+            self._committer.land(task)  # nothing in flight: land it on this thread
+        else:
+            self._committer.submit(task)
+
+    def _launch_failed(self, task: WriteTask, exc: BaseException) -> None:
+        if task.fail(exc):
+            self._on_landed(task)
+
+    def _on_landed(self, task: WriteTask) -> None:
+        """Committer callback: forget the task, return its budget and staging hold."""
+        with self._lock:
+            self._tasks.pop(task.task_id, None)
+            self._budget_used -= task.budget_bytes
+            task.budget_bytes = 0
+            if task.state is TaskState.FAILED and self._fatal is None:
+                self._fatal = OmniPrefixCacheError(f"{task.describe()}: {task.error}")
+        if task.staging_slot is not None:
+            self.staging.release(task.staging_slot, "write")
+
+    def _append_deferred(self, deferred: Mapping[str, torch.Tensor],
+                         rows: Mapping[str, tuple[int, int]], slots: np.ndarray,
+                         claim: int) -> None:
+        """Keep each request's deferred rows on the device in its open write, under the budget."""
+        if not deferred:
+            return
+        for req_id, (start, end) in rows.items():
+            chunk_rows = {k: self.backend.snapshot(v[start:end]) for k, v in deferred.items()}
+            nbytes = sum(t.numel() * t.element_size() for t in chunk_rows.values())
+            chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), chunk_rows, nbytes)
+            with self._lock:
+                task = self._open_deferred.get(req_id)
+                if task is None:
+                    self._deferred_writes[req_id] += 1
+                    task = WriteTask(next(self._task_ids),
+                                     f"request {req_id} deferred write "
+                                     f"{self._deferred_writes[req_id]}")
+                    self._open_deferred[req_id] = task
+                    self._tasks[task.task_id] = task
+                task.chunks.append(chunk)
+                task.budget_bytes += nbytes
+                self._budget_used += nbytes
+                for key in chunk_rows:
+                    pool_key = self.pool.keys[key]
+                    pool_key.version[chunk.slots] = claim
+                    pool_key.producer[chunk.slots] = task.task_id
+        self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        """Flush the oldest open deferred writes, then wait for flushed ones, until under budget."""
+        budget = self.config.gpu_budget_bytes
+        while self._budget_used > budget:
+            with self._lock:
+                oldest = next(iter(self._open_deferred.items()), None)
+                in_flight = [t for t in self._tasks.values()
+                             if t.budget_bytes and t.state is not TaskState.PENDING]
+            if oldest is not None:
+                logger.debug("deferred device bytes %d over budget %d: flushing request %s",
+                             self._budget_used, budget, oldest[0])
+                self._flush_deferred(oldest[0])
+            elif in_flight:
+                in_flight[0].wait(self.config.staging_claim_timeout_s)
+            else:
+                return
+
+    def _retire(self, req_id: str) -> None:
+        """A finished or aborted request: its rows were published to vLLM, so they still land."""
+        self._live.discard(req_id)
+        self._flush_deferred(req_id)
+
+    def _flush_deferred(self, req_id: str) -> None:
+        """Close `req_id`'s open deferred write and launch it; its next chunk opens a new one."""
+        with self._lock:
+            task = self._open_deferred.pop(req_id, None)
+            if task is None:
+                return
+            parts = []
+            for chunk in task.chunks:  # rows whose slots went to a new tenant are dropped
+                keep = self.pool.slot_claim[chunk.slots] == chunk.claims
+                if keep.any():
+                    parts.append((chunk, keep))
+        try:
+            transfers = []
+            if parts:
+                ready = self.backend.record_event()
+                slots = torch.from_numpy(np.concatenate([c.slots[k] for c, k in parts]))
+                for key in parts[0][0].rows:
+                    rows = torch.cat([self._select(c.rows[key], k) for c, k in parts])
+                    transfers.append(self.backend.scatter_rows(
+                        rows.reshape(len(slots), -1), slots, self.pool.keys[key].storage,
+                        ready=ready, staging=None))
+            self._launch(task, transfers)
+        except BaseException as exc:
+            self._launch_failed(task, exc)
+            raise
+
+    @staticmethod
+    def _select(rows: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
+        if keep.all():
+            return rows
+        index = torch.from_numpy(np.flatnonzero(keep)).to(rows.device)
+        return rows.index_select(0, index)
+
+    def _mirror_block_copy(self, src: int, dst: int) -> None:
+        """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on."""
+        bs = self.config.block_size
+        if not (0 < src < self.config.num_blocks and 0 < dst < self.config.num_blocks):
+            raise OmniPrefixCacheUnmatchError(
+                f"kv_cache_block_copies: block copy {src} -> {dst} outside "
+                f"1..{self.config.num_blocks - 1}")
+        dst_slots = np.arange(dst * bs, (dst + 1) * bs)
+        src_slots = np.arange(src * bs, (src + 1) * bs)
+        self._resolve_conflicts(dst_slots)
+        with self._lock:
+            producers = self._producers(src_slots, self.pool.keys.keys())
+        for task in producers:
+            if task.state is TaskState.PENDING:
+                self._flush_deferred_task(task)
+            task.wait(self.config.staging_claim_timeout_s)
+        with self._lock:
+            claim = next(self._claims)
+            self.pool.slot_claim[dst_slots] = claim
+            self.pool.copy_block(src, dst, claim)
+
+    def _flush_deferred_task(self, task: WriteTask) -> None:
+        with self._lock:
+            req_id = next((r for r, t in self._open_deferred.items() if t is task), None)
+        if req_id is not None:
+            self._flush_deferred(req_id)
+
+    def _copy_leftover(self, leftover: Mapping[str, Any], ready: Any
+                       ) -> tuple[dict[str, Any], list[Transfer]]:
+        transfers: list[Transfer] = []
+
+        def to_host(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                host, transfer = self.backend.copy_to_host(value, ready=ready)
+                transfers.append(transfer)
+                return host
+            if isinstance(value, dict):
+                return {k: to_host(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(to_host(v) for v in value)
+            return value
+
+        return {k: to_host(v) for k, v in leftover.items()}, transfers
+
+    # ------------------------------------------------------------------ reads
+
+    def _producers(self, slots: np.ndarray, keys: Iterable[str]) -> list[WriteTask]:
+        """Unlanded tasks that produce the current rows of `keys` at `slots` (caller holds _lock)."""
+        ids: set[int] = set()
+        for key in keys:
+            pool_key = self.pool.keys[key]
+            present = self.pool.present(key, slots)
+            ids.update(np.unique(pool_key.producer[slots[present]]).tolist())
+        return [self._tasks[i] for i in sorted(ids) if i in self._tasks]
+
+    def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], slots: np.ndarray,
+                    task: WriteTask, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
+        """Bind this step's and its hits' reads to the writes producing them, and pin their slots."""
+        n = len(slots)
+        keys = list(record.per_token)
+        planned: list[RowRead] = []
+        to_flush: list[WriteTask] = []
+        with self._lock:
+            for key in immediate:
+                pool_key = self.pool.keys[key]
+                out = torch.empty((n, pool_key.row_width), dtype=pool_key.dtype)
+                read = RowRead(f"step {record.step_id}", key, slots, np.ones(n, dtype=bool),
+                               [task], out, 0)
+                record.step_reads[key] = read
+                planned.append(read)
+            for req_id, (h, hit_slots) in spans.items():
+                if req_id not in record.rows:
+                    continue
+                start, end = record.rows[req_id]
+                per_key = record.hit_reads[req_id] = {}
+                for key in keys:
+                    pool_key = self.pool.keys[key]
+                    present = self.pool.present(key, hit_slots)
+                    producers = self._producers(hit_slots, (key,))
+                    to_flush.extend(t for t in producers if t.state is TaskState.PENDING)
+                    alloc = torch.empty if present.all() else torch.zeros
+                    out = alloc((h + end - start, pool_key.row_width), dtype=pool_key.dtype)
+                    per_key[key] = RowRead(f"request {req_id} step {record.step_id}", key,
+                                           hit_slots, present, producers, out, 0)
+                    planned.append(per_key[key])
+                self._stats.add(hit_tokens=h, hit_requests=1)
+            for read in planned:
+                self.pool.read_pins[read.slots] += 1
+                self._pinned.add(read)
+        self._stats.add(miss_tokens=n)
+        for producer in {t.task_id: t for t in to_flush}.values():
+            self._flush_deferred_task(producer)  # a hit on rows still held on the device
+        for read in planned:
+            self._prefetcher.submit(read)
+
+    def _unpin(self, read: RowRead) -> None:
+        with self._lock:
+            if read in self._pinned:
+                self._pinned.discard(read)
+                self.pool.read_pins[read.slots] -= 1
+
+    def _resolve_conflicts(self, slots: np.ndarray) -> None:
+        """Before new writes claim `slots`, finish every planned read still pinning them (copy-on-write)."""
+        with self._lock:
+            if not self.pool.read_pins[slots].any():
+                return
+            claimed = np.zeros(self.pool.num_slots, dtype=bool)
+            claimed[slots] = True
+            conflicts = [r for r in self._pinned if claimed[r.slots].any()]
+        self._stats.add(copy_on_write_reads=len(conflicts))
+        for read in conflicts:
+            try:
+                read.resolve(self.pool, self.config.staging_claim_timeout_s, self._unpin)
+            except OmniPrefixCacheError:
+                pass  # the read keeps its error for its consumer
+
+    # ------------------------------------------------------------------ materialize
+
+    def _consume(self, step_id: int, req_ids: Sequence[str]) -> _StepRecord:
+        self._check_usable("materialize" if req_ids else "discard_step")
+        with self._lock:
+            record = self._steps.get(step_id)
+            if record is None:
+                raise OmniPrefixCacheUnmatchError(
+                    f"step {step_id} is unknown or was already consumed")
+            unknown = [r for r in req_ids if r not in record.rows]
+            if unknown:
+                raise OmniPrefixCacheUnmatchError(
+                    f"materialize(step {step_id}): requests {unknown} have no rows in that step "
+                    f"(saved: {sorted(record.rows)})")
+            del self._steps[step_id]
+        return record
+
+    def _assemble(self, record: _StepRecord, req_ids: Sequence[str]) -> StageCacheOutputs:
+        timeout = self.config.staging_claim_timeout_s
+        wanted = set(req_ids)
+        for req_id, per_key in record.hit_reads.items():
+            if req_id not in wanted:
+                for read in per_key.values():
+                    read.cancel(self._unpin)
+        step_rows: dict[str, torch.Tensor] = {}
+        for key, read in record.step_reads.items():
+            read.resolve(self.pool, timeout, self._unpin)
+            step_rows[key] = read.out
+        for key, (host, transfer) in record.host_rows.items():
+            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} {key!r} rows")
+            step_rows[key] = host.view(host.shape[0], -1)
+        for transfer in record.leftover_transfers:
+            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} leftover")
+        hidden: dict[str, torch.Tensor] = {}
+        mm: dict[str, dict[str, torch.Tensor]] = {k: {} for k in record.per_token
+                                                   if k != HIDDEN_KEY}
+        hit_bytes = 0
+        for req_id in req_ids:
+            start, end = record.rows[req_id]
+            hits = record.hit_reads.get(req_id, {})
+            for key, feat in record.per_token.items():
+                mine = step_rows[key][start:end]
+                read = hits.get(key)
+                if read is not None:
+                    read.resolve(self.pool, timeout, self._unpin)
+                    h = len(read.slots)
+                    read.out[h:].copy_(mine)
+                    mine = read.out
+                    hit_bytes += h * mine.shape[1] * mine.element_size()
+                value = mine.view(mine.shape[0], *feat)
+                if key == HIDDEN_KEY:
+                    hidden[req_id] = value
+                else:
+                    mm[key][req_id] = value
+        self._stats.add(hit_bytes_gathered=hit_bytes)
+        return StageCacheOutputs(hidden if HIDDEN_KEY in record.per_token else None, mm,
+                                 record.leftover)
+
+    def _release_step(self, record: _StepRecord) -> None:
+        for read in record.reads():
+            read.cancel(self._unpin)
+        self.staging.release(record.staging_slot, "step")

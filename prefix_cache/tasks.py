@@ -1,0 +1,92 @@
+"""Write tasks: one write of rows into the pool, and the one-way chain of states it moves through."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from devices.base import Transfer
+from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
+
+
+class TaskState(enum.Enum):
+    PENDING = "PENDING"        # registered; a deferred write still collecting chunks
+    QUEUED = "QUEUED"          # its device copies are launched and it waits for the committer
+    COPYING = "COPYING"        # the committer waits on its device copies
+    HOST_READY = "HOST_READY"  # its rows are on the host (staging or pool)
+    WRITTEN = "WRITTEN"        # its rows are readable in the pool
+    FAILED = "FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TaskState.WRITTEN, TaskState.FAILED)
+
+
+_NEXT = {TaskState.PENDING: TaskState.QUEUED, TaskState.QUEUED: TaskState.COPYING,
+         TaskState.COPYING: TaskState.HOST_READY, TaskState.HOST_READY: TaskState.WRITTEN}
+
+
+@dataclass
+class DeferredChunk:
+    """One step's rows of a request's deferred keys, held on the device until the write."""
+
+    slots: np.ndarray             # int64 slots of the rows
+    claims: np.ndarray            # slot claim each row was saved under
+    rows: dict[str, torch.Tensor]  # key -> [n, F] private device copy
+    nbytes: int
+
+
+@dataclass
+class WriteTask:
+    """One write into the pool: a step's immediate keys, or one request's deferred keys.
+
+    Invariant: `state` moves one step along PENDING → QUEUED → COPYING →
+    HOST_READY → WRITTEN, or to FAILED from any non-terminal state; `landed`
+    is set exactly when the state becomes terminal.
+    """
+
+    task_id: int
+    owner: str
+    staging_slot: int | None = None
+    chunks: list[DeferredChunk] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+    budget_bytes: int = 0
+    state: TaskState = TaskState.PENDING
+    error: BaseException | None = None
+    landed: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def describe(self) -> str:
+        return f"write task {self.task_id} ({self.owner}, state {self.state.value})"
+
+    def transition(self, new: TaskState) -> None:
+        """Move to `new`; anything but the next state or FAILED from a live state raises."""
+        with self._lock:
+            old = self.state
+            if old.terminal or (new is not TaskState.FAILED and _NEXT.get(old) is not new):
+                raise OmniPrefixCacheUnmatchError(
+                    f"illegal transition {old.value} -> {new.value} of {self.describe()}")
+            self.state = new
+        if new.terminal:
+            self.landed.set()
+
+    def fail(self, error: BaseException) -> bool:
+        """Mark FAILED with `error`; False if the task had already landed."""
+        with self._lock:
+            if self.state.terminal:
+                return False
+            self.error = error
+            self.state = TaskState.FAILED
+        self.landed.set()
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until landed; raise naming the task if it failed or stayed live for `timeout_s`."""
+        if not self.landed.wait(timeout_s):
+            raise OmniPrefixCacheError(f"{self.describe()} did not land within {timeout_s:.1f}s")
+        if self.state is TaskState.FAILED:
+            raise OmniPrefixCacheError(f"{self.describe()} failed: {self.error}") from self.error

