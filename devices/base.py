@@ -8,6 +8,7 @@ never touches a device API directly.
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ class HostBuffer:
                  release: Callable[[], None] | None = None) -> None:
         self.tensor = tensor
         self.pinned = pinned
-        self._release = release
+        # a finalizer, so a buffer dropped without close() is still unregistered
+        self._release = weakref.finalize(self, release) if release is not None else None
         self.device_view: torch.Tensor | None = None  # set by zero-copy backends
 
     @property
@@ -40,10 +42,9 @@ class HostBuffer:
         return self.tensor.numel() * self.tensor.element_size()
 
     def close(self) -> None:
-        release, self._release = self._release, None
         self.device_view = None
-        if release is not None:
-            release()
+        if self._release is not None:
+            self._release()  # a finalizer runs at most once: close() stays idempotent
 
 
 @dataclass

@@ -47,7 +47,7 @@ class CudaBackend(AcceleratorBackend):
                     pool.tensor.zero_()
                     rows = torch.arange(8, device=self.device).to(dtype).view(2, 4)
                     slots = torch.tensor([5, 2], dtype=torch.int64)
-                    transfer = self._scatter_mapped(rows, slots, pool, ready=None)
+                    transfer = self._scatter_mapped(rows, slots, pool, ready=self.record_event())
                     transfer.event.synchronize()
                     if not torch.equal(pool.tensor[[5, 2]], rows.cpu()):
                         raise RuntimeError("rows read back differ from rows written")
@@ -59,7 +59,11 @@ class CudaBackend(AcceleratorBackend):
         return True
 
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
-        return register_host(shape, dtype, self.device)
+        try:
+            return register_host(shape, dtype, self.device)
+        except RuntimeError as exc:  # no mapping: the staged path only needs pinned pages
+            logger.warning("cudaHostRegister refused (%s); pinning through torch", exc)
+            return super().alloc_host(shape, dtype)
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
@@ -69,6 +73,8 @@ class CudaBackend(AcceleratorBackend):
 
     def _scatter_mapped(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                         ready: DeviceEvent | None) -> Transfer:
+        if rows.dtype != pool.tensor.dtype:
+            raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
         host_slots = torch.empty(slots.shape, dtype=torch.int64, pin_memory=True)
         host_slots.copy_(slots)
         with self._on_copy_stream(ready):
