@@ -128,11 +128,12 @@ class OmniPrefixCacheManager:
         """Allocate `key`'s pool now (at KV-cache init), so no request pays for it."""
         self._check_usable("preallocate")
         if key not in self.pool.keys:
-            self.pool.install(self.pool.allocate(key, tuple(feat_shape), dtype))
+            with torch.inference_mode(False):
+                self.pool.install(self.pool.allocate(key, tuple(feat_shape), dtype))
 
     def new_step_starts(self, scheduler_output: Any) -> None:
         """Apply a scheduler step: retire finished requests first, mirror block copies, note hits."""
-        with self._stats.timed("new_step_starts"):
+        with self._stats.timed("new_step_starts"), torch.inference_mode(False):
             self._check_usable("new_step_starts")
             events = translate_step(scheduler_output, self.group_id)
             bs = self.config.block_size
@@ -166,7 +167,8 @@ class OmniPrefixCacheManager:
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                      *, num_tokens_unpadded: int, num_tokens_padded: int) -> int:
         """Save this step's rows; returns the step id to materialize or discard."""
-        with self._stats.timed("save_outputs"):
+        # tensors the cache keeps are written later by its own threads: never inference tensors
+        with self._stats.timed("save_outputs"), torch.inference_mode(False):
             self._check_usable("save_outputs")
             n = num_tokens_unpadded
             if not 0 <= n <= num_tokens_padded:

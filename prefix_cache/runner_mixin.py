@@ -39,6 +39,11 @@ class PrefixCacheRunnerMixin:
     _omni_in_step = False
     _omni_step_id: int | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._omni_delivered: defaultdict[str, list[Any]] = defaultdict(list)
+        self._omni_step_rows: dict[str, Any] = {}
+
     # ------------------------------------------------------------------ lifecycle
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -73,7 +78,6 @@ class PrefixCacheRunnerMixin:
             manager.preallocate(HIDDEN_KEY, (self.model_config.get_hidden_size(),),
                                 self.model_config.dtype)
         self.omni_prefix_cache = manager
-        self._omni_delivered: defaultdict[str, list[Any]] = defaultdict(list)
         logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
                     config.num_blocks, config.block_size)
         return manager
@@ -81,11 +85,11 @@ class PrefixCacheRunnerMixin:
     # ------------------------------------------------------------------ per step
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        cache = self.omni_prefix_cache
-        if cache is not None:
-            cache.new_step_starts(scheduler_output)  # before _update_states
+        if self.omni_prefix_cache is not None:
+            self.omni_prefix_cache.new_step_starts(scheduler_output)  # before _update_states
         self._omni_step_id = None
-        self._omni_in_step = cache is not None
+        self._omni_step_rows: dict[str, tuple[torch.Tensor | None, dict[str, Any]]] = {}
+        self._omni_in_step = True
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
@@ -97,14 +101,21 @@ class PrefixCacheRunnerMixin:
             self._omni_in_step = False
             hidden = output[0] if getattr(self, "use_aux_hidden_state_outputs", False) else output
             if isinstance(hidden, torch.Tensor):
-                n = self._omni_num_tokens()
-                self._omni_step_id = self.omni_prefix_cache.save_outputs(
-                    hidden, self.omni_mm_outputs(output), num_tokens_unpadded=n,
-                    num_tokens_padded=hidden.shape[0])
+                self._omni_after_forward(hidden, self.omni_mm_outputs(output))
         return output
 
-    def _omni_num_tokens(self) -> int:
-        return int(self.query_start_loc.np[self.input_batch.num_reqs])
+    def _omni_after_forward(self, hidden: torch.Tensor, mm: dict[str, Any] | None) -> None:
+        """Save the step (cache on) or keep its own rows per request (cache off)."""
+        num_reqs = self.input_batch.num_reqs
+        n = int(self.query_start_loc.np[num_reqs])
+        if self.omni_prefix_cache is not None:
+            self._omni_step_id = self.omni_prefix_cache.save_outputs(
+                hidden, mm, num_tokens_unpadded=n, num_tokens_padded=hidden.shape[0])
+            return
+        bounds = self.query_start_loc.np[: num_reqs + 1].tolist()
+        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            self._omni_step_rows[req_id] = (hidden[bounds[i]: bounds[i + 1]].to("cpu", copy=True),
+                                            {})
 
     def omni_mm_outputs(self, model_output: Any) -> dict[str, Any] | None:
         """Per-token multimodal outputs of an omni model's forward; plain LMs have none."""
@@ -117,9 +128,12 @@ class PrefixCacheRunnerMixin:
             req_ids = [r for r in self.input_batch.req_ids if r is not None]
             outs = self.omni_prefix_cache.materialize(step_id, req_ids)
             for req_id in req_ids:
-                self._omni_delivered[req_id].append(
-                    (None if outs.hidden_states is None else outs.hidden_states[req_id],
-                     {k: v[req_id] for k, v in outs.mm_outputs.items()}))
+                self._omni_step_rows[req_id] = (
+                    None if outs.hidden_states is None else outs.hidden_states[req_id],
+                    {k: v[req_id] for k, v in outs.mm_outputs.items()})
+        for req_id, rows in self._omni_step_rows.items():
+            self._omni_delivered[req_id].append(rows)
+        self._omni_step_rows = {}
         return output
 
     def take_stage_outputs(self) -> dict[str, dict[str, torch.Tensor]]:
