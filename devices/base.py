@@ -78,7 +78,20 @@ def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], s
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what()}: device copy not complete after {timeout_s:.1f}s")
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        pause = min(pause * 2, 1e-4)
+
+
+def block_on_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str]) -> None:
+    """Wait for `event` in the driver (GIL released, no polling) where it can, else poll.
+
+    For background threads only: a device that never completes the copy blocks
+    the caller, so the threads that wait on *it* must use bounded waits.
+    """
+    synchronize = getattr(event, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
+    else:
+        wait_event(event, timeout_s, what)
 
 
 class DeviceBackend(ABC):

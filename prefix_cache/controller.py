@@ -2,7 +2,9 @@
 
 It waits on each task's device copies, runs their host half (the scatter out
 of staging on staged backends) and marks the task WRITTEN. It only ever waits
-on device events, never on another thread or a table lock.
+on device events, never on another thread or a table lock; it waits in the
+driver (GIL released), so a copy engine that never finishes leaves the task
+COPYING and every caller's bounded wait raises with the task's id and state.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from devices.base import wait_event
+from devices.base import block_on_event
 from prefix_cache.tasks import TaskState, WriteTask
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class Committer:
         try:
             task.transition(TaskState.COPYING)
             for transfer in task.transfers:
-                wait_event(transfer.event, self._timeout_s, task.describe)
+                block_on_event(transfer.event, self._timeout_s, task.describe)
             task.transition(TaskState.HOST_READY)
             for transfer in task.transfers:
                 if transfer.finish is not None:

@@ -1,0 +1,325 @@
+"""`python -m prefix_cache bench`: M1-M7 of SPEC §8, each measured beside its reference in one run.
+
+Rows are `D`-wide bf16 (float32 on CPU) hidden states saved into random 16-token
+blocks of a pool; every ratio's numerator and denominator come from this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import devices
+from devices.accelerator import AcceleratorBackend
+from devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
+from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
+from prefix_cache.demo import format_table
+from prefix_cache.manager import OmniPrefixCacheManager
+from prefix_cache.reads import RowRead
+
+WIDTH = 2048
+BLOCK = 16
+TARGETS = {"M1": ">= 0.85", "M2": "<= 100 us (GPU)", "M3": ">= 0.7", "M4": "0 s",
+           "M5": ">= 0.98", "M6": "<= 1.05", "M7": "<= 1.03"}
+
+
+@dataclass
+class Metric:
+    value: float | None
+    reference: str
+    note: str = ""
+
+
+def _sync(backend: DeviceBackend) -> None:
+    if backend.name != "cpu":
+        torch.get_device_module(backend.name).synchronize()
+
+
+def _timeit(fn: Callable[[], None], repeat: int) -> float:
+    """Median seconds of `repeat` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _land(transfer: Transfer) -> None:
+    block_on_event(transfer.event, 60, lambda: "bench transfer")
+    if transfer.finish is not None:
+        transfer.finish()
+
+
+def _random_slots(num_blocks: int, tokens: int, rng: np.random.Generator) -> torch.Tensor:
+    blocks = rng.choice(np.arange(1, num_blocks), size=-(-tokens // BLOCK), replace=False)
+    return torch.from_numpy((blocks[:, None] * BLOCK + np.arange(BLOCK)).ravel()[:tokens])
+
+
+def measure_save(backend: DeviceBackend, tokens: int, num_blocks: int, dtype: torch.dtype,
+                 repeat: int) -> dict[str, float]:
+    """GB/s of: the backend's scatter, the staged design, one contiguous D2H (reference)."""
+    rng = np.random.default_rng(0)
+    pool = backend.alloc_host((num_blocks * BLOCK, WIDTH), dtype)
+    rows = torch.randn(tokens, WIDTH, device=backend.device).to(dtype)
+    slots = _random_slots(num_blocks, tokens, rng)
+    staging = backend.alloc_host((tokens, WIDTH), dtype)
+    nbytes = rows.numel() * rows.element_size()
+
+    def scatter() -> None:
+        _land(backend.scatter_rows(rows, slots, pool, ready=backend.record_event(),
+                                   staging=staging.tensor))
+
+    def staged() -> None:
+        _land(AcceleratorBackend.scatter_rows(backend, rows, slots, pool,
+                                              ready=backend.record_event(),
+                                              staging=staging.tensor))
+
+    def contiguous() -> None:
+        if backend.name == "cpu":
+            staging.tensor.copy_(rows)
+        else:
+            staging.tensor.copy_(rows, non_blocking=True)
+            _sync(backend)
+
+    out = {"scatter": nbytes / _timeit(scatter, repeat) / 1e9,
+           "contiguous": nbytes / _timeit(contiguous, repeat) / 1e9}
+    if isinstance(backend, AcceleratorBackend):
+        out["staged"] = nbytes / _timeit(staged, repeat) / 1e9
+    assert torch.equal(pool.tensor[slots[:4]], rows[:4].cpu()), "scatter wrote wrong rows"
+    pool.close()
+    staging.close()
+    return out
+
+
+class _DecodeView:
+    """View protocol for a synthetic batch: request i owns block i + 1."""
+
+    def __init__(self, num_reqs: int, tokens_per_req: int) -> None:
+        self.req_ids = [f"r{i}" for i in range(num_reqs)]
+        self.tokens = tokens_per_req
+        self.position = 0
+
+    def batch_req_ids(self) -> list[str]:
+        return self.req_ids
+
+    def step_slots_cpu(self, req_ids: Any, num_scheduled_tokens: Any) -> torch.Tensor:
+        base = (np.arange(len(req_ids)) * (self.tokens // BLOCK + 1) + 1) * BLOCK
+        return torch.from_numpy((base[:, None] + self.position + np.arange(self.tokens)).ravel())
+
+
+def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int, dtype: torch.dtype,
+                     steps: int, *, preallocate: bool = True) -> tuple[float, float]:
+    """Median µs per step in new_step_starts + save_outputs, and the first step's µs."""
+    view = _DecodeView(num_reqs, tokens_per_req)
+    blocks = num_reqs * (tokens_per_req // BLOCK + 1) + 2
+    config = PrefixCacheConfig(blocks, BLOCK, staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
+    hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
+    so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
+                         "scheduled_cached_reqs": None,
+                         "num_scheduled_tokens": {r: tokens_per_req for r in view.req_ids}})()
+    times = []
+    with OmniPrefixCacheManager(config, view, backend=backend) as cache:
+        if preallocate:
+            cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
+        for step in range(steps):
+            view.position = step % (BLOCK // max(tokens_per_req, 1) or 1) * tokens_per_req \
+                if tokens_per_req < BLOCK else 0
+            start = time.perf_counter()
+            cache.new_step_starts(so)
+            sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
+                                     num_tokens_padded=hidden.shape[0])
+            times.append(time.perf_counter() - start)
+            cache.discard_step(sid)
+    return statistics.median(times[1:]) * 1e6, times[0] * 1e6
+
+
+def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
+    """GB/s of a hit read's gather out of the pool, and of a host memcpy of the same bytes."""
+    from prefix_cache.block_pool import PrefixBlockPool
+    num_blocks = 4 * hit_tokens // BLOCK + 2
+    pool = PrefixBlockPool(num_blocks, BLOCK, devices.get_backend("cpu"))
+    pool.install(pool.allocate(HIDDEN_KEY, (WIDTH,), dtype))
+    pool.keys[HIDDEN_KEY].flat.normal_()
+    slots = _random_slots(num_blocks, hit_tokens, np.random.default_rng(1)).numpy()
+    src = torch.randn(hit_tokens, WIDTH).to(dtype)
+    nbytes = src.numel() * src.element_size()
+
+    def read() -> None:
+        out = torch.empty((hit_tokens + 1, WIDTH), dtype=dtype)
+        RowRead("bench", HIDDEN_KEY, slots, np.ones(len(slots), bool), [], out, 0).resolve(
+            pool, 10, lambda r: None)
+
+    def memcpy() -> None:
+        torch.empty_like(src).copy_(src)
+
+    result = nbytes / _timeit(read, repeat) / 1e9, nbytes / _timeit(memcpy, repeat) / 1e9
+    pool.close()
+    return result
+
+
+def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: int,
+              with_cache: bool) -> float:
+    """Steps per second of a fixed 'forward' (a matmul) plus, optionally, the cache's calls."""
+    view = _DecodeView(1, tokens)
+    config = PrefixCacheConfig(tokens // BLOCK + 3, BLOCK, staging_capacity_tokens=tokens)
+    dim = 4096 if backend.name != "cpu" else 512
+    weight = torch.randn(dim, WIDTH, device=backend.device).to(dtype)
+    x = torch.randn(tokens, dim, device=backend.device).to(dtype)
+    so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
+                         "scheduled_cached_reqs": None, "num_scheduled_tokens": {"r0": tokens}})()
+    with OmniPrefixCacheManager(config, view, backend=backend) as cache:
+        cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
+
+        def run() -> None:
+            pending = None
+            for _ in range(steps):
+                if with_cache:
+                    cache.new_step_starts(so)
+                hidden = x @ weight
+                if with_cache:
+                    sid = cache.save_outputs(hidden, None, num_tokens_unpadded=tokens,
+                                             num_tokens_padded=tokens)
+                    if pending is not None:  # the output builder runs one step behind
+                        cache.materialize(pending, ["r0"])
+                    pending = sid
+            if pending is not None:
+                cache.materialize(pending, ["r0"])
+            _sync(backend)
+
+        return steps / _timeit(run, 3)
+
+
+def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
+    """GEMM-loop time with a concurrent 2048-token save per iteration ÷ without (CUDA only)."""
+    a = torch.randn(8192, 8192, device=backend.device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=backend.device, dtype=torch.bfloat16)
+    pool = backend.alloc_host((4096 * BLOCK, WIDTH), dtype)
+    rows = torch.randn(2048, WIDTH, device=backend.device).to(dtype)
+    slots = _random_slots(4096, 2048, np.random.default_rng(2))
+    staging = backend.alloc_host((2048, WIDTH), dtype)
+
+    def loop(save: Callable[[], Transfer] | None) -> None:
+        transfers = []
+        for _ in range(iters):
+            a @ b
+            if save is not None:
+                transfers.append(save())
+        _sync(backend)
+        for t in transfers:
+            _land(t)
+
+    def kernel_save() -> Transfer:
+        return backend.scatter_rows(rows, slots, pool, ready=backend.record_event(),
+                                    staging=staging.tensor)
+
+    def full_grid_save() -> Transfer:  # torch index_copy_ on the mapped pool
+        dev_slots = slots.to(backend.device)
+        pool.device_view.index_copy_(0, dev_slots, rows)
+        return Transfer()
+
+    alone = _timeit(lambda: loop(None), 3)
+    out = {"kernel": _timeit(lambda: loop(kernel_save), 3) / alone}
+    if pool.device_view is not None:
+        with torch.cuda.stream(backend.copy_stream):
+            out["full_grid"] = _timeit(lambda: loop(full_grid_save), 3) / alone
+    pool.close()
+    staging.close()
+    return out
+
+
+def resident_ratio(backend: DeviceBackend, dtype: torch.dtype, num_blocks: int) -> float:
+    """Host bytes the backend actually pins/allocates for a pool ÷ the pool's logical bytes."""
+    buffer: HostBuffer = backend.alloc_host((num_blocks * BLOCK, WIDTH), dtype)
+    logical = num_blocks * BLOCK * WIDTH * torch.empty((), dtype=dtype).element_size()
+    actual = buffer.tensor.untyped_storage().nbytes()
+    if backend.name == "cuda" and not getattr(buffer, "device_view", None) is not None:
+        actual = max(actual, int(torch.cuda.host_memory_stats().get(
+            "reserved_bytes.all.current", actual)))
+    buffer.close()
+    return actual / logical
+
+
+def run(device: str | None, quick: bool) -> dict[str, Any]:
+    backend = devices.get_backend(device)
+    dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
+    repeat = 3 if quick else 10
+    metrics: dict[str, Metric] = {}
+    tokens = 2048 if quick else 8192
+    save = measure_save(backend, tokens, 4 * tokens // BLOCK if quick else 15092, dtype, repeat)
+    metrics["M1"] = Metric(save["scatter"] / save["contiguous"],
+                           f"contiguous {'pinned D2H' if backend.name != 'cpu' else 'memcpy'} "
+                           f"{save['contiguous']:.1f} GB/s",
+                           f"{tokens} tok x {WIDTH}: scatter {save['scatter']:.1f} GB/s"
+                           + (f", staged design {save['staged']:.1f} GB/s "
+                              f"({save['staged'] / save['contiguous']:.2f})"
+                              if "staged" in save else ""))
+    decode_us, _ = engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200)
+    metrics["M2"] = Metric(decode_us, "64-request decode step, µs per step",
+                           "new_step_starts + save_outputs")
+    hit_gbs, memcpy_gbs = measure_hit(2048 if quick else 8192, dtype, repeat)
+    metrics["M3"] = Metric(hit_gbs / memcpy_gbs, f"host memcpy {memcpy_gbs:.1f} GB/s",
+                           f"hit gather {hit_gbs:.1f} GB/s")
+    warm, first = engine_thread_us(backend, 8, 256, dtype, 5)
+    _, first_lazy = engine_thread_us(backend, 8, 256, dtype, 5, preallocate=False)
+    metrics["M4"] = Metric(0.0, f"first-step stall x{first / warm:.1f} preallocated, "
+                           f"x{first_lazy / warm:.1f} allocated on the request path",
+                           "hidden pool allocated at init (KV-cache init), not on a request")
+    steps = 10 if quick else 50
+    off = step_loop(backend, 256, dtype, steps, with_cache=False)
+    on = step_loop(backend, 256, dtype, steps, with_cache=True)
+    metrics["M5"] = Metric(on / off, f"cache off {off:.0f} steps/s", "256-token steps, 0% hits")
+    metrics["M6"] = Metric(resident_ratio(backend, dtype, 1000 if quick else 15092),
+                           "pool bytes requested", "exact-size allocation")
+    if backend.name == "cuda":
+        inter = gemm_interference(backend, dtype, 10 if quick else 30)
+        metrics["M7"] = Metric(inter["kernel"], "GEMM loop alone",
+                               f"full-grid index_copy_: {inter.get('full_grid', float('nan')):.3f}")
+    else:
+        metrics["M7"] = Metric(None, "needs a device whose compute the save could slow",
+                               f"{backend.name}: copies run on the host")
+    backend.close()
+    return {"device": backend.name, "machine": f"{platform.node()} {platform.machine()} "
+            f"{os.cpu_count()} cpus, torch {torch.__version__}"
+            + (f", {torch.cuda.get_device_name()}" if backend.name == "cuda" else ""),
+            "metrics": {k: {"value": m.value, "target": TARGETS[k], "reference": m.reference,
+                            "note": m.note} for k, m in metrics.items()}}
+
+
+def scaling(device: str | None) -> dict[str, list[tuple[int, float]]]:
+    """Engine-thread µs per step against requests per step and tokens per step."""
+    backend = devices.get_backend(device)
+    dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
+    out = {"requests": [(n, engine_thread_us(backend, n, 1, dtype, 30)[0])
+                        for n in (1, 4, 16, 64, 256)],
+           "tokens": [(t, engine_thread_us(backend, 1, t, dtype, 10)[0])
+                      for t in (1, 64, 1024, 4096, 16384)]}
+    backend.close()
+    return out
+
+
+def main(*, device: str | None, quick: bool, json_path: str | None) -> int:
+    result = run(device, quick)
+    print(f"device: {result['device']}   machine: {result['machine']}")
+    rows = [[k, "n/a" if m["value"] is None else f"{m['value']:.3f}", m["target"], m["reference"],
+             m["note"]] for k, m in result["metrics"].items()]
+    print(format_table(["metric", "value", "target", "reference", "note"], rows))
+    if not quick:
+        result["scaling"] = scaling(device)
+        for name, points in result["scaling"].items():
+            print(format_table([f"{name} per step", "engine-thread µs"],
+                               [[n, f"{us:.0f}"] for n, us in points]))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
