@@ -133,8 +133,9 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
         if preallocate:
             cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
         for step in range(steps):
-            view.position = step % (BLOCK // max(tokens_per_req, 1) or 1) * tokens_per_req \
-                if tokens_per_req < BLOCK else 0
+            # decode steps walk through each request's block; larger steps rewrite it
+            per_block = max(BLOCK // tokens_per_req, 1)
+            view.position = (step % per_block) * tokens_per_req if per_block > 1 else 0
             start = time.perf_counter()
             cache.new_step_starts(so)
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
@@ -243,7 +244,7 @@ def resident_ratio(backend: DeviceBackend, dtype: torch.dtype, num_blocks: int) 
     buffer: HostBuffer = backend.alloc_host((num_blocks * BLOCK, WIDTH), dtype)
     logical = num_blocks * BLOCK * WIDTH * torch.empty((), dtype=dtype).element_size()
     actual = buffer.tensor.untyped_storage().nbytes()
-    if backend.name == "cuda" and not getattr(buffer, "device_view", None) is not None:
+    if backend.name == "cuda" and buffer.device_view is None:  # torch-pinned fallback
         actual = max(actual, int(torch.cuda.host_memory_stats().get(
             "reserved_bytes.all.current", actual)))
     buffer.close()
