@@ -16,6 +16,29 @@ import torch
 from devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
 
 
+class _StreamScope:
+    """`with` block on `stream`, restoring the previous current stream of `device` on exit.
+
+    The bare current-stream swap of torch's `stream()` context, at a third of its
+    cost (it runs on the engine thread every step); the device must be current.
+    """
+
+    __slots__ = ("_module", "_stream", "_device", "_previous")
+
+    def __init__(self, module: Any, stream: Any, device: torch.device) -> None:
+        self._module = module
+        self._stream = stream
+        self._device = device
+        self._previous: Any = None
+
+    def __enter__(self) -> None:
+        self._previous = self._module.current_stream(self._device)
+        self._module.set_stream(self._stream)
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.set_stream(self._previous)
+
+
 class AcceleratorBackend(DeviceBackend):
     """Staged device→host transfers on one copy stream, ordered after the compute stream.
 
@@ -44,13 +67,16 @@ class AcceleratorBackend(DeviceBackend):
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         return HostBuffer(torch.empty(tuple(shape), dtype=dtype, pin_memory=True), pinned=True)
 
-    def _on_copy_stream(self, ready: DeviceEvent | None):
+    def _on_copy_stream(self, ready: DeviceEvent | None) -> _StreamScope:
+        """Make the copy stream current (after `ready`) for a `with` block."""
         if ready is not None:
             self.copy_stream.wait_event(ready)
-        return self.module.stream(self.copy_stream)
+        return _StreamScope(self.module, self.copy_stream, self._device)
 
     def _record_copy_done(self) -> DeviceEvent:
-        done = self.module.Event()
+        # blocking: a thread waiting on it sleeps in the driver instead of spinning there,
+        # where a spin contends with the engine thread's launches
+        done = self.module.Event(blocking=True)
         done.record(self.copy_stream)
         return done
 

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,22 +31,14 @@ from prefix_cache.block_pool import PoolKey, PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.controller import Committer
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
+from prefix_cache.layout import GroupView, StepLayout
 from prefix_cache.outputs import StepOutputs, split_outputs
-from prefix_cache.reads import Prefetcher, RowRead
+from prefix_cache.reads import PREFETCH_MIN_BYTES, Prefetcher, RowRead
 from prefix_cache.staging import StagingPool
 from prefix_cache.stats import CacheStats
 from prefix_cache.tasks import DeferredChunk, TaskState, WriteTask
 
 logger = logging.getLogger(__name__)
-
-
-class GroupView(Protocol):
-    """Row order and slots of a step's outputs (see FullAttentionGroupView)."""
-
-    def batch_req_ids(self) -> Sequence[str]: ...
-
-    def step_slots_cpu(self, req_ids: Sequence[str],
-                       num_scheduled_tokens: Mapping[str, int]) -> torch.Tensor: ...
 
 
 class StageCacheOutputs(NamedTuple):
@@ -71,7 +63,7 @@ class _StepRecord:
 
     step_id: int
     staging_slot: int
-    rows: dict[str, tuple[int, int]]                    # req -> row range in the step
+    layout: StepLayout                                  # row range and slot of every row
     per_token: dict[str, tuple[int, ...]]               # key -> feature shape, hidden first
     step_reads: dict[str, RowRead]                      # immediate key -> all rows of the step
     host_rows: dict[str, tuple[torch.Tensor, Transfer]]  # deferred key -> this step's host rows
@@ -93,6 +85,7 @@ class OmniPrefixCacheManager:
         self.config = config
         self.view = view
         self.group_id = group_id
+        self._owns_backend = backend is None  # a backend passed in stays open for its owner
         self.backend = backend if backend is not None else devices.get_backend(config.device)
         self.policy = ModelCachePolicy()
         self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend)
@@ -183,14 +176,15 @@ class OmniPrefixCacheManager:
                     "save_outputs called without new_step_starts for this step")
             pending, self._pending = self._pending, None
             outputs = split_outputs(hidden_states, mm_outputs, n, num_tokens_padded, self.policy)
-            rows, slots = self._step_layout(pending.num_scheduled_tokens, n)
+            layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
+                                        self.config.block_size, self.pool.num_slots)
             self._ensure_keys(outputs)
-            self._check_hidden_hits(pending.hit_spans, slots, outputs)
+            self._check_hidden_hits(pending.hit_spans, layout.slots, outputs)
             step_id = next(self._step_ids)
             slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
                                       lambda: len(self._tasks))
             try:
-                record = self._save(step_id, slot, outputs, rows, slots, pending.hit_spans)
+                record = self._save(step_id, slot, outputs, layout, pending.hit_spans)
             except BaseException:
                 self.staging.release(slot, "step")
                 self.staging.release(slot, "write")
@@ -248,7 +242,8 @@ class OmniPrefixCacheManager:
             task.chunks.clear()
         self.pool.close()
         self.staging.close()
-        self.backend.close()
+        if self._owns_backend:
+            self.backend.close()
 
     def __enter__(self) -> OmniPrefixCacheManager:
         return self
@@ -264,27 +259,6 @@ class OmniPrefixCacheManager:
         if self._fatal is not None:
             raise OmniPrefixCacheError(
                 f"{call}: an earlier write failed: {self._fatal}") from self._fatal
-
-    def _step_layout(self, scheduled: Mapping[str, int], n: int
-                     ) -> tuple[dict[str, tuple[int, int]], np.ndarray]:
-        """Row range of each request in batch order, and the slot of every row."""
-        order = [r for r in self.view.batch_req_ids() if scheduled.get(r, 0) > 0]
-        counts = [int(scheduled[r]) for r in order]
-        if sum(counts) != n or len(order) != sum(1 for c in scheduled.values() if c > 0):
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: {n} rows but the batch {order} schedules {sum(counts)} tokens "
-                f"for {len(order)} of {len(scheduled)} requests")
-        ends = np.cumsum(counts)
-        rows = {r: (int(e - c), int(e)) for r, c, e in zip(order, counts, ends)}
-        slots = self.view.step_slots_cpu(order, scheduled).numpy().astype(np.int64, copy=False)
-        if len(slots) != n:
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: the view gave {len(slots)} slots for {n} rows")
-        if n and (slots.min() < self.config.block_size or slots.max() >= self.pool.num_slots):
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: slots outside 1..{self.config.num_blocks - 1} blocks "
-                f"(min {slots.min()}, max {slots.max()}); block 0 is vLLM's null block")
-        return rows, slots
 
     def _ensure_keys(self, outputs: StepOutputs) -> None:
         """Allocate pools for keys seen for the first time (unlocked), then install them."""
@@ -317,9 +291,9 @@ class OmniPrefixCacheManager:
 
     # ------------------------------------------------------------------ writes
 
-    def _save(self, step_id: int, slot: int, outputs: StepOutputs,
-              rows: dict[str, tuple[int, int]], slots: np.ndarray,
+    def _save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
               spans: dict[str, tuple[int, np.ndarray]]) -> _StepRecord:
+        slots = layout.slots
         n = len(slots)
         sync = self.backend.synchronous
         immediate = {k: v if sync else self.backend.snapshot(v)
@@ -349,9 +323,9 @@ class OmniPrefixCacheManager:
             raise
         host_rows = {key: self.backend.copy_to_host(rows_, ready=ready)
                      for key, rows_ in outputs.deferred.items()}
-        self._append_deferred(outputs.deferred, rows, slots, claim)
+        self._append_deferred(outputs.deferred, layout, claim)
         leftover, leftover_transfers = self._copy_leftover(outputs.leftover, ready)
-        record = _StepRecord(step_id, slot, rows, outputs.feature_shapes(),
+        record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                              {}, host_rows, {}, leftover, leftover_transfers)
         self._plan_reads(record, immediate.keys(), slots, task, spans)
         self._stats.add(rows_saved=n, bytes_saved=sum(
@@ -382,13 +356,13 @@ class OmniPrefixCacheManager:
         if task.staging_slot is not None:
             self.staging.release(task.staging_slot, "write")
 
-    def _append_deferred(self, deferred: Mapping[str, torch.Tensor],
-                         rows: Mapping[str, tuple[int, int]], slots: np.ndarray,
+    def _append_deferred(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout,
                          claim: int) -> None:
         """Keep each request's deferred rows on the device in its open write, under the budget."""
         if not deferred:
             return
-        for req_id, (start, end) in rows.items():
+        slots = layout.slots
+        for req_id, (start, end) in layout.items():
             chunk_rows = {k: self.backend.snapshot(v[start:end]) for k, v in deferred.items()}
             nbytes = sum(t.numel() * t.element_size() for t in chunk_rows.values())
             chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), chunk_rows, nbytes)
@@ -536,9 +510,9 @@ class OmniPrefixCacheManager:
                 record.step_reads[key] = read
                 planned.append(read)
             for req_id, (h, hit_slots) in spans.items():
-                if req_id not in record.rows:
+                if req_id not in record.layout:
                     continue
-                start, end = record.rows[req_id]
+                start, end = record.layout.rows(req_id)
                 per_key = record.hit_reads[req_id] = {}
                 for key in keys:
                     pool_key = self.pool.keys[key]
@@ -558,7 +532,8 @@ class OmniPrefixCacheManager:
         for producer in {t.task_id: t for t in to_flush}.values():
             self._flush_deferred_task(producer)  # a hit on rows still held on the device
         for read in planned:
-            self._prefetcher.submit(read)
+            if read.nbytes >= PREFETCH_MIN_BYTES:
+                self._prefetcher.submit(read)
 
     def _unpin(self, read: RowRead) -> None:
         with self._lock:
@@ -590,11 +565,11 @@ class OmniPrefixCacheManager:
             if record is None:
                 raise OmniPrefixCacheUnmatchError(
                     f"step {step_id} is unknown or was already consumed")
-            unknown = [r for r in req_ids if r not in record.rows]
+            unknown = [r for r in req_ids if r not in record.layout]
             if unknown:
                 raise OmniPrefixCacheUnmatchError(
                     f"materialize(step {step_id}): requests {unknown} have no rows in that step "
-                    f"(saved: {sorted(record.rows)})")
+                    f"(saved: {sorted(record.layout.order)})")
             del self._steps[step_id]
         return record
 
@@ -619,7 +594,7 @@ class OmniPrefixCacheManager:
                                                    if k != HIDDEN_KEY}
         hit_bytes = 0
         for req_id in req_ids:
-            start, end = record.rows[req_id]
+            start, end = record.layout.rows(req_id)
             hits = record.hit_reads.get(req_id, {})
             for key, feat in record.per_token.items():
                 mine = step_rows[key][start:end]

@@ -23,6 +23,10 @@ from prefix_cache.tasks import WriteTask
 
 logger = logging.getLogger(__name__)
 
+#: Reads smaller than this are gathered by their consumer: waking the prefetch
+#: thread (and contending with the engine thread for the GIL) costs more.
+PREFETCH_MIN_BYTES = 256 << 10
+
 
 class ReadState(enum.Enum):
     PLANNED = "PLANNED"
@@ -52,6 +56,10 @@ class RowRead:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.slots) * self.out.shape[1] * self.out.element_size()
 
     def describe(self) -> str:
         return f"read of {self.key!r} for {self.what} ({self.state.value})"

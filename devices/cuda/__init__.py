@@ -18,6 +18,7 @@ from devices.accelerator import AcceleratorBackend
 from devices.base import DeviceEvent, HostBuffer, Transfer
 from devices.cuda import scatter
 from devices.cuda.host_memory import register_host
+from devices.cuda.slot_pages import SlotPages
 from devices.kernel_blocks import CUDA_KERNEL_BLOCK_SIZES, check_kernel_block
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,16 @@ class CudaBackend(AcceleratorBackend):
     def __init__(self, device_index: int | None = None, *, zero_copy: bool = True) -> None:
         super().__init__(device_index)
         self.use_kernel = scatter.triton_available()
+        self._slot_pages: SlotPages | None = None
         self.zero_copy = zero_copy and self._self_test()
+        if not self.zero_copy and self._slot_pages is not None:
+            self._slot_pages.close()
+            self._slot_pages = None
 
     def _self_test(self) -> bool:
         """Scatter a few rows of each word width into a mapped buffer and read them back."""
         try:
+            self._slot_pages = SlotPages(self.device)
             for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.uint8):
                 pool = register_host((8, 4), dtype, self.device)
                 try:
@@ -75,16 +81,22 @@ class CudaBackend(AcceleratorBackend):
                         ready: DeviceEvent | None) -> Transfer:
         if rows.dtype != pool.tensor.dtype:
             raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
-        host_slots = torch.empty(slots.shape, dtype=torch.int64, pin_memory=True)
-        host_slots.copy_(slots)
+        assert self._slot_pages is not None
+        page, device_slots = self._slot_pages.take(slots)
         with self._on_copy_stream(ready):
-            device_slots = host_slots.to(self.device, non_blocking=True)
             if self.use_kernel:
                 scatter.scatter_rows(rows, device_slots, pool.device_view)
             else:
                 pool.device_view.index_copy_(0, device_slots, rows)
             done = self._record_copy_done()
-        return Transfer(event=done, keepalive=(rows, device_slots))
+        self._slot_pages.release_after(page, done)
+        return Transfer(event=done, keepalive=(rows,))
+
+    def close(self) -> None:
+        if self._slot_pages is not None:
+            self.copy_stream.synchronize()  # no copy may still read a page being unregistered
+            self._slot_pages.close()
+            self._slot_pages = None
 
     def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,
                           attention_backend: str | None = None) -> str | None:

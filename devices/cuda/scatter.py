@@ -1,9 +1,12 @@
 """A small-grid Triton kernel that writes device rows straight into slots of a mapped host pool.
 
-Measured on an H200 (rows of 2048 bf16 into random 16-row blocks): 8-16 CTAs
-reach 0.88-0.91 of a contiguous pinned D2H and leave a concurrent GEMM loop
-untouched, while a full grid (torch `index_copy_`) stalls enough SMs on PCIe
-writes to slow that loop by 8-17%. So the grid is fixed and small.
+A full grid (torch `index_copy_` on the mapped view) stalls enough SMs on PCIe
+writes to slow a concurrent GEMM loop by 8-14%, so the grid is fixed and small.
+Measured on an H200 (2048-wide bf16 rows into random 16-row blocks, 4 saves in
+flight, `benchmarks/scatter_sweep.py`): one row per program
+iteration reaches 0.53-0.57 of a contiguous pinned D2H; four rows per
+iteration with 8 warps 0.70 (2048 rows) and 0.77 (8192 rows), at a GEMM-loop
+cost of ~1.04x; more programs or rows did not pay.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 import torch
 
 SCATTER_CTAS = 16
+SCATTER_WARPS = 8
+SCATTER_ROWS = 4  # rows each program moves per iteration (more stores in flight per program)
 _BLOCK = 512  # elements of the row's widest integer view moved per inner iteration
 
 
@@ -24,18 +29,22 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["n_rows", "row_elems"])
     def scatter_rows_kernel(src_ptr, dst_ptr, slot_ptr, n_rows, row_elems,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        # each program moves ROWS rows per iteration, so that many stores are in flight
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
-        for row in range(pid, n_rows, nprog):
-            slot = tl.load(slot_ptr + row)
-            src_row = src_ptr + row.to(tl.int64) * row_elems
-            dst_row = dst_ptr + slot * row_elems
+        lanes = tl.arange(0, ROWS)
+        for first in range(pid * ROWS, n_rows, nprog * ROWS):
+            rows = first + lanes
+            live = rows < n_rows
+            slots = tl.load(slot_ptr + rows, mask=live, other=0)
+            src_rows = src_ptr + rows.to(tl.int64)[:, None] * row_elems
+            dst_rows = dst_ptr + slots[:, None] * row_elems
             for start in range(0, row_elems, BLOCK):
-                offs = start + cols
-                mask = offs < row_elems
-                tl.store(dst_row + offs, tl.load(src_row + offs, mask=mask), mask=mask)
+                offs = (start + cols)[None, :]
+                mask = live[:, None] & (offs < row_elems)
+                tl.store(dst_rows + offs, tl.load(src_rows + offs, mask=mask), mask=mask)
 
     return scatter_rows_kernel
 
@@ -51,9 +60,9 @@ def triton_available() -> bool:
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """`t` ([n, F], contiguous) viewed as the widest integer type its rows and address allow."""
     row_bytes = t.shape[1] * t.element_size()
+    address = t.data_ptr()
     for dtype in (torch.int64, torch.int32, torch.int16):
-        width = torch.empty((), dtype=dtype).element_size()
-        if row_bytes % width == 0 and t.data_ptr() % width == 0:
+        if row_bytes % dtype.itemsize == 0 and address % dtype.itemsize == 0:
             return t.view(torch.uint8).view(dtype)
     return t.view(torch.uint8)
 
@@ -67,5 +76,6 @@ def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torc
     dst = _as_words(pool_view)
     if src.dtype != dst.dtype:  # pool and rows aligned differently: move bytes
         src, dst = rows.contiguous().view(torch.uint8), pool_view.view(torch.uint8)
-    grid = (min(SCATTER_CTAS, n),)
-    _kernel()[grid](src, dst, device_slots, n, src.shape[1], BLOCK=_BLOCK, num_warps=4)
+    grid = (min(SCATTER_CTAS, -(-n // SCATTER_ROWS)),)
+    _kernel()[grid](src, dst, device_slots, n, src.shape[1], BLOCK=_BLOCK, ROWS=SCATTER_ROWS,
+                  num_warps=SCATTER_WARPS)
