@@ -5,19 +5,19 @@ snapshots the model's policy at `load_model`, runs the gate and builds the
 manager at `initialize_kv_cache` (allocating the hidden pool there, off the
 request path), calls `new_step_starts` before the runner updates its batch,
 `save_outputs` right after the forward, and `materialize` once the step's output
-is built, delivering each request's rows to `take_stage_outputs()`.
+is built, delivering each request's rows by position to `take_stage_outputs()`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any
 
 import torch
 
 import devices
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.delivery import StageDelivery
 from prefix_cache.gate import stage_prefix_cache_config
 from prefix_cache.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
@@ -41,8 +41,8 @@ class PrefixCacheRunnerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._omni_delivered: defaultdict[str, list[Any]] = defaultdict(list)
-        self._omni_step_rows: dict[str, Any] = {}
+        self._omni_delivery = StageDelivery()
+        self._omni_step_ends: dict[str, int] = {}  # req -> position after this step's tokens
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -88,7 +88,7 @@ class PrefixCacheRunnerMixin:
         if self.omni_prefix_cache is not None:
             self.omni_prefix_cache.new_step_starts(scheduler_output)  # before _update_states
         self._omni_step_id = None
-        self._omni_step_rows: dict[str, tuple[torch.Tensor | None, dict[str, Any]]] = {}
+        self._omni_step_ends = {}
         self._omni_in_step = True
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
@@ -105,17 +105,20 @@ class PrefixCacheRunnerMixin:
         return output
 
     def _omni_after_forward(self, hidden: torch.Tensor, mm: dict[str, Any] | None) -> None:
-        """Save the step (cache on) or keep its own rows per request (cache off)."""
+        """Save the step (cache on) or deliver each request's own rows (cache off)."""
         num_reqs = self.input_batch.num_reqs
-        n = int(self.query_start_loc.np[num_reqs])
+        bounds = self.query_start_loc.np[: num_reqs + 1].tolist()
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        self._omni_step_ends = {r: computed[i] + bounds[i + 1] - bounds[i]
+                                for i, r in enumerate(req_ids)}
         if self.omni_prefix_cache is not None:
             self._omni_step_id = self.omni_prefix_cache.save_outputs(
-                hidden, mm, num_tokens_unpadded=n, num_tokens_padded=hidden.shape[0])
+                hidden, mm, num_tokens_unpadded=bounds[-1], num_tokens_padded=hidden.shape[0])
             return
-        bounds = self.query_start_loc.np[: num_reqs + 1].tolist()
-        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
-            self._omni_step_rows[req_id] = (hidden[bounds[i]: bounds[i + 1]].to("cpu", copy=True),
-                                            {})
+        for i, req_id in enumerate(req_ids):
+            self._omni_delivery.add(req_id, computed[i], {
+                HIDDEN_KEY: hidden[bounds[i]: bounds[i + 1]].to("cpu", copy=True)})
 
     def omni_mm_outputs(self, model_output: Any) -> dict[str, Any] | None:
         """Per-token multimodal outputs of an omni model's forward; plain LMs have none."""
@@ -125,29 +128,19 @@ class PrefixCacheRunnerMixin:
         output = super().sample_tokens(*args, **kwargs)
         step_id, self._omni_step_id = self._omni_step_id, None
         if step_id is not None:
-            req_ids = [r for r in self.input_batch.req_ids if r is not None]
-            outs = self.omni_prefix_cache.materialize(step_id, req_ids)
-            for req_id in req_ids:
-                self._omni_step_rows[req_id] = (
-                    None if outs.hidden_states is None else outs.hidden_states[req_id],
-                    {k: v[req_id] for k, v in outs.mm_outputs.items()})
-        for req_id, rows in self._omni_step_rows.items():
-            self._omni_delivered[req_id].append(rows)
-        self._omni_step_rows = {}
+            outs = self.omni_prefix_cache.materialize(step_id, list(self._omni_step_ends))
+            for req_id, end in self._omni_step_ends.items():
+                rows = {k: v[req_id] for k, v in outs.mm_outputs.items()}
+                if outs.hidden_states is not None:
+                    rows[HIDDEN_KEY] = outs.hidden_states[req_id]
+                if rows:  # a hit's rows start at 0, the others where the step's tokens do
+                    self._omni_delivery.add(req_id, end - next(iter(rows.values())).shape[0],
+                                            rows)
         return output
 
     def take_stage_outputs(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each request's rows delivered so far, concatenated: what the next stage receives."""
-        delivered, self._omni_delivered = self._omni_delivered, defaultdict(list)
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for req_id, parts in delivered.items():
-            merged: dict[str, torch.Tensor] = {}
-            if parts[0][0] is not None:
-                merged[HIDDEN_KEY] = torch.cat([hidden for hidden, _ in parts])
-            for key in parts[0][1]:
-                merged[key] = torch.cat([mm[key] for _, mm in parts])
-            out[req_id] = merged
-        return out
+        """Each request's rows from position 0 delivered so far, per key: what the next stage gets."""
+        return self._omni_delivery.take()
 
     def shutdown_omni_prefix_cache(self) -> None:
         if self.omni_prefix_cache is not None:
