@@ -18,6 +18,8 @@ def test_engine_rows_through_the_cache_match_a_cache_off_run(tmp_path: Path) -> 
     off = demo.run_engine(model, requests, prefix_caching=False)
     checks = demo.compare(requests, on, off)
     assert [c.req_id for c in checks if not c.ok] == []
+    (aborted,) = [c for c in checks if c.aborted]
+    assert 0 < aborted.rows_on < aborted.prompt_len  # aborted after its first prefill chunk
     hits = [c for c in checks if c.cached_tokens > 0]
     assert len(hits) >= 4, "the workload must produce prefix hits"
     for check in hits:  # a hit still delivers every prompt row, from position 0
