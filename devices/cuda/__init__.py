@@ -81,7 +81,8 @@ class CudaBackend(AcceleratorBackend):
                         ready: DeviceEvent | None) -> Transfer:
         if rows.dtype != pool.tensor.dtype:
             raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
-        assert self._slot_pages is not None
+        if self._slot_pages is None:
+            raise RuntimeError("cuda backend: scatter_rows after close()")
         page, device_slots = self._slot_pages.take(slots)
         with self._on_copy_stream(ready):
             if self.use_kernel:
