@@ -67,8 +67,9 @@ class FullAttentionGroupView:
         ids = table.get_numpy_array() if hasattr(table, "get_numpy_array") \
             else table.get_cpu_tensor().numpy()
         index_of = self.input_batch.req_id_to_index
-        rows = np.fromiter((index_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        counts = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64,
+        rows = np.fromiter(map(index_of.__getitem__, req_ids), dtype=np.int64,
+                           count=len(req_ids))
+        counts = np.fromiter(map(num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64,
                              count=len(req_ids))
         computed = np.asarray(self.input_batch.num_computed_tokens_cpu)[rows].astype(np.int64)
         total = int(counts.sum())

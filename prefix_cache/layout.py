@@ -39,21 +39,19 @@ class StepLayout:
                 block_size: int, num_slots: int) -> StepLayout:
         """The layout of a step's `num_rows` rows, checked against the scheduler's counts."""
         batch = view.batch_req_ids()
-        counts = np.fromiter((scheduled.get(r, 0) for r in batch), dtype=np.int64,
-                             count=len(batch))
-        keep = counts > 0
-        if keep.all():
-            order = list(batch)
+        if len(batch) == len(scheduled) and all(map(scheduled.__contains__, batch)):
+            order = list(batch)  # vLLM's runner batch holds exactly the scheduled requests
         else:
-            order = [r for r, k in zip(batch, keep.tolist()) if k]
-            counts = counts[keep]
+            order = [r for r in batch if scheduled.get(r, 0) > 0]
+        counts = np.fromiter(map(scheduled.__getitem__, order), dtype=np.int64, count=len(order))
         ends = np.cumsum(counts)
         total = int(ends[-1]) if len(ends) else 0
-        num_scheduled = sum(1 for c in scheduled.values() if c > 0)
-        if total != num_rows or len(order) != num_scheduled:
+        left_out = len(scheduled) - len(order)  # only requests scheduled for 0 tokens may be
+        if total != num_rows or (counts <= 0).any() or (
+                left_out and left_out != sum(1 for c in scheduled.values() if c <= 0)):
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: {num_rows} rows but the batch {order} schedules {total} tokens "
-                f"for {len(order)} of {num_scheduled} scheduled requests")
+                f"for {len(order)} of {len(scheduled)} scheduled requests")
         slots = view.step_slots_cpu(order, scheduled).numpy().astype(np.int64, copy=False)
         if len(slots) != num_rows:
             raise OmniPrefixCacheUnmatchError(
