@@ -407,3 +407,23 @@ def test_materialize_one_step_behind_on_another_thread(backend):
     assert not errors, errors
     for req_id, tokens in prompts.items():
         assert torch.equal(results[req_id], token_rows(tokens, 2)), req_id
+
+
+def test_engine_calls_under_inference_mode_and_materialize_outside_it(backend):
+    """vLLM runs execute_model under torch.inference_mode(); the output builder may not."""
+    manager, d = make(backend, gpu_budget_bytes=300)
+    manager.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feature"})))
+    a = list(range(40, 52))
+    b = a[:8] + [5, 6]
+    with manager:
+        with torch.inference_mode():
+            sid = run_step(manager, d, d.step(new=[("a", a, [1, 2, 3], 0, 12)]), backend.device,
+                           materialize=False)
+        assert torch.equal(manager.materialize(sid, ["a"]).hidden_states["a"], token_rows(a, 2))
+        with torch.inference_mode():  # a's deferred write is flushed inside inference mode
+            sid = run_step(manager, d, d.step(new=[("b", b, [1, 2, 4], 8, 2)], finished=["a"]),
+                           backend.device, materialize=False)
+        out = manager.materialize(sid, ["b"])
+        assert torch.equal(out.hidden_states["b"], token_rows(b, 2))
+        assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(b, 16, salt=1))
+        out.hidden_states["b"].add_(1)  # the caller owns what it is handed
