@@ -14,14 +14,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(json_path: str, png_path: str) -> None:
     with open(json_path) as fh:
         result = json.load(fh)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, (name, points) in zip(axes, result["scaling"].items()):
-        xs, ys = zip(*points)
-        ax.loglog(xs, ys, "o-")
-        ax.set_xlabel(f"{name} per step")
-        ax.set_ylabel("engine-thread µs per step")
-        ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"omni-prefix-cache engine-thread time, {result['device']}: {result['machine']}")
+    sweeps = result["scaling"]
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(5 * len(sweeps), 7), squeeze=False)
+    for column, (name, points) in enumerate(sweeps.items()):
+        xs, micros, host_bytes = zip(*points)
+        time_ax, memory_ax = axes[0][column], axes[1][column]
+        time_ax.loglog(xs, micros, "o-")
+        time_ax.set_ylabel("engine-thread µs per step")
+        memory_ax.semilogx(xs, [b / 2**20 for b in host_bytes], "s-", color="tab:orange")
+        memory_ax.set_ylabel("host MiB (pools + staging)")
+        memory_ax.set_ylim(bottom=0)
+        for ax in (time_ax, memory_ax):
+            ax.set_xlabel(name if name == "pool blocks" else f"{name} per step")
+            ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"omni-prefix-cache scaling, {result['device']}: {result['machine']}")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
 

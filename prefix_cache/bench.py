@@ -28,6 +28,8 @@ from prefix_cache.reads import RowRead
 
 WIDTH = 2048
 BLOCK = 16
+#: Pool size of the requests and tokens scaling sweeps (16384 tokens fit in it).
+SCALING_POOL_BLOCKS = 2048
 #: Saves issued before waiting, as consecutive steps overlap in an engine (M1's steady state).
 SAVES_IN_FLIGHT = 4
 TARGETS = {"M1": ">= 0.85", "M2": "<= 100 us (GPU)", "M3": ">= 0.7", "M4": "0 s",
@@ -130,11 +132,25 @@ class _DecodeView:
         return torch.from_numpy((base[:, None] + self.position + np.arange(self.tokens)).ravel())
 
 
+@dataclass
+class EngineTiming:
+    """Engine-thread time of a step loop, and the host memory the cache held for it."""
+
+    median_us: float
+    first_us: float
+    host_bytes: int  # pools plus staging
+
+
 def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int, dtype: torch.dtype,
-                     steps: int, *, preallocate: bool = True) -> tuple[float, float]:
-    """Median µs per step in new_step_starts + save_outputs, and the first step's µs."""
+                     steps: int, *, preallocate: bool = True,
+                     num_blocks: int | None = None) -> EngineTiming:
+    """µs per step in new_step_starts + save_outputs (median and first step), and host bytes.
+
+    The pool has `num_blocks` blocks, by default just enough for the requests' positions.
+    """
     view = _DecodeView(num_reqs, tokens_per_req)
-    blocks = num_reqs * (tokens_per_req // BLOCK + 1) + 2
+    needed = num_reqs * (tokens_per_req // BLOCK + 1) + 2
+    blocks = needed if num_blocks is None else max(num_blocks, needed)
     config = PrefixCacheConfig(blocks, BLOCK, staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
     hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
     so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
@@ -154,7 +170,9 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                                      num_tokens_padded=hidden.shape[0])
             times.append(time.perf_counter() - start)
             cache.discard_step(sid)
-    return statistics.median(times[1:]) * 1e6, times[0] * 1e6
+        stats = cache.stats()
+    host = stats["staging_bytes"] + sum(v for k, v in stats.items() if k.startswith("pool_bytes."))
+    return EngineTiming(statistics.median(times[1:]) * 1e6, times[0] * 1e6, int(host))
 
 
 def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
@@ -296,17 +314,18 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                            + (f", staged design {save['staged']:.1f} GB/s "
                               f"({save['staged'] / save['contiguous']:.2f})"
                               if "staged" in save else ""))
-    decode_us, _ = engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200)
+    decode_us = engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200).median_us
     metrics["M2"] = Metric(decode_us, "64-request decode step, µs per step",
                            "new_step_starts + save_outputs")
     hit_gbs, memcpy_gbs = measure_hit(2048 if quick else 8192, dtype, repeat)
     metrics["M3"] = Metric(hit_gbs / memcpy_gbs,
                            f"memcpy of the pool's rows into a new tensor {memcpy_gbs:.1f} GB/s",
                            f"hit gather (random blocks) {hit_gbs:.1f} GB/s")
-    warm, first = engine_thread_us(backend, 8, 256, dtype, 5)
-    _, first_lazy = engine_thread_us(backend, 8, 256, dtype, 5, preallocate=False)
-    metrics["M4"] = Metric(0.0, f"first-step stall x{first / warm:.1f} preallocated, "
-                           f"x{first_lazy / warm:.1f} allocated on the request path",
+    eager = engine_thread_us(backend, 8, 256, dtype, 5)
+    lazy = engine_thread_us(backend, 8, 256, dtype, 5, preallocate=False)
+    metrics["M4"] = Metric(0.0, f"first-step stall x{eager.first_us / eager.median_us:.1f} "
+                           f"preallocated, x{lazy.first_us / eager.median_us:.1f} allocated on "
+                           "the request path",
                            "hidden pool allocated at init (KV-cache init), not on a request")
     steps = 10 if quick else 50
     off = step_loop(backend, 256, dtype, steps, with_cache=False)
@@ -330,14 +349,23 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                             "note": m.note} for k, m in metrics.items()}}
 
 
-def scaling(device: str | None) -> dict[str, list[tuple[int, float]]]:
-    """Engine-thread µs per step against requests per step and tokens per step."""
+def scaling(device: str | None) -> dict[str, list[tuple[int, float, int]]]:
+    """(x, engine-thread µs per step, host bytes) against requests per step (decode) and
+    tokens per step (one request), both on a SCALING_POOL_BLOCKS pool, and against pool
+    blocks (a 64-request decode step)."""
     backend = devices.get_backend(device)
     dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
-    out = {"requests": [(n, engine_thread_us(backend, n, 1, dtype, 30)[0])
+
+    def point(x: int, timing: EngineTiming) -> tuple[int, float, int]:
+        return x, timing.median_us, timing.host_bytes
+
+    pool = SCALING_POOL_BLOCKS
+    out = {"requests": [point(n, engine_thread_us(backend, n, 1, dtype, 30, num_blocks=pool))
                         for n in (1, 4, 16, 64, 256)],
-           "tokens": [(t, engine_thread_us(backend, 1, t, dtype, 10)[0])
-                      for t in (1, 64, 1024, 4096, 16384)]}
+           "tokens": [point(t, engine_thread_us(backend, 1, t, dtype, 10, num_blocks=pool))
+                      for t in (1, 64, 1024, 4096, 16384)],
+           "pool blocks": [point(b, engine_thread_us(backend, 64, 1, dtype, 30, num_blocks=b))
+                           for b in (256, 1024, 4096, 16384)]}
     backend.close()
     return out
 
@@ -351,8 +379,10 @@ def main(*, device: str | None, quick: bool, json_path: str | None) -> int:
     if not quick:
         result["scaling"] = scaling(device)
         for name, points in result["scaling"].items():
-            print(format_table([f"{name} per step", "engine-thread µs"],
-                               [[n, f"{us:.0f}"] for n, us in points]))
+            print(format_table([name if name == "pool blocks" else f"{name} per step",
+                                "engine-thread µs", "host MiB"],
+                               [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"]
+                                for n, us, nbytes in points]))
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=2)
