@@ -16,7 +16,7 @@ from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 @dataclass(frozen=True)
 class StartedRequest:
-    """A request in `scheduled_new_reqs`: its id, tokens already cached and the cached group's blocks."""
+    """A request (re)starting from `num_computed_tokens` cached tokens on the cached group's blocks."""
 
     req_id: str
     num_computed_tokens: int
@@ -30,8 +30,10 @@ class StepEvents:
     finished: tuple[str, ...]
     preempted: frozenset[str]
     block_copies: tuple[tuple[int, int], ...]
-    started: tuple[StartedRequest, ...]
+    started: tuple[StartedRequest, ...]  # scheduled_new_reqs
     resumed: frozenset[str]
+    #: resumed requests whose cached-request data carries their computed tokens and blocks
+    resumed_starts: tuple[StartedRequest, ...]
     num_scheduled_tokens: Mapping[str, int]
 
 
@@ -64,6 +66,18 @@ def _resumed(cached: Any) -> frozenset[str]:
     return frozenset(r for r, flag in zip(getattr(cached, "req_ids", ()), flags) if flag)
 
 
+def _resumed_starts(cached: Any, resumed: frozenset[str], group_id: int
+                    ) -> tuple[StartedRequest, ...]:
+    """Resumed requests as restarts: a resume's `new_block_ids` are all of its blocks."""
+    computed = getattr(cached, "num_computed_tokens", None)
+    new_blocks = getattr(cached, "new_block_ids", None)
+    if not resumed or computed is None or new_blocks is None:
+        return ()
+    return tuple(StartedRequest(req_id, int(h), _group_blocks(blocks, group_id, req_id))
+                 for req_id, h, blocks in zip(cached.req_ids, computed, new_blocks)
+                 if req_id in resumed)
+
+
 def _block_copies(copies: Iterable[Any] | None) -> tuple[tuple[int, int], ...]:
     out = []
     for copy in copies or ():
@@ -81,7 +95,10 @@ def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
         StartedRequest(_req_id(new), int(getattr(new, "num_computed_tokens", 0) or 0),
                        _group_blocks(getattr(new, "block_ids", None), group_id, _req_id(new)))
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ())
-    for req in started:
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    resumed = _resumed(cached)
+    resumed_starts = _resumed_starts(cached, resumed, group_id)
+    for req in started + resumed_starts:
         if req.num_computed_tokens < 0:
             raise OmniPrefixCacheUnmatchError(
                 f"request {req.req_id}: negative num_computed_tokens {req.num_computed_tokens}")
@@ -90,6 +107,7 @@ def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
         preempted=frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ()),
         block_copies=_block_copies(getattr(scheduler_output, "kv_cache_block_copies", None)),
         started=started,
-        resumed=_resumed(getattr(scheduler_output, "scheduled_cached_reqs", None)),
+        resumed=resumed,
+        resumed_starts=resumed_starts,
         num_scheduled_tokens=dict(getattr(scheduler_output, "num_scheduled_tokens", None) or {}),
     )

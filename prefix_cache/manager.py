@@ -26,7 +26,7 @@ import torch
 
 import devices
 from devices.base import DeviceBackend, Transfer, wait_event
-from prefix_cache.adapter import translate_step
+from prefix_cache.adapter import StartedRequest, translate_step
 from prefix_cache.block_pool import PoolKey, PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.controller import Committer
@@ -97,6 +97,7 @@ class OmniPrefixCacheManager:
         self._task_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._live: set[str] = set()
+        self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
         self._steps: dict[int, _StepRecord] = {}
         self._tasks: dict[int, WriteTask] = {}          # launched or open, not landed
@@ -129,33 +130,43 @@ class OmniPrefixCacheManager:
         with self._stats.timed("new_step_starts"), torch.inference_mode(False):
             self._check_usable("new_step_starts")
             events = translate_step(scheduler_output, self.group_id)
-            bs = self.config.block_size
             spans: dict[str, tuple[int, np.ndarray]] = {}
             live_after_finish = self._live.difference(events.finished)
-            for new in events.started:
+            restarts = events.started + events.resumed_starts
+            for new in restarts:
                 h = new.num_computed_tokens
-                if new.req_id in live_after_finish or h == 0:
-                    continue  # an already-live id got its rows before; a miss has no span
-                if h % bs:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"request {new.req_id}: prefix hit of {h} tokens is not aligned to "
-                        f"block_size {bs}; vLLM never caches partial blocks")
-                blocks = np.asarray(new.block_ids[: h // bs], dtype=np.int64)
-                if len(blocks) < h // bs:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"request {new.req_id}: prefix hit of {h} tokens but only "
-                        f"{len(new.block_ids)} block ids")
-                if (blocks <= 0).any() or (blocks >= self.config.num_blocks).any():
-                    raise OmniPrefixCacheUnmatchError(
-                        f"request {new.req_id}: hit block ids {blocks.tolist()} outside "
-                        f"1..{self.config.num_blocks - 1}")
-                spans[new.req_id] = (h, (blocks[:, None] * bs + np.arange(bs)).ravel())
+                if h == 0 or (new.req_id in live_after_finish
+                              and h <= self._progress.get(new.req_id, 0)):
+                    continue  # a miss; or a live request whose rows up to h were handed over
+                spans[new.req_id] = (h, self._hit_slots(new))
             for req_id in events.finished:
                 self._retire(req_id)
             for src, dst in events.block_copies:
                 self._mirror_block_copy(src, dst)
             self._live.update(new.req_id for new in events.started)
+            for new in restarts:
+                self._progress[new.req_id] = new.num_computed_tokens
+            for req_id, n in events.num_scheduled_tokens.items():
+                self._progress[req_id] = self._progress.get(req_id, 0) + n
             self._pending = _PendingStep(events.num_scheduled_tokens, spans)
+
+    def _hit_slots(self, req: StartedRequest) -> np.ndarray:
+        """The slots of `req`'s hit positions `[0, num_computed_tokens)`, checked."""
+        h, bs = req.num_computed_tokens, self.config.block_size
+        if h % bs:
+            raise OmniPrefixCacheUnmatchError(
+                f"request {req.req_id}: prefix hit of {h} tokens is not aligned to "
+                f"block_size {bs}; vLLM never caches partial blocks")
+        blocks = np.asarray(req.block_ids[: h // bs], dtype=np.int64)
+        if len(blocks) < h // bs:
+            raise OmniPrefixCacheUnmatchError(
+                f"request {req.req_id}: prefix hit of {h} tokens but only "
+                f"{len(req.block_ids)} block ids")
+        if (blocks <= 0).any() or (blocks >= self.config.num_blocks).any():
+            raise OmniPrefixCacheUnmatchError(
+                f"request {req.req_id}: hit block ids {blocks.tolist()} outside "
+                f"1..{self.config.num_blocks - 1}")
+        return (blocks[:, None] * bs + np.arange(bs)).ravel()
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                      *, num_tokens_unpadded: int, num_tokens_padded: int) -> int:
@@ -404,6 +415,7 @@ class OmniPrefixCacheManager:
     def _retire(self, req_id: str) -> None:
         """A finished or aborted request: its rows were published to vLLM, so they still land."""
         self._live.discard(req_id)
+        self._progress.pop(req_id, None)
         self._flush_deferred(req_id)
 
     def _flush_deferred(self, req_id: str) -> None:

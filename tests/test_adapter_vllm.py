@@ -136,8 +136,8 @@ def test_real_scheduler_output_with_block_copies_and_new_request_data() -> None:
                          sampling_params=None, pooling_params=None, block_ids=([4, 5], [9]),
                          num_computed_tokens=16, lora_request=None)
     cached = CachedRequestData(req_ids=["r", "s"], resumed_req_ids={"s"}, new_token_ids=[],
-                               all_token_ids={}, new_block_ids=[None, ([6],)],
-                               num_computed_tokens=[3, 0], num_output_tokens=[1, 0])
+                               all_token_ids={}, new_block_ids=[None, ([6, 7], [10])],
+                               num_computed_tokens=[3, 16], num_output_tokens=[1, 0])
     out = SchedulerOutput.make_empty()
     out.scheduled_new_reqs = [new]
     out.scheduled_cached_reqs = cached
@@ -153,6 +153,9 @@ def test_real_scheduler_output_with_block_copies_and_new_request_data() -> None:
     assert events.started == (StartedRequest("n", 16, (4, 5)),)
     assert group1.started == (StartedRequest("n", 16, (9,)),)
     assert events.resumed == frozenset({"s"}) and events.preempted == frozenset({"p"})
+    # a resume restarts from its own prefix hit on all of its (new) blocks
+    assert events.resumed_starts == (StartedRequest("s", 16, (6, 7)),)
+    assert group1.resumed_starts == (StartedRequest("s", 16, (10,)),)
     assert events.finished == ("f",) and events.block_copies == ((3, 8),)
     assert events.num_scheduled_tokens == {"n": 5, "r": 1, "s": 7}
 
@@ -163,7 +166,8 @@ def test_empty_real_scheduler_output_means_no_events() -> None:
     events = translate_step(SchedulerOutput.make_empty())
 
     assert events == StepEvents(finished=(), preempted=frozenset(), block_copies=(),
-                                started=(), resumed=frozenset(), num_scheduled_tokens={})
+                                started=(), resumed=frozenset(), resumed_starts=(),
+                                num_scheduled_tokens={})
 
 
 def test_namespace_with_pre_0_11_1_resumed_flags_and_copy_objects() -> None:

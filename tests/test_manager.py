@@ -427,3 +427,36 @@ def test_engine_calls_under_inference_mode_and_materialize_outside_it(backend):
         assert torch.equal(out.hidden_states["b"], token_rows(b, 2))
         assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(b, 16, salt=1))
         out.hidden_states["b"].add_(1)  # the caller owns what it is handed
+
+
+def test_resumed_request_hitting_past_its_own_rows_gets_the_hit_span(backend):
+    """A preempted request may resume on blocks another request computed further than it had;
+    it then gets every row up to its hit, as a new request would (its own rows stop short)."""
+    manager, d = make(backend, num_blocks=12)
+    tokens = list(range(60, 72))                                  # 3 blocks of 4
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2, 3], 0, 4),     # a: 1 chunk
+                                         ("b", tokens, [4, 5, 6], 0, 12)]), backend.device)
+        d.reqs["a"].computed, d.reqs["a"].blocks = 8, [4, 5, 7]  # resumed on b's blocks
+        so = d.step(cached={"a": 4})
+        so.scheduled_cached_reqs.resumed_req_ids = {"a"}
+        so.scheduled_cached_reqs.num_computed_tokens = [8]
+        so.scheduled_cached_reqs.new_block_ids = [([4, 5, 7],)]
+        out = run_step(manager, d, so, backend.device)
+        assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2))
+        assert manager.stats()["hit_tokens"] == 8
+
+
+def test_resumed_request_within_its_own_rows_gets_only_what_it_recomputes(backend):
+    manager, d = make(backend, num_blocks=12)
+    tokens = list(range(60, 72))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2, 3], 0, 8)]), backend.device)
+        d.reqs["a"].computed, d.reqs["a"].blocks = 4, [1, 8, 9]  # its first block survived
+        so = d.step(cached={"a": 8})
+        so.scheduled_cached_reqs.resumed_req_ids = {"a"}
+        so.scheduled_cached_reqs.num_computed_tokens = [4]
+        so.scheduled_cached_reqs.new_block_ids = [([1, 8, 9],)]
+        out = run_step(manager, d, so, backend.device)
+        assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2)[4:12])
+        assert manager.stats().get("hit_tokens", 0) == 0
