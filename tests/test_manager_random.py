@@ -241,6 +241,7 @@ class SimRequest:
     computed: int = 0
     num_published: int = 0  # leading blocks whose hash the allocator holds
     preempted: bool = False  # waiting again after losing its blocks
+    reached: int = 0  # where its last scheduled step ended: the rows it was handed go that far
 
 
 class MiniScheduler:
@@ -332,7 +333,12 @@ class MiniScheduler:
             if req.preempted:
                 req.preempted = False
                 resumed.append(req)
-                self._schedule(req, n, start=h)  # a resume gets only what it recomputes
+                if h > req.reached:  # its hit goes past its own rows: all rows up to the hit
+                    self.granted_hits.append(h)
+                    event("resume hits past its own rows")
+                    self._schedule(req, n, start=0)
+                else:
+                    self._schedule(req, n, start=h)  # only what it recomputes
             else:
                 new_reqs.append(req)
                 if h:
@@ -394,6 +400,7 @@ class MiniScheduler:
         """Schedule `n` tokens of `req` and publish the blocks they fill."""
         self.scheduled[req.req_id] = n
         self.spans[req.req_id] = (req, start, req.computed + n)
+        req.reached = req.computed + n
         bs = self.block_size
         for i in range(req.num_published, (req.computed + n) // bs):
             self.allocator.publish(req.blocks[i], req.tokens[: (i + 1) * bs])
@@ -420,12 +427,16 @@ class MiniScheduler:
         new_ids = {r.req_id for r in new_reqs}
         cached_ids = [r for r in self.scheduled if r not in new_ids]
         resumed_ids = {r.req_id for r in resumed}
+        reqs = {r.req_id: r for r in self.running}
+        # every version carries computed tokens; a resume's new block ids are all its blocks
+        cached = SimpleNamespace(
+            req_ids=cached_ids, num_computed_tokens=[reqs[r].computed for r in cached_ids],
+            new_block_ids=[(list(reqs[r].blocks),) if r in resumed_ids else None
+                           for r in cached_ids])
         if self.resume_flavor == "resumed_from_preemption":  # vLLM < 0.11.1
-            cached = SimpleNamespace(req_ids=cached_ids,
-                                     resumed_from_preemption=[r in resumed_ids
-                                                              for r in cached_ids])
+            cached.resumed_from_preemption = [r in resumed_ids for r in cached_ids]
         else:
-            cached = SimpleNamespace(req_ids=cached_ids, resumed_req_ids=resumed_ids)
+            cached.resumed_req_ids = resumed_ids
         if new_ids & set(finished):
             event("a finished request's id starts again in the same step")
         return SimpleNamespace(
