@@ -96,7 +96,6 @@ class OmniPrefixCacheManager:
         self._claims = itertools.count(1)
         self._task_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
-        self._live: set[str] = set()
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
         self._steps: dict[int, _StepRecord] = {}
@@ -131,11 +130,11 @@ class OmniPrefixCacheManager:
             self._check_usable("new_step_starts")
             events = translate_step(scheduler_output, self.group_id)
             spans: dict[str, tuple[int, np.ndarray]] = {}
-            live_after_finish = self._live.difference(events.finished)
+            finished = set(events.finished)
             restarts = events.started + events.resumed_starts
             for new in restarts:
                 h = new.num_computed_tokens
-                if h == 0 or (new.req_id in live_after_finish
+                if h == 0 or (new.req_id not in finished
                               and h <= self._progress.get(new.req_id, 0)):
                     continue  # a miss; or a live request whose rows up to h were handed over
                 spans[new.req_id] = (h, self._hit_slots(new))
@@ -143,7 +142,6 @@ class OmniPrefixCacheManager:
                 self._retire(req_id)
             for src, dst in events.block_copies:
                 self._mirror_block_copy(src, dst)
-            self._live.update(new.req_id for new in events.started)
             for new in restarts:
                 self._progress[new.req_id] = new.num_computed_tokens
             for req_id, n in events.num_scheduled_tokens.items():
@@ -414,7 +412,6 @@ class OmniPrefixCacheManager:
 
     def _retire(self, req_id: str) -> None:
         """A finished or aborted request: its rows were published to vLLM, so they still land."""
-        self._live.discard(req_id)
         self._progress.pop(req_id, None)
         self._flush_deferred(req_id)
 
