@@ -206,7 +206,7 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
 
     The forward is an MLP stack whose last projection gives the WIDTH-wide rows the cache
     saves: on a device, an 8B-class model's MLPs (32 layers of 4096 -> 14336 -> 4096,
-    ~5 ms for 256 tokens on an H200); on CPU one small layer, which the 2-core host runs itself.
+    ~3.4 ms a step for 256 tokens on an H200); on CPU one small layer, run by the host itself.
     """
     view = _DecodeView(1, tokens)
     config = PrefixCacheConfig(tokens // BLOCK + 3, BLOCK, staging_capacity_tokens=tokens)
