@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-import devices
-from devices.cuda import scatter
+from prefix_cache import devices
+from prefix_cache.devices.cuda import scatter
 from prefix_cache import bench
 from prefix_cache.demo import format_table
 

@@ -10,7 +10,7 @@ import importlib
 import logging
 from importlib.metadata import entry_points
 
-from devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
+from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
 
 __all__ = ["DeviceBackend", "DeviceEvent", "HostBuffer", "Transfer", "available",
            "backend_classes", "get_backend", "wait_event"]
@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "prefix_cache.devices"
 #: Auto-detection order: an Ascend machine's torch.cuda names may be rebound to
 #: torch.npu by vllm-ascend, so npu is asked first.
-_BUILTIN = {"npu": "devices.npu:NpuBackend", "cuda": "devices.cuda:CudaBackend",
-            "cpu": "devices.cpu:CpuBackend"}
+_BUILTIN = {"npu": "prefix_cache.devices.npu:NpuBackend",
+            "cuda": "prefix_cache.devices.cuda:CudaBackend",
+            "cpu": "prefix_cache.devices.cpu:CpuBackend"}
 
 
 def _load(target: str) -> type[DeviceBackend]:

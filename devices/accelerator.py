@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
 
 
 class _StreamScope:

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-import devices
-from devices.accelerator import AcceleratorBackend
-from devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
+from prefix_cache import devices
+from prefix_cache.devices.accelerator import AcceleratorBackend
+from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.demo import format_table
 from prefix_cache.manager import OmniPrefixCacheManager

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from devices.base import DeviceBackend, HostBuffer
+from prefix_cache.devices.base import DeviceBackend, HostBuffer
 
 #: Gathers at least this large are split across GATHER_THREADS (torch copies release the GIL):
 #: on an H200 host one index_select moves 1.4-9.5 GB/s, four moving quarters 3.9-15 GB/s.

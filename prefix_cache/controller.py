@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from devices.base import block_on_event
+from prefix_cache.devices.base import block_on_event
 from prefix_cache.tasks import TaskState, WriteTask
 
 logger = logging.getLogger(__name__)

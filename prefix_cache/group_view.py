@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import devices
-from devices.base import DeviceBackend
+from prefix_cache import devices
+from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 

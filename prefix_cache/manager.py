@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-import devices
-from devices.base import DeviceBackend, Transfer, wait_event
+from prefix_cache import devices
+from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
 from prefix_cache.adapter import StartedRequest, translate_step
 from prefix_cache.block_pool import PoolKey, PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-import devices
+from prefix_cache import devices
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
 from prefix_cache.delivery import StageDelivery
 from prefix_cache.gate import stage_prefix_cache_config

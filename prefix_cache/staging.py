@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from devices.base import DeviceBackend, HostBuffer
+from prefix_cache.devices.base import DeviceBackend, HostBuffer
 from prefix_cache.errors import OmniPrefixCacheStagingTimeoutError
 
 

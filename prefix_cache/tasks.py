@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from devices.base import Transfer
+from prefix_cache.devices.base import Transfer
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
 
 

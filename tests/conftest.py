@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-import devices  # noqa: E402
+from prefix_cache import devices  # noqa: E402
 
 
 def _vllm_reason() -> str | None:

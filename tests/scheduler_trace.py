@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-import devices
+from prefix_cache import devices
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
                           PrefixCacheConfig)
 from tests.sim import token_rows

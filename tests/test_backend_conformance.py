@@ -14,10 +14,10 @@ from contextlib import closing
 import pytest
 import torch
 
-import devices
-from devices.base import DeviceBackend, HostBuffer, Transfer
-from devices.cpu import CpuBackend
-from devices.cuda import CudaBackend
+from prefix_cache import devices
+from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer
+from prefix_cache.devices.cpu import CpuBackend
+from prefix_cache.devices.cuda import CudaBackend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 WIDTHS = [1, 3, 16, 2048]

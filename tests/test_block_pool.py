@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import prefix_cache.block_pool as block_pool
-from devices.cpu import CpuBackend
+from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.block_pool import PrefixBlockPool
 
 BS = 4

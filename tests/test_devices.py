@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import devices
-import devices.npu
-from devices.base import DeviceBackend
-from devices.cpu import CpuBackend
-from devices.cuda import CudaBackend
-from devices.kernel_blocks import MultipleOf, accepts
-from devices.npu import NpuBackend
+from prefix_cache import devices
+import prefix_cache.devices.npu
+from prefix_cache.devices.base import DeviceBackend
+from prefix_cache.devices.cpu import CpuBackend
+from prefix_cache.devices.cuda import CudaBackend
+from prefix_cache.devices.kernel_blocks import MultipleOf, accepts
+from prefix_cache.devices.npu import NpuBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = ("npu", "cuda", "cpu")  # the auto-detection order
@@ -263,7 +263,7 @@ def test_cuda_falls_back_to_staged_copies_when_the_self_test_fails(
         raise RuntimeError("mapping refused")
 
     monkeypatch.setattr(CudaBackend, "_scatter_mapped", refuse)
-    with (caplog.at_level(logging.WARNING, logger="devices.cuda"),
+    with (caplog.at_level(logging.WARNING, logger="prefix_cache.devices.cuda"),
           closing(CudaBackend()) as backend):
         assert not backend.zero_copy and backend.needs_staging
     assert "mapping refused" in caplog.text

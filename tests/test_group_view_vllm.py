@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-import devices  # noqa: E402
-import devices.cuda  # noqa: E402
+from prefix_cache import devices  # noqa: E402
+import prefix_cache.devices.cuda  # noqa: E402
 from prefix_cache import FullAttentionGroupView, OmniPrefixCacheUnmatchError  # noqa: E402
 from tests.vllm_fixtures import ensure_cpu_slot_mapping_kernel  # noqa: E402
 

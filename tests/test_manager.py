@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import devices
-from devices.base import Transfer
-from devices.cpu import CpuBackend
+from prefix_cache import devices
+from prefix_cache.devices.base import Transfer
+from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
                           OmniPrefixCacheUnmatchError, PrefixCacheConfig, TaskState, WriteTask)

@@ -30,7 +30,7 @@ pytest.importorskip("hypothesis", reason="hypothesis is not installed (pip insta
 from hypothesis import HealthCheck, Phase, event, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import devices  # noqa: E402
+from prefix_cache import devices  # noqa: E402
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                           PrefixCacheConfig, StageCacheOutputs)
 from tests.sim import token_rows  # noqa: E402

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-import devices
+from prefix_cache import devices
 from tests.scheduler_trace import TRACE_DIR, TRACE_WORKLOADS, Trace, replay
 
 TRACES = sorted(path.stem for path in TRACE_DIR.glob("*.json"))

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
 
 
 class CpuBackend(DeviceBackend):

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from devices.accelerator import AcceleratorBackend
-from devices.base import DeviceEvent, HostBuffer, Transfer
-from devices.cuda import scatter
-from devices.cuda.host_memory import register_host
-from devices.cuda.slot_pages import SlotPages
-from devices.kernel_blocks import CUDA_KERNEL_BLOCK_SIZES, check_kernel_block
+from prefix_cache.devices.accelerator import AcceleratorBackend
+from prefix_cache.devices.base import DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.cuda import scatter
+from prefix_cache.devices.cuda.host_memory import register_host
+from prefix_cache.devices.cuda.slot_pages import SlotPages
+from prefix_cache.devices.kernel_blocks import CUDA_KERNEL_BLOCK_SIZES, check_kernel_block
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from devices.base import HostBuffer
+from prefix_cache.devices.base import HostBuffer
 
 _HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _CUDA_SUCCESS = 0

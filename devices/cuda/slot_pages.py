@@ -12,8 +12,8 @@ import threading
 
 import torch
 
-from devices.base import DeviceEvent, HostBuffer
-from devices.cuda.host_memory import register_host
+from prefix_cache.devices.base import DeviceEvent, HostBuffer
+from prefix_cache.devices.cuda.host_memory import register_host
 
 
 class SlotPages:

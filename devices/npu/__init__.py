@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from devices.accelerator import AcceleratorBackend
-from devices.kernel_blocks import NPU_KERNEL_BLOCK_SIZES, check_kernel_block
+from prefix_cache.devices.accelerator import AcceleratorBackend
+from prefix_cache.devices.kernel_blocks import NPU_KERNEL_BLOCK_SIZES, check_kernel_block
 
 logger = logging.getLogger(__name__)
 
