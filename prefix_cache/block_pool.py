@@ -50,7 +50,8 @@ class PrefixBlockPool:
     """Host rows of every cached key, with a claim per slot and a version per (slot, key).
 
     Invariant: the rows of key k at slot s belong to the slot's current tenant
-    iff `keys[k].version[s] == slot_claim[s] != 0`; anything else reads as absent.
+    iff `keys[k].version[s] == slot_claim[s] != 0`; they were lost to a failed
+    write iff `version[s] == -slot_claim[s] != 0`; anything else reads as absent.
     """
 
     def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend) -> None:
@@ -84,6 +85,20 @@ class PrefixBlockPool:
             return np.zeros(len(slots), dtype=bool)
         claims = self.slot_claim[slots]
         return (key.version[slots] == claims) & (claims != 0)
+
+    def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""
+        key = self.keys.get(name)
+        if key is None:
+            return np.zeros(len(slots), dtype=bool)
+        claims = self.slot_claim[slots]
+        return (key.version[slots] == -claims) & (claims != 0)
+
+    def mark_lost(self, producer: int) -> None:
+        """Every row `producer` was to write is lost: it never landed."""
+        for key in self.keys.values():
+            mine = (key.producer == producer) & (key.version > 0)
+            key.version[mine] = -key.version[mine]
 
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]`, whole blocks at a time where slots run block-aligned."""
@@ -121,9 +136,9 @@ class PrefixBlockPool:
         src = np.arange(src_block * bs, (src_block + 1) * bs)
         dst = src - src_block * bs + dst_block * bs
         for key in self.keys.values():
-            keep = self.present(key.name, src)
+            keep, lost = self.present(key.name, src), self.lost(key.name, src)
             key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]
-            key.version[dst] = np.where(keep, claim, 0)
+            key.version[dst] = np.where(keep, claim, np.where(lost, -claim, 0))
             key.producer[dst] = 0
 
     def nbytes(self) -> dict[str, int]:

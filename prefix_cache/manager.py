@@ -8,16 +8,22 @@ Only the engine thread claims slots and launches writes, so launch order is
 claim order; the committer lands writes in that order, the prefetch thread
 resolves reads ahead of `materialize`. `_lock` covers tables only and is never
 held while waiting.
+
+A call rejected for its input changes nothing (the same step may be saved
+again). A write that fails after its rows left fails alone: its rows read as
+absent from then on, and its error is raised once, by the next public call.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import logging
+import operator
+import os
 import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,7 +36,8 @@ from prefix_cache.adapter import StartedRequest, translate_step
 from prefix_cache.block_pool import PoolKey, PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.controller import Committer
-from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
+from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
+                                 OmniPrefixCacheUnmatchError)
 from prefix_cache.layout import GroupView, StepLayout
 from prefix_cache.outputs import StepOutputs, split_outputs
 from prefix_cache.reads import PREFETCH_MIN_BYTES, Prefetcher, RowRead
@@ -82,11 +89,22 @@ class OmniPrefixCacheManager:
 
     def __init__(self, config: PrefixCacheConfig, view: GroupView, *,
                  backend: DeviceBackend | None = None, group_id: int = 0) -> None:
+        if not isinstance(config, PrefixCacheConfig):
+            raise OmniPrefixCacheInputError(
+                f"OmniPrefixCacheManager: config must be a PrefixCacheConfig, got "
+                f"{type(config).__name__}")
+        missing = [m for m in ("batch_req_ids", "step_slots_cpu")
+                   if not callable(getattr(view, m, None))]
+        if missing:
+            raise OmniPrefixCacheInputError(
+                f"OmniPrefixCacheManager: view {type(view).__name__} lacks {missing} (a "
+                f"FullAttentionGroupView or any object with batch_req_ids and step_slots_cpu)")
         self.config = config
         self.view = view
         self.group_id = group_id
         self._owns_backend = backend is None  # a backend passed in stays open for its owner
         self.backend = backend if backend is not None else devices.get_backend(config.device)
+        self._pid = os.getpid()  # streams and registrations belong to this process
         self.policy = ModelCachePolicy()
         self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend)
         self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
@@ -96,18 +114,19 @@ class OmniPrefixCacheManager:
         self._claims = itertools.count(1)
         self._task_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
+        self._started = False  # a first step was seen: the policy is fixed
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
         self._steps: dict[int, _StepRecord] = {}
         self._tasks: dict[int, WriteTask] = {}          # launched or open, not landed
         self._open_deferred: dict[str, WriteTask] = {}  # req -> its open deferred write
-        self._deferred_writes: defaultdict[str, int] = defaultdict(int)
+        self._deferred_writes: defaultdict[str, int] = defaultdict(int)  # live req -> writes
         self._pinned: set[RowRead] = set()
         self._budget_used = 0
-        self._fatal: BaseException | None = None
+        self._failures: deque[OmniPrefixCacheError] = deque()  # unreported failed writes
         self._closed = False
         timeout = config.staging_claim_timeout_s
-        self._committer = Committer(timeout, self._on_landed)
+        self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
         self._prefetcher = Prefetcher(self.pool, timeout, self._unpin)
 
     # ------------------------------------------------------------------ public API
@@ -115,6 +134,13 @@ class OmniPrefixCacheManager:
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set what the model emits; call before the first step."""
         self._check_usable("register_policy")
+        if not isinstance(policy, ModelCachePolicy):
+            raise OmniPrefixCacheInputError(
+                f"register_policy: expected a ModelCachePolicy, got {type(policy).__name__}")
+        if self._started:
+            raise OmniPrefixCacheUnmatchError(
+                "register_policy: the policy is fixed once the first step started; register "
+                "it before the first new_step_starts")
         self.policy = policy
 
     def preallocate(self, key: str, feat_shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -128,20 +154,21 @@ class OmniPrefixCacheManager:
         """Apply a scheduler step: retire finished requests first, mirror block copies, note hits."""
         with self._stats.timed("new_step_starts"), torch.inference_mode(False):
             self._check_usable("new_step_starts")
+            if self._pending is not None:
+                raise OmniPrefixCacheUnmatchError(
+                    "new_step_starts called twice without save_outputs: every step, one with "
+                    "no tokens included, is saved (then materialized or discarded)")
             events = translate_step(scheduler_output, self.group_id)
-            spans: dict[str, tuple[int, np.ndarray]] = {}
-            finished = set(events.finished)
-            restarts = events.started + events.resumed_starts
-            for new in restarts:
-                h = new.num_computed_tokens
-                if h == 0 or (new.req_id not in finished
-                              and h <= self._progress.get(new.req_id, 0)):
-                    continue  # a miss; or a live request whose rows up to h were handed over
-                spans[new.req_id] = (h, self._hit_slots(new))
-            for req_id in events.finished:
+            self._started = True
+            for req_id in events.finished:  # first, whatever the rest of the step raises
                 self._retire(req_id)
             for src, dst in events.block_copies:
                 self._mirror_block_copy(src, dst)
+            restarts = events.started + events.resumed_starts
+            spans = {new.req_id: (new.num_computed_tokens, self._hit_slots(new))
+                     for new in restarts
+                     # a miss; or a live request whose rows up to h were handed over
+                     if new.num_computed_tokens > self._progress.get(new.req_id, 0)}
             for new in restarts:
                 self._progress[new.req_id] = new.num_computed_tokens
             for req_id, n in events.num_scheduled_tokens.items():
@@ -168,43 +195,49 @@ class OmniPrefixCacheManager:
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                      *, num_tokens_unpadded: int, num_tokens_padded: int) -> int:
-        """Save this step's rows; returns the step id to materialize or discard."""
+        """Save this step's rows; returns the step id to materialize or discard.
+
+        Everything it is handed is read or privately copied, ordered on the caller's
+        stream, before it returns: the caller may overwrite every tensor right away.
+        """
         # tensors the cache keeps are written later by its own threads: never inference tensors
         with self._stats.timed("save_outputs"), torch.inference_mode(False):
             self._check_usable("save_outputs")
-            n = num_tokens_unpadded
-            if not 0 <= n <= num_tokens_padded:
-                raise ValueError(f"save_outputs: num_tokens_unpadded={n} must be within "
-                                 f"0..num_tokens_padded={num_tokens_padded}")
-            if n > self.config.staging_capacity_tokens:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
-                    f"{self.config.staging_capacity_tokens}")
             if self._pending is None:
                 raise OmniPrefixCacheUnmatchError(
                     "save_outputs called without new_step_starts for this step")
-            pending, self._pending = self._pending, None
-            outputs = split_outputs(hidden_states, mm_outputs, n, num_tokens_padded, self.policy)
+            pending = self._pending
+            n, padded = self._token_counts(num_tokens_unpadded, num_tokens_padded)
+            outputs = split_outputs(hidden_states, mm_outputs, n, padded, self.policy)
+            new_keys = self._check_outputs(outputs)
             layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
                                         self.config.block_size, self.pool.num_slots)
-            self._ensure_keys(outputs)
-            self._check_hidden_hits(pending.hit_spans, layout.slots, outputs)
+            try:
+                self._check_hits(pending.hit_spans, layout.slots, outputs)
+            except OmniPrefixCacheUnmatchError:
+                self._pending = None  # no retry can serve those positions: the step is lost
+                raise
+            self._install_keys(new_keys)
             step_id = next(self._step_ids)
             slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
                                       lambda: len(self._tasks))
             try:
                 record = self._save(step_id, slot, outputs, layout, pending.hit_spans)
             except BaseException:
-                self.staging.release(slot, "step")
-                self.staging.release(slot, "write")
+                self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
                 raise
             with self._lock:
                 self._steps[step_id] = record
+            self._pending = None
             return step_id
 
     def materialize(self, step_id: int, req_ids: Iterable[str]) -> StageCacheOutputs:
         """Full-prompt outputs of `req_ids` for a saved step: hit rows, then this step's rows."""
         with self._stats.timed("materialize"):
+            if isinstance(req_ids, str) or not isinstance(req_ids, Iterable):
+                raise OmniPrefixCacheInputError(
+                    f"materialize(step {step_id}): req_ids must be an iterable of request ids, "
+                    f"got {req_ids!r}")
             req_ids = list(req_ids)
             record = self._consume(step_id, req_ids)
             try:
@@ -227,15 +260,22 @@ class OmniPrefixCacheManager:
             out["tasks_in_flight"] = len(self._tasks)
             out["steps_unconsumed"] = len(self._steps)
             out["deferred_device_bytes"] = self._budget_used
+            out["live_requests"] = len(self._progress)
         for key, nbytes in self.pool.nbytes().items():
             out[f"pool_bytes.{key}"] = nbytes
         return out
 
     def shutdown(self) -> None:
-        """Stop the threads and release pinned memory and device clones; idempotent."""
+        """Stop the threads, drain the copy stream, then release pinned memory and device clones.
+
+        Idempotent. In a forked child it only marks the manager closed: the
+        parent's streams and registrations are not the child's to release.
+        """
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return
         timeout = self.config.staging_claim_timeout_s
         self._committer.close(timeout)
         self._prefetcher.close(timeout)
@@ -249,6 +289,10 @@ class OmniPrefixCacheManager:
         for task in open_tasks:
             task.fail(OmniPrefixCacheError("cache shut down before the request finished"))
             task.chunks.clear()
+        if not self.backend.drain(timeout):  # a copy may still write into a pool: keep them
+            raise OmniPrefixCacheError(
+                f"shutdown: {self.backend.name} copies still running after {timeout:.1f}s; "
+                f"pinned pools left registered")
         self.pool.close()
         self.staging.close()
         if self._owns_backend:
@@ -263,36 +307,99 @@ class OmniPrefixCacheManager:
     # ------------------------------------------------------------------ step bookkeeping
 
     def _check_usable(self, call: str) -> None:
+        """Refuse calls after shutdown or in a forked child; raise the oldest unreported failure."""
+        if os.getpid() != self._pid:
+            raise OmniPrefixCacheError(
+                f"{call}: this prefix cache was built in process {self._pid}; a forked child "
+                f"(process {os.getpid()}) cannot use its streams or pinned pools; build a new "
+                f"manager in the child")
         if self._closed:
             raise OmniPrefixCacheError(f"{call}: the prefix cache was shut down")
-        if self._fatal is not None:
-            raise OmniPrefixCacheError(
-                f"{call}: an earlier write failed: {self._fatal}") from self._fatal
+        with self._lock:
+            failure = self._failures.popleft() if self._failures else None
+        if failure is not None:
+            raise OmniPrefixCacheError(f"{call}: an earlier write failed: {failure}") from failure
 
-    def _ensure_keys(self, outputs: StepOutputs) -> None:
-        """Allocate pools for keys seen for the first time (unlocked), then install them."""
+    @staticmethod
+    def _token_counts(unpadded: Any, padded: Any) -> tuple[int, int]:
+        counts = []
+        for name, value in (("num_tokens_unpadded", unpadded), ("num_tokens_padded", padded)):
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                counts.append(operator.index(value))
+            except TypeError:
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: {name} must be an int, got {value!r}") from None
+        n, padded_n = counts
+        if not 0 <= n <= padded_n:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: num_tokens_unpadded={n} must be within "
+                f"0..num_tokens_padded={padded_n}")
+        return n, padded_n
+
+    def _check_outputs(self, outputs: StepOutputs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Check every tensor against the device, the capacity and its pool; the keys seen first."""
+        n = next((len(v) for v in outputs.per_token().values()), 0)
+        if n > self.config.staging_capacity_tokens:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
+                f"{self.config.staging_capacity_tokens}")
+        new_keys = {}
         for key, rows in outputs.per_token().items():
+            try:
+                self.backend.check_rows(f"save_outputs: {key!r} rows", rows)
+            except ValueError as exc:
+                raise OmniPrefixCacheInputError(str(exc)) from None
             feat, dtype = tuple(rows.shape[1:]), rows.dtype
             pool_key = self.pool.keys.get(key)
             if pool_key is None:
-                with self._stats.timed("pool_allocation"):
-                    pool_key = self.pool.allocate(key, feat, dtype)
-                with self._lock:
-                    self.pool.install(pool_key)
+                new_keys[key] = (feat, dtype)
             elif (pool_key.feat_shape, pool_key.dtype) != (feat, dtype):
-                raise ValueError(f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
-                                 f"{pool_key.feat_shape} {pool_key.dtype}")
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
+                    f"{pool_key.feat_shape} {pool_key.dtype}")
+        for key, value in outputs.leftover_tensors():
+            if value.device.type != "cpu":
+                try:
+                    self.backend.check_rows(f"save_outputs: leftover {key!r}", value)
+                except ValueError as exc:
+                    raise OmniPrefixCacheInputError(str(exc)) from None
+        return new_keys
 
-    def _check_hidden_hits(self, spans: Mapping[str, tuple[int, np.ndarray]],
-                           step_slots: np.ndarray, outputs: StepOutputs) -> None:
-        """A hit on hidden rows nobody wrote (nor writes this step) is fatal; checked before any claim."""
-        if outputs.hidden is None:
-            return
+    def _install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Allocate pools for keys seen for the first time (unlocked), then install them all."""
+        allocated = []
+        try:
+            for key, (feat, dtype) in new_keys.items():
+                with self._stats.timed("pool_allocation"):
+                    allocated.append(self.pool.allocate(key, feat, dtype))
+        except BaseException:
+            for pool_key in allocated:
+                pool_key.storage.close()
+            raise
+        with self._lock:
+            for pool_key in allocated:
+                self.pool.install(pool_key)
+
+    def _check_hits(self, spans: Mapping[str, tuple[int, np.ndarray]], step_slots: np.ndarray,
+                    outputs: StepOutputs) -> None:
+        """A hit on hidden rows nobody wrote, or on any rows a failed write lost (and this
+        step does not write again), is fatal; checked before any claim."""
+        keys = outputs.feature_shapes()
         for req_id, (h, hit_slots) in spans.items():
+            rewritten = np.isin(hit_slots, step_slots)
             with self._lock:
+                for key in keys:
+                    lost = self.pool.lost(key, hit_slots) & ~rewritten
+                    if lost.any():
+                        raise OmniPrefixCacheUnmatchError(
+                            f"request {req_id}: prefix hit of {h} tokens, but the {key!r} rows "
+                            f"of {int(lost.sum())} hit slots (first {int(hit_slots[lost][0])}) "
+                            f"were lost to a failed write; those positions cannot be served")
                 present = self.pool.present(HIDDEN_KEY, hit_slots)
-            missing = ~present & ~np.isin(hit_slots, step_slots)
-            if missing.any():
+            missing = ~present & ~rewritten
+            if outputs.hidden is not None and missing.any():
                 raise OmniPrefixCacheUnmatchError(
                     f"request {req_id}: prefix hit of {h} tokens but hidden rows of "
                     f"{int(missing.sum())} hit slots were never written (first slot "
@@ -300,40 +407,51 @@ class OmniPrefixCacheManager:
 
     # ------------------------------------------------------------------ writes
 
+    def _private(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of `tensors` the caller cannot change, ordered on its stream (none needed
+        where every transfer completes inside the call)."""
+        if self.backend.synchronous:
+            return dict(tensors)
+        return {k: self.backend.snapshot(v) for k, v in tensors.items()}
+
     def _save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
               spans: dict[str, tuple[int, np.ndarray]]) -> _StepRecord:
+        """Copy what outlives the call, then claim the step's slots and launch its write.
+
+        Everything that can fail for want of memory runs before the claim, so a
+        failure there leaves the pool as it was.
+        """
         slots = layout.slots
         n = len(slots)
-        sync = self.backend.synchronous
-        immediate = {k: v if sync else self.backend.snapshot(v)
-                     for k, v in outputs.immediate.items()}
+        immediate = self._private(outputs.immediate)
+        chunks = self._deferred_chunks(outputs.deferred, layout)
         ready = self.backend.record_event()
+        host_rows = {key: self.backend.copy_to_host(rows, ready=ready)
+                     for key, rows in self._private(outputs.deferred).items()}
+        leftover, leftover_transfers = self._copy_leftover(outputs.leftover, ready)
         self._resolve_conflicts(slots)
         claim = next(self._claims)
-        task = WriteTask(next(self._task_ids), f"step {step_id}", staging_slot=slot)
+        task = None
         with self._lock:
             self.pool.slot_claim[slots] = claim
-            for key in immediate:
-                pool_key = self.pool.keys[key]
-                pool_key.version[slots] = claim
-                pool_key.producer[slots] = task.task_id
-            self._tasks[task.task_id] = task
-        slots_t = torch.from_numpy(slots)
-        try:
-            self._launch(task, [
+            if immediate and n:
+                task = WriteTask(next(self._task_ids), f"step {step_id}", staging_slot=slot)
+                for key in immediate:
+                    pool_key = self.pool.keys[key]
+                    pool_key.version[slots] = claim
+                    pool_key.producer[slots] = task.task_id
+                self._tasks[task.task_id] = task
+        if task is not None:
+            self.staging.hold(slot, ("write", task.task_id))
+            slots_t = torch.from_numpy(slots)
+            self._launch(task, (
                 self.backend.scatter_rows(
-                    rows_.reshape(n, -1), slots_t, self.pool.keys[key].storage, ready=ready,
+                    rows.reshape(n, -1), slots_t, self.pool.keys[key].storage, ready=ready,
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
-                                                 rows_.dtype)
+                                                 rows.dtype)
                              if self.backend.needs_staging else None))
-                for key, rows_ in immediate.items()])
-        except BaseException as exc:
-            self._launch_failed(task, exc)
-            raise
-        host_rows = {key: self.backend.copy_to_host(rows_, ready=ready)
-                     for key, rows_ in outputs.deferred.items()}
-        self._append_deferred(outputs.deferred, layout, claim)
-        leftover, leftover_transfers = self._copy_leftover(outputs.leftover, ready)
+                for key, rows in immediate.items()), report_failure=False)
+        self._append_deferred(chunks, layout, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                              {}, host_rows, {}, leftover, leftover_transfers)
         self._plan_reads(record, immediate.keys(), slots, task, spans)
@@ -341,38 +459,61 @@ class OmniPrefixCacheManager:
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
 
-    def _launch(self, task: WriteTask, transfers: list[Transfer]) -> None:
-        """Move a task whose copies were just issued to QUEUED and hand it to the committer."""
-        task.transfers = transfers
+    def _launch(self, task: WriteTask, transfers: Iterable[Transfer], *,
+                report_failure: bool) -> None:
+        """Issue the task's copies (a lazy iterable), then hand it to the committer as QUEUED.
+
+        If issuing fails midway, the task still goes to the committer: the copies
+        already issued land (their staging pages stay held) before it fails with
+        the error, which is raised here too; `report_failure` says whether the next
+        public call should raise it again (False: this caller passes it on).
+        """
+        issued: list[Transfer] = []
+        try:
+            issued.extend(transfers)
+        except Exception as exc:
+            task.launch_error = exc
+            task.report_failure = report_failure
+        task.transfers = issued
         task.transition(TaskState.QUEUED)
-        if all(t.complete_at_launch for t in transfers):
+        if all(t.complete_at_launch for t in issued):
             self._committer.land(task)  # nothing in flight: land it on this thread
         else:
             self._committer.submit(task)
-
-    def _launch_failed(self, task: WriteTask, exc: BaseException) -> None:
-        if task.fail(exc):
-            self._on_landed(task)
+        if task.launch_error is not None:
+            raise task.launch_error
 
     def _on_landed(self, task: WriteTask) -> None:
-        """Committer callback: forget the task, return its budget and staging hold."""
+        """Committer callback: forget the task, return its budget and staging hold; a failed
+        task's rows read as absent from now on, and its error waits for the next call."""
         with self._lock:
             self._tasks.pop(task.task_id, None)
             self._budget_used -= task.budget_bytes
             task.budget_bytes = 0
-            if task.state is TaskState.FAILED and self._fatal is None:
-                self._fatal = OmniPrefixCacheError(f"{task.describe()}: {task.error}")
+            if task.state is TaskState.FAILED:
+                self.pool.mark_lost(task.task_id)
+                if task.report_failure:
+                    self._failures.append(
+                        OmniPrefixCacheError(f"{task.describe()}: {task.error}"))
         if task.staging_slot is not None:
-            self.staging.release(task.staging_slot, "write")
+            self.staging.release(task.staging_slot, ("write", task.task_id))
 
-    def _append_deferred(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout,
-                         claim: int) -> None:
-        """Keep each request's deferred rows on the device in its open write, under the budget."""
+    def _deferred_chunks(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout
+                         ) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """Each request's rows of the deferred keys, as private device copies."""
         if not deferred:
+            return []
+        return [(req_id, start, end,
+                 {k: self.backend.snapshot(v[start:end]) for k, v in deferred.items()})
+                for req_id, (start, end) in layout.items()]
+
+    def _append_deferred(self, chunks: list[tuple[str, int, int, dict[str, torch.Tensor]]],
+                         layout: StepLayout, claim: int) -> None:
+        """Keep each request's deferred rows on the device in its open write, under the budget."""
+        if not chunks:
             return
         slots = layout.slots
-        for req_id, (start, end) in layout.items():
-            chunk_rows = {k: self.backend.snapshot(v[start:end]) for k, v in deferred.items()}
+        for req_id, start, end, chunk_rows in chunks:
             nbytes = sum(t.numel() * t.element_size() for t in chunk_rows.values())
             chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), chunk_rows, nbytes)
             with self._lock:
@@ -406,7 +547,10 @@ class OmniPrefixCacheManager:
                              self._budget_used, budget, oldest[0])
                 self._flush_deferred(oldest[0])
             elif in_flight:
-                in_flight[0].wait(self.config.staging_claim_timeout_s)
+                try:
+                    in_flight[0].wait(self.config.staging_claim_timeout_s)
+                except OmniPrefixCacheError:
+                    pass  # a failed write returned its budget; its error is reported once
             else:
                 return
 
@@ -414,9 +558,14 @@ class OmniPrefixCacheManager:
         """A finished or aborted request: its rows were published to vLLM, so they still land."""
         self._progress.pop(req_id, None)
         self._flush_deferred(req_id)
+        self._deferred_writes.pop(req_id, None)
 
     def _flush_deferred(self, req_id: str) -> None:
-        """Close `req_id`'s open deferred write and launch it; its next chunk opens a new one."""
+        """Close `req_id`'s open deferred write and launch it; its next chunk opens a new one.
+
+        Never raises: a write that cannot be launched fails alone (its rows read
+        as absent) and its error is raised by the next public call.
+        """
         with self._lock:
             task = self._open_deferred.pop(req_id, None)
             if task is None:
@@ -426,20 +575,20 @@ class OmniPrefixCacheManager:
                 keep = self.pool.slot_claim[chunk.slots] == chunk.claims
                 if keep.any():
                     parts.append((chunk, keep))
+
+        def issue() -> Iterator[Transfer]:
+            ready = self.backend.record_event()
+            slots = torch.from_numpy(np.concatenate([c.slots[k] for c, k in parts]))
+            for key in parts[0][0].rows:
+                rows = torch.cat([self._select(c.rows[key], k) for c, k in parts])
+                yield self.backend.scatter_rows(
+                    rows.reshape(len(slots), -1), slots, self.pool.keys[key].storage,
+                    ready=ready, staging=None)
+
         try:
-            transfers = []
-            if parts:
-                ready = self.backend.record_event()
-                slots = torch.from_numpy(np.concatenate([c.slots[k] for c, k in parts]))
-                for key in parts[0][0].rows:
-                    rows = torch.cat([self._select(c.rows[key], k) for c, k in parts])
-                    transfers.append(self.backend.scatter_rows(
-                        rows.reshape(len(slots), -1), slots, self.pool.keys[key].storage,
-                        ready=ready, staging=None))
-            self._launch(task, transfers)
-        except BaseException as exc:
-            self._launch_failed(task, exc)
-            raise
+            self._launch(task, issue() if parts else (), report_failure=True)
+        except Exception:
+            pass  # the task failed alone; the next public call raises its error
 
     @staticmethod
     def _select(rows: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
@@ -449,7 +598,13 @@ class OmniPrefixCacheManager:
         return rows.index_select(0, index)
 
     def _mirror_block_copy(self, src: int, dst: int) -> None:
-        """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on."""
+        """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on.
+
+        Before the host copy, `src`'s open deferred writes are flushed and every
+        launched write lands: one still in flight to `dst` (a discarded step, a
+        retiring tenant's flush) must not land over the copy. Block copies are
+        rare, so a barrier is simpler than tracking each write's slots.
+        """
         bs = self.config.block_size
         if not (0 < src < self.config.num_blocks and 0 < dst < self.config.num_blocks):
             raise OmniPrefixCacheUnmatchError(
@@ -459,11 +614,20 @@ class OmniPrefixCacheManager:
         src_slots = np.arange(src * bs, (src + 1) * bs)
         self._resolve_conflicts(dst_slots)
         with self._lock:
-            producers = self._producers(src_slots, self.pool.keys.keys())
-        for task in producers:
+            sources = self._producers(src_slots, self.pool.keys.keys())
+        for task in sources:
             if task.state is TaskState.PENDING:
                 self._flush_deferred_task(task)
-            task.wait(self.config.staging_claim_timeout_s)
+        with self._lock:  # open deferred writes to dst drop those rows: dst gets a new claim
+            launched = [t for t in self._tasks.values() if t.state is not TaskState.PENDING]
+        for task in launched:
+            try:
+                task.wait(self.config.staging_claim_timeout_s)
+            except OmniPrefixCacheError:
+                if task.state is not TaskState.FAILED:
+                    raise  # still running after the timeout: copying now would race it
+                with self._lock:
+                    self.pool.mark_lost(task.task_id)  # its rows must not be copied as present
         with self._lock:
             claim = next(self._claims)
             self.pool.slot_claim[dst_slots] = claim
@@ -477,10 +641,13 @@ class OmniPrefixCacheManager:
 
     def _copy_leftover(self, leftover: Mapping[str, Any], ready: Any
                        ) -> tuple[dict[str, Any], list[Transfer]]:
+        """CPU copies of the leftover outputs; device tensors go through a private copy first."""
         transfers: list[Transfer] = []
 
         def to_host(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
+                if value.device.type != "cpu" and not self.backend.synchronous:
+                    value = self.backend.snapshot(value)
                 host, transfer = self.backend.copy_to_host(value, ready=ready)
                 transfers.append(transfer)
                 return host
@@ -504,7 +671,7 @@ class OmniPrefixCacheManager:
         return [self._tasks[i] for i in sorted(ids) if i in self._tasks]
 
     def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], slots: np.ndarray,
-                    task: WriteTask, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
+                    task: WriteTask | None, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
         """Bind this step's and its hits' reads to the writes producing them, and pin their slots."""
         n = len(slots)
         keys = list(record.per_token)
@@ -515,7 +682,7 @@ class OmniPrefixCacheManager:
                 pool_key = self.pool.keys[key]
                 out = torch.empty((n, pool_key.row_width), dtype=pool_key.dtype)
                 read = RowRead(f"step {record.step_id}", key, slots, np.ones(n, dtype=bool),
-                               [task], out, 0)
+                               [task] if task is not None else [], out, 0)
                 record.step_reads[key] = read
                 planned.append(read)
             for req_id, (h, hit_slots) in spans.items():
@@ -594,10 +761,12 @@ class OmniPrefixCacheManager:
             read.resolve(self.pool, timeout, self._unpin)
             step_rows[key] = read.out
         for key, (host, transfer) in record.host_rows.items():
-            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} {key!r} rows")
-            step_rows[key] = host.view(host.shape[0], -1)
+            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} {key!r} rows",
+                       error=OmniPrefixCacheError)
+            step_rows[key] = host.view(host.shape[0], math.prod(host.shape[1:]))
         for transfer in record.leftover_transfers:
-            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} leftover")
+            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} leftover",
+                       error=OmniPrefixCacheError)
         hidden: dict[str, torch.Tensor] = {}
         mm: dict[str, dict[str, torch.Tensor]] = {k: {} for k in record.per_token
                                                    if k != HIDDEN_KEY}
@@ -620,10 +789,10 @@ class OmniPrefixCacheManager:
                 else:
                     mm[key][req_id] = value
         self._stats.add(hit_bytes_gathered=hit_bytes)
-        return StageCacheOutputs(hidden if HIDDEN_KEY in record.per_token else None, mm,
+        return StageCacheOutputs(hidden if self.policy.needs_full_hidden_states else None, mm,
                                  record.leftover)
 
     def _release_step(self, record: _StepRecord) -> None:
         for read in record.reads():
             read.cancel(self._unpin)
-        self.staging.release(record.staging_slot, "step")
+        self.staging.release(record.staging_slot, ("step", record.step_id))

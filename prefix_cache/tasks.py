@@ -55,6 +55,10 @@ class WriteTask:
     chunks: list[DeferredChunk] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
     budget_bytes: int = 0
+    #: raised while its copies were being issued; the issued ones still land first
+    launch_error: BaseException | None = None
+    #: False when the caller that launched it already got its error
+    report_failure: bool = True
     state: TaskState = TaskState.PENDING
     error: BaseException | None = None
     landed: threading.Event = field(default_factory=threading.Event)

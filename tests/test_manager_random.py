@@ -33,6 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 from prefix_cache import devices  # noqa: E402
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                           PrefixCacheConfig, StageCacheOutputs)
+from prefix_cache.errors import OmniPrefixCacheInputError  # noqa: E402
 from tests.sim import token_rows  # noqa: E402
 
 settings.register_profile(
@@ -47,6 +48,7 @@ settings.register_profile(
 #: (`{"codes": {"audio": ...}}`) and is the key a deferred policy defers.
 KEYS = {HIDDEN_KEY: (3, 0), "mm_feature": (5, 1), "codes.audio": (4, 2)}
 DEFERRED_KEY = "codes.audio"
+PER_REQUEST_KEY = "speaker"  # [num_reqs, 2]: in a decode step it looks per-token, it is not
 RESUME_FLAVORS = ("resumed_req_ids", "resumed_from_preemption", "new_reqs")
 CONSUME_MODES = ("now", "after_next_start", "after_next_save", "discard")
 
@@ -65,6 +67,7 @@ class StepOps:
     pad: int                   # garbage rows after the real ones (CUDA-graph padding)
     consume: str               # when this step is materialized (CONSUME_MODES)
     drop_mask: int             # bit i: batch row i's request is left out of materialize
+    reject: bool = False       # a save with bad input comes first, then the same save again
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         pad=st.integers(0, 3),
         consume=st.sampled_from(CONSUME_MODES),
         drop_mask=st.just(0) | st.integers(0, 15),  # half the steps materialize every row
+        reject=st.sampled_from([False] * 5 + [True]),
     )
     return Workload(
         block_size=bs,
@@ -365,8 +369,11 @@ class MiniScheduler:
                      for r in self.batch]
             return torch.cat([*parts, torch.full((pad, width), -7.0)]).to(device)
 
+        per_request = torch.arange(2.0 * len(self.batch)).view(-1, 2) + len(self.requests)
         return rows(HIDDEN_KEY), {"mm_feature": rows("mm_feature"),
-                                  "codes": {"audio": rows(DEFERRED_KEY)}}
+                                  "codes": {"audio": rows(DEFERRED_KEY)},
+                                  PER_REQUEST_KEY: per_request.to(device),
+                                  "ref": [len(self.batch), torch.ones(3, device=device)]}
 
     def finish_step(self) -> None:
         """After the forward: advance, sample when all known tokens are computed, finish."""
@@ -458,6 +465,7 @@ class SavedStep:
     spans: dict[str, tuple[SimRequest, int, int]]
     req_ids: list[str]  # what materialize asks for
     consume: str        # CONSUME_MODES
+    leftover: dict[str, object]  # what it must hand back unsplit
 
 
 class Reference:
@@ -475,6 +483,9 @@ class Reference:
     def check(self, step: SavedStep, out: StageCacheOutputs) -> None:
         assert (out.hidden_states is None) == (HIDDEN_KEY not in self.keys)
         assert set(out.mm_outputs) == set(self.keys) - {HIDDEN_KEY}
+        assert torch.equal(out.leftover[PER_REQUEST_KEY], step.leftover[PER_REQUEST_KEY].cpu())
+        count, ones = out.leftover["ref"]
+        assert count == step.leftover["ref"][0] and torch.equal(ones, torch.ones(3))
         for req_id in step.req_ids:
             req, start, end = step.spans[req_id]
             base, upto, parts = self.streams.get(req, (start, start, {}))
@@ -518,7 +529,8 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
                                staging_capacity_tokens=w.token_budget,
                                staging_claim_timeout_s=5.0, gpu_budget_bytes=w.gpu_budget_bytes)
     policy = ModelCachePolicy(needs_full_hidden_states=w.hidden,
-                              deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()))
+                              deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()),
+                              per_request_keys={PER_REQUEST_KEY})
     reference = Reference([k for k in KEYS if k != HIDDEN_KEY or w.hidden])
     arrivals = iter(w.arrivals)
     late: SavedStep | None = None  # saved last step, consumed during this one
@@ -547,14 +559,22 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
                 consume(late)
                 late = None
             if not sched.scheduled:
-                continue  # vLLM runs no forward: new_step_starts only (finishes still count)
+                event("a step with no tokens (finishes only, or padding only)")
             n = sum(sched.scheduled.values())
             hidden, mm = sched.outputs(ops.pad, backend.device)
+            if ops.reject:  # a rejected save changes nothing: the same save then goes through
+                event("a rejected save, retried")
+                with pytest.raises(OmniPrefixCacheInputError):
+                    manager.save_outputs(hidden, mm, num_tokens_unpadded=n + ops.pad + 1,
+                                         num_tokens_padded=n + ops.pad)
+                with pytest.raises(OmniPrefixCacheInputError):
+                    manager.save_outputs(hidden, list(mm.values()), num_tokens_unpadded=n,
+                                         num_tokens_padded=n + ops.pad)
             step = SavedStep(manager.save_outputs(hidden, mm, num_tokens_unpadded=n,
                                                   num_tokens_padded=n + ops.pad),
                              dict(sched.spans),
                              [r for i, r in enumerate(sched.batch) if not ops.drop_mask >> i & 1],
-                             ops.consume)
+                             ops.consume, mm)
             saved_tokens += n
             if late is not None:
                 consume(late)
