@@ -15,6 +15,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ def mooncake_missing_reason() -> str | None:
 
 
 def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
@@ -128,7 +130,7 @@ class MooncakeStoreProcesses:
             self._procs.append(subprocess.Popen([str(path), *args], stdout=log,
                                                 stderr=subprocess.STDOUT, env=env))
 
-    def _wait(self, what: str, ready) -> None:
+    def _wait(self, what: str, ready: Callable[[], bool]) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not ready():
             exited = [p for p in self._procs if p.poll() is not None]

@@ -13,7 +13,9 @@ import multiprocessing
 import os
 import stat
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,7 +70,7 @@ def _publish_later(spec: str, request_id: str, delay_s: float) -> None:
         channel.put(request_id, sample_outputs(7))
 
 
-def _spawn(target, *args) -> multiprocessing.Process:
+def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.Process:
     proc = multiprocessing.get_context("spawn").Process(target=target, args=args)
     proc.start()
     return proc
@@ -139,6 +141,16 @@ def test_get_waits_for_a_put_from_another_process(channel: StageChannel) -> None
     assert publisher.exitcode == 0
     assert same_rows(outputs, sample_outputs(7))
     assert waited >= 1.0
+
+
+def test_a_reader_never_takes_a_half_written_entry(channel: StageChannel) -> None:
+    taken = {}
+    with open_channel(channel.spec) as reader:
+        polling = threading.Thread(target=lambda: taken.update(reader.get("req-big", 60)))
+        polling.start()  # polls every few ms while the 64 MiB entry is being stored
+        channel.put("req-big", big_outputs(3))
+        polling.join(60)
+    assert same_rows(taken, big_outputs(3))
 
 
 def test_get_times_out_with_one_line_naming_request_and_channel(channel: StageChannel) -> None:
@@ -243,10 +255,14 @@ def test_shm_entries_are_private_and_unnamed_by_request_id() -> None:
 
 
 def test_shm_a_closed_namespace_is_a_clear_error() -> None:
-    with open_channel() as owner:
-        spec = owner.spec
+    with open_channel() as owner, open_channel(owner.spec) as joined:
+        owner.close()
+        start = time.monotonic()
+        with pytest.raises(OmniPrefixCacheChannelError, match="is gone .* request req-1"):
+            joined.get("req-1", timeout_s=30)
+        assert time.monotonic() - start < 1
     with pytest.raises(OmniPrefixCacheChannelError, match="does not exist"):
-        open_channel(spec)
+        open_channel(owner.spec)
 
 
 @pytest.mark.parametrize("spec, error", [

@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import socket
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -35,7 +36,10 @@ from prefix_cache.channel.base import DEFAULT_TTL_S, StageChannel
 from prefix_cache.channel.codec import EncodedEntry, join
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
-OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for a key the store does not hold
+# Mooncake ErrorCodes that mean "no entry to take yet": none stored, or one still being stored.
+OBJECT_NOT_FOUND = -704
+REPLICA_IS_NOT_READY = -703
+_ABSENT = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]+")
 _INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU machines; -cuda13 or -npu "
                  "elsewhere), and libibverbs1")
@@ -85,6 +89,7 @@ class MooncakeChannel(StageChannel):
         self._protocol, self._device = protocol, device
         self._store = self._connect()
         self._expiry: OrderedDict[str, float] = OrderedDict()  # published key -> monotonic expiry
+        self._expiry_lock = threading.Lock()  # puts, gets and sweeps may run on several threads
         self._finalizer = weakref.finalize(self, _release, self._store,
                                            namespace if owner else None, os.getpid())
 
@@ -154,13 +159,14 @@ class MooncakeChannel(StageChannel):
                 f"mooncake channel {self.spec}: storing the entry for request {request_id} "
                 f"({data.numel()} bytes) failed with Mooncake code {rc}; is a segment holder "
                 f"(mooncake_client --global_segment_size=...) running with room for it?")
-        self._expiry.pop(key, None)
-        self._expiry[key] = time.monotonic() + self.ttl_s
+        with self._expiry_lock:
+            self._expiry.pop(key, None)
+            self._expiry[key] = time.monotonic() + self.ttl_s
 
     def _take(self, request_id: str) -> torch.Tensor | None:
         key = self.entry_key(request_id)
         size = self._store.get_size(key)
-        if size == OBJECT_NOT_FOUND:
+        if size in _ABSENT:
             return None
         if size < 0:
             raise OmniPrefixCacheChannelError(
@@ -169,20 +175,24 @@ class MooncakeChannel(StageChannel):
         data = torch.empty(size, dtype=torch.uint8)
         with self._registered(data) as ptr:
             read = self._store.get_into(key, ptr, size)
-        removed = self._store.remove(key, force=True)
-        if read == OBJECT_NOT_FOUND or removed == OBJECT_NOT_FOUND:
+        if read in _ABSENT:
+            return None  # taken by another reader, or being replaced, since the lookup
+        removed = self._store.remove(key, force=True) if read == size else None
+        if removed == OBJECT_NOT_FOUND:
             return None  # another reader claimed it first
-        if read != size or removed != 0:
+        if removed != 0:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: taking the entry for request {request_id} "
-                f"failed (read {read} of {size} bytes, remove returned {removed})")
-        self._expiry.pop(key, None)
+                f"failed (read returned {read} for {size} bytes, remove returned {removed})")
+        with self._expiry_lock:
+            self._expiry.pop(key, None)
         return data
 
     def _sweep(self) -> None:
         now, due = time.monotonic(), []
-        while self._expiry and next(iter(self._expiry.values())) <= now:
-            due.append(self._expiry.popitem(last=False)[0])
+        with self._expiry_lock:
+            while self._expiry and next(iter(self._expiry.values())) <= now:
+                due.append(self._expiry.popitem(last=False)[0])
         if due:
             self._store.batch_remove(due, force=True)  # those consumed meanwhile: not found
 
