@@ -15,8 +15,9 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tests.mooncake_store import MooncakeStoreProcesses, free_port, mooncake_mis
 
 MOONCAKE_MISSING = mooncake_missing_reason()
 BIG_ELEMENTS = 16 << 20  # 64 MiB of float32
+IsPublished = Callable[[StageChannel, str], bool]
 
 
 def sample_outputs(seed: int, rows: int = 37) -> dict[str, torch.Tensor]:
@@ -59,8 +61,8 @@ def _consume(spec: str, results: multiprocessing.Queue) -> None:
     with open_channel(spec) as channel:
         for request_id, outputs in EXPECTED.items():
             entry = channel.get_entry(request_id, timeout_s=60)
-            results.put((request_id, same_rows(entry.outputs, outputs()), entry.aborted,
-                         entry.meta))
+            results.put((request_id, (same_rows(entry.outputs, outputs()), entry.aborted,
+                                      entry.meta)))
 
 
 def _publish_later(spec: str, request_id: str, delay_s: float) -> None:
@@ -77,7 +79,8 @@ def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.Proces
 
 
 @pytest.fixture(scope="module")
-def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> MooncakeStoreProcesses:
+def mooncake_store(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeStoreProcesses]:
     if MOONCAKE_MISSING:
         pytest.skip(MOONCAKE_MISSING)
     with MooncakeStoreProcesses(tmp_path_factory.mktemp("mooncake")) as store:
@@ -85,7 +88,7 @@ def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> MooncakeStorePro
 
 
 @pytest.fixture(scope="module")
-def mooncake_client(mooncake_store: MooncakeStoreProcesses):
+def mooncake_client(mooncake_store: MooncakeStoreProcesses) -> Iterator[Any]:
     client = mooncake_store.client()
     yield client
     client.close()
@@ -100,13 +103,13 @@ def new_spec(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def channel(new_spec: str) -> StageChannel:
+def channel(new_spec: str) -> Iterator[StageChannel]:
     with open_channel(new_spec) as channel:
         yield channel
 
 
 @pytest.fixture
-def is_published(request: pytest.FixtureRequest):
+def is_published(request: pytest.FixtureRequest) -> IsPublished:
     """Whether the backend still holds a request's entry, asked of the backend itself."""
     def check(channel: StageChannel, request_id: str) -> bool:
         if isinstance(channel, ShmChannel):
@@ -116,19 +119,19 @@ def is_published(request: pytest.FixtureRequest):
     return check
 
 
-def test_a_spawned_consumer_gets_exactly_the_rows(channel: StageChannel, is_published) -> None:
+def test_a_spawned_consumer_gets_exactly_the_rows(channel: StageChannel,
+                                                  is_published: IsPublished) -> None:
     results = multiprocessing.get_context("spawn").Queue()
     consumer = _spawn(_consume, channel.spec, results)
     channel.put("req-small", EXPECTED["req-small"]())
-    channel.put("req-aborted", EXPECTED["req-aborted"](), aborted=True,
-                meta={"num_prompt_tokens": 5, "finish_reason": "abort"})
+    meta = {"num_prompt_tokens": 5, "finish_reason": "abort"}
+    channel.put("req-aborted", EXPECTED["req-aborted"](), aborted=True, meta=meta)
     channel.put("req-64MiB", EXPECTED["req-64MiB"]())
-    got = {rid: results.get(timeout=120) for rid in EXPECTED}
+    got = dict(results.get(timeout=120) for _ in EXPECTED)  # rid -> (exact, aborted, meta)
     consumer.join(30)
     assert consumer.exitcode == 0
-    assert got == {rid: (rid, True, rid == "req-aborted",
-                         {"num_prompt_tokens": 5, "finish_reason": "abort"}
-                         if rid == "req-aborted" else {}) for rid in EXPECTED}
+    assert got == {"req-small": (True, False, {}), "req-aborted": (True, True, meta),
+                   "req-64MiB": (True, False, {})}
     assert not any(is_published(channel, rid) for rid in EXPECTED)
 
 
@@ -144,13 +147,13 @@ def test_get_waits_for_a_put_from_another_process(channel: StageChannel) -> None
 
 
 def test_a_reader_never_takes_a_half_written_entry(channel: StageChannel) -> None:
-    taken = {}
+    published, taken = big_outputs(3), {}
     with open_channel(channel.spec) as reader:
         polling = threading.Thread(target=lambda: taken.update(reader.get("req-big", 60)))
         polling.start()  # polls every few ms while the 64 MiB entry is being stored
-        channel.put("req-big", big_outputs(3))
+        channel.put("req-big", published)
         polling.join(60)
-    assert same_rows(taken, big_outputs(3))
+    assert same_rows(taken, published)
 
 
 def test_get_times_out_with_one_line_naming_request_and_channel(channel: StageChannel) -> None:
@@ -163,7 +166,7 @@ def test_get_times_out_with_one_line_naming_request_and_channel(channel: StageCh
     assert "req-never-published" in message and channel.spec in message and "\n" not in message
 
 
-def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published) -> None:
+def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published: IsPublished) -> None:
     channel.put("req-1", sample_outputs(1))
     assert is_published(channel, "req-1")
     assert same_rows(channel.get("req-1", timeout_s=5), sample_outputs(1))
@@ -172,7 +175,7 @@ def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published) ->
         channel.get("req-1", timeout_s=0.1)
 
 
-def test_expired_entries_are_freed_unconsumed(new_spec: str, is_published) -> None:
+def test_expired_entries_are_freed_unconsumed(new_spec: str, is_published: IsPublished) -> None:
     with open_channel(new_spec + "&ttl=0.3") as channel, open_channel(channel.spec) as reader:
         assert reader.ttl_s == 0.3
         channel.put("req-old", sample_outputs(1))
@@ -217,7 +220,8 @@ def test_the_consumer_owns_what_it_gets(channel: StageChannel) -> None:
     assert torch.equal(got["rows"], -kept["rows"])
 
 
-def test_a_namespace_owner_frees_everything_on_close(new_spec: str, is_published) -> None:
+def test_a_namespace_owner_frees_everything_on_close(new_spec: str,
+                                                     is_published: IsPublished) -> None:
     owner = open_channel(new_spec)
     joined = open_channel(owner.spec)
     joined.put("req-1", sample_outputs(1))
@@ -334,7 +338,7 @@ def _rss_bytes() -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
-def test_2000_entries_leave_memory_flat(channel: StageChannel, is_published) -> None:
+def test_2000_entries_leave_memory_flat(channel: StageChannel, is_published: IsPublished) -> None:
     outputs = {HIDDEN_KEY: torch.randn(64, 256), "codec_ids": torch.arange(64 * 8).reshape(64, 8)}
 
     def round_trips(first: int, count: int) -> None:
