@@ -115,11 +115,17 @@ class AcceleratorBackend(DeviceBackend):
 
         return Transfer(event=done, finish=finish, keepalive=(rows,))
 
-    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
-                     ) -> tuple[torch.Tensor, Transfer]:
+    def alloc_arena(self, nbytes: int) -> torch.Tensor:
+        # torch's caching host allocator: a block is reused only once its copies completed
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
         if tensor.device.type != self.name:
-            return tensor.detach().to("cpu", copy=True), Transfer()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = tensor.detach().to("cpu", copy=True)
+            return (host if out is None else out.copy_(host)), Transfer()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if out is None \
+            else out
         with self._on_copy_stream(ready):
             host.copy_(tensor, non_blocking=True)
             done = self._record_copy_done()

@@ -173,9 +173,20 @@ class DeviceBackend(ABC):
         """
 
     @abstractmethod
-    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
-                     ) -> tuple[torch.Tensor, Transfer]:
-        """A host copy of `tensor`, valid once the transfer completes."""
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+        """A host copy of `tensor`, valid once the transfer completes.
+
+        `out`, a host tensor of `tensor`'s shape and dtype (from `alloc_arena`),
+        receives the copy without any allocation; None allocates one.
+        """
+
+    def alloc_arena(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of host memory for `copy_to_host(out=...)` views, pinned where that exists.
+
+        Dropping the tensor is safe while copies into it are in flight.
+        """
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     # kernel-block knowledge for FullAttentionGroupView
     def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,

@@ -24,22 +24,23 @@ import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from prefix_cache import devices
-from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
+from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.adapter import StartedRequest, translate_step
 from prefix_cache.block_pool import PoolKey, PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.controller import Committer
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheUnmatchError)
+from prefix_cache.host_copies import HostCopy
 from prefix_cache.layout import GroupView, StepLayout
-from prefix_cache.outputs import StepOutputs, split_outputs
+from prefix_cache.outputs import StepOutputs, map_tensors, split_outputs
 from prefix_cache.reads import PREFETCH_MIN_BYTES, Prefetcher, RowRead
 from prefix_cache.staging import StagingPool
 from prefix_cache.stats import CacheStats
@@ -73,10 +74,9 @@ class _StepRecord:
     layout: StepLayout                                  # row range and slot of every row
     per_token: dict[str, tuple[int, ...]]               # key -> feature shape, hidden first
     step_reads: dict[str, RowRead]                      # immediate key -> all rows of the step
-    host_rows: dict[str, tuple[torch.Tensor, Transfer]]  # deferred key -> this step's host rows
+    host_rows: dict[str, HostCopy]                      # deferred key -> this step's rows
     hit_reads: dict[str, dict[str, RowRead]]            # req -> key -> [hit + step rows]
-    leftover: dict[str, Any]
-    leftover_transfers: list[Transfer] = field(default_factory=list)
+    leftover: dict[str, Any]                            # unsplit, each tensor a HostCopy
 
     def reads(self) -> Iterable[RowRead]:
         yield from self.step_reads.values()
@@ -359,13 +359,16 @@ class OmniPrefixCacheManager:
                 raise OmniPrefixCacheInputError(
                     f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
                     f"{pool_key.feat_shape} {pool_key.dtype}")
-        for key, value in outputs.leftover_tensors():
-            if value.device.type != "cpu":
-                try:
-                    self.backend.check_rows(f"save_outputs: leftover {key!r}", value)
-                except ValueError as exc:
-                    raise OmniPrefixCacheInputError(str(exc)) from None
+        for key, value in outputs.leftover.items():
+            map_tensors(value, lambda t, key=key: self._check_leftover(key, t))
         return new_keys
+
+    def _check_leftover(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            try:
+                self.backend.check_rows(f"save_outputs: leftover {key!r}", tensor)
+            except ValueError as exc:
+                raise OmniPrefixCacheInputError(str(exc)) from None
 
     def _install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Allocate pools for keys seen for the first time (unlocked), then install them all."""
@@ -408,11 +411,15 @@ class OmniPrefixCacheManager:
     # ------------------------------------------------------------------ writes
 
     def _private(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of `tensors` the caller cannot change, ordered on its stream (none needed
-        where every transfer completes inside the call)."""
-        if self.backend.synchronous:
-            return dict(tensors)
-        return {k: self.backend.snapshot(v) for k, v in tensors.items()}
+        """Copies of `tensors` the caller cannot change, ordered on its stream."""
+        return {k: self._private_tensor(v) for k, v in tensors.items()}
+
+    def _private_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor's private copy, ordered on the caller's stream; none is needed
+        where every transfer completes inside the call, nor for host tensors (copied now)."""
+        if self.backend.synchronous or tensor.device.type == "cpu":
+            return tensor
+        return self.backend.snapshot(tensor)
 
     def _save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
               spans: dict[str, tuple[int, np.ndarray]]) -> _StepRecord:
@@ -424,11 +431,16 @@ class OmniPrefixCacheManager:
         slots = layout.slots
         n = len(slots)
         immediate = self._private(outputs.immediate)
+        deferred = self._private(outputs.deferred)
         chunks = self._deferred_chunks(outputs.deferred, layout)
-        ready = self.backend.record_event()
-        host_rows = {key: self.backend.copy_to_host(rows, ready=ready)
-                     for key, rows in self._private(outputs.deferred).items()}
-        leftover, leftover_transfers = self._copy_leftover(outputs.leftover, ready)
+        leftover = map_tensors(outputs.leftover, self._private_tensor)
+        ready = self.backend.record_event()  # after every private copy: the copies read them
+        arena = self.staging.arenas[slot]
+        arena.reset()
+        host_rows = {key: HostCopy.start(self.backend, arena, rows, ready)
+                     for key, rows in deferred.items()}
+        leftover = map_tensors(leftover,
+                                lambda t: HostCopy.start(self.backend, arena, t, ready))
         self._resolve_conflicts(slots)
         claim = next(self._claims)
         task = None
@@ -453,7 +465,7 @@ class OmniPrefixCacheManager:
                 for key, rows in immediate.items()), report_failure=False)
         self._append_deferred(chunks, layout, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
-                             {}, host_rows, {}, leftover, leftover_transfers)
+                             {}, host_rows, {}, leftover)
         self._plan_reads(record, immediate.keys(), slots, task, spans)
         self._stats.add(rows_saved=n, bytes_saved=sum(
             v.numel() * v.element_size() for v in outputs.per_token().values()))
@@ -639,26 +651,6 @@ class OmniPrefixCacheManager:
         if req_id is not None:
             self._flush_deferred(req_id)
 
-    def _copy_leftover(self, leftover: Mapping[str, Any], ready: Any
-                       ) -> tuple[dict[str, Any], list[Transfer]]:
-        """CPU copies of the leftover outputs; device tensors go through a private copy first."""
-        transfers: list[Transfer] = []
-
-        def to_host(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                if value.device.type != "cpu" and not self.backend.synchronous:
-                    value = self.backend.snapshot(value)
-                host, transfer = self.backend.copy_to_host(value, ready=ready)
-                transfers.append(transfer)
-                return host
-            if isinstance(value, dict):
-                return {k: to_host(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(to_host(v) for v in value)
-            return value
-
-        return {k: to_host(v) for k, v in leftover.items()}, transfers
-
     # ------------------------------------------------------------------ reads
 
     def _producers(self, slots: np.ndarray, keys: Iterable[str]) -> list[WriteTask]:
@@ -760,13 +752,11 @@ class OmniPrefixCacheManager:
         for key, read in record.step_reads.items():
             read.resolve(self.pool, timeout, self._unpin)
             step_rows[key] = read.out
-        for key, (host, transfer) in record.host_rows.items():
-            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} {key!r} rows",
-                       error=OmniPrefixCacheError)
+        for key, copy in record.host_rows.items():
+            host = copy.result(timeout, f"step {record.step_id} {key!r} rows")
             step_rows[key] = host.view(host.shape[0], math.prod(host.shape[1:]))
-        for transfer in record.leftover_transfers:
-            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} leftover",
-                       error=OmniPrefixCacheError)
+        leftover = map_tensors(record.leftover, lambda copy: copy.result(
+            timeout, f"step {record.step_id} leftover"))
         hidden: dict[str, torch.Tensor] = {}
         mm: dict[str, dict[str, torch.Tensor]] = {k: {} for k in record.per_token
                                                    if k != HIDDEN_KEY}
@@ -790,9 +780,12 @@ class OmniPrefixCacheManager:
                     mm[key][req_id] = value
         self._stats.add(hit_bytes_gathered=hit_bytes)
         return StageCacheOutputs(hidden if self.policy.needs_full_hidden_states else None, mm,
-                                 record.leftover)
+                                 leftover)
 
     def _release_step(self, record: _StepRecord) -> None:
+        """Cancel its unread reads, grow its slot's arena if it was short (off the engine
+        thread), then free the slot."""
         for read in record.reads():
             read.cancel(self._unpin)
+        self.staging.arenas[record.staging_slot].grow()
         self.staging.release(record.staging_slot, ("step", record.step_id))

@@ -9,7 +9,7 @@ leftover, returned unsplit. Nested mm dicts are flattened with dotted keys
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
 from prefix_cache.errors import OmniPrefixCacheInputError
+from prefix_cache.host_copies import HostCopy
 
 
 @dataclass
@@ -37,19 +38,17 @@ class StepOutputs:
     def feature_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape[1:]) for k, v in self.per_token().items()}
 
-    def leftover_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor among the leftover outputs, nested lists and dicts included."""
-        def walk(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
-            if isinstance(value, torch.Tensor):
-                yield name, value
-            elif isinstance(value, Mapping):
-                for k, v in value.items():
-                    yield from walk(f"{name}.{k}", v)
-            elif isinstance(value, (list, tuple)):
-                for i, v in enumerate(value):
-                    yield from walk(f"{name}[{i}]", v)
-        for key, value in self.leftover.items():
-            yield from walk(key, value)
+
+def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """`value` with each tensor (or HostCopy) in it, through dicts, lists and tuples, replaced
+    by `fn` of it; everything else as it is."""
+    if isinstance(value, (torch.Tensor, HostCopy)):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
 
 
 def flatten_mm(mm_outputs: Mapping[str, Any] | None, prefix: str = "") -> dict[str, Any]:

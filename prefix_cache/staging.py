@@ -10,6 +10,7 @@ import torch
 
 from prefix_cache.devices.base import DeviceBackend, HostBuffer
 from prefix_cache.errors import OmniPrefixCacheStagingTimeoutError
+from prefix_cache.host_copies import SlotArena
 
 
 #: Who holds a staging slot: `("step", step_id)` until the step is consumed, and
@@ -32,6 +33,7 @@ class StagingPool:
         self._backend = backend
         self._holders: list[set[Holder]] = [set() for _ in range(depth)]
         self._buffers: dict[tuple[int, str], HostBuffer] = {}
+        self.arenas = [SlotArena(backend) for _ in range(depth)]  # each slot's host copies
         self._cond = threading.Condition()
         self.waits = 0
         self.wait_time_s = 0.0
@@ -83,9 +85,11 @@ class StagingPool:
         return buf.tensor
 
     def nbytes(self) -> int:
-        return sum(buf.nbytes for buf in self._buffers.values())
+        return (sum(buf.nbytes for buf in self._buffers.values())
+                + sum(arena.nbytes for arena in self.arenas))
 
     def close(self) -> None:
         for buf in self._buffers.values():
             buf.close()
         self._buffers.clear()
+        self.arenas = []

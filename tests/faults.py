@@ -106,10 +106,14 @@ class FaultyBackend(DeviceBackend):
         self._maybe_raise("alloc_host")
         return self.inner.alloc_host(shape, dtype)
 
-    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
-                     ) -> tuple[torch.Tensor, Transfer]:
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
         self._maybe_raise("copy_to_host")
-        return self.inner.copy_to_host(tensor, ready=ready)
+        return self.inner.copy_to_host(tensor, ready=ready, out=out)
+
+    def alloc_arena(self, nbytes: int) -> torch.Tensor:
+        self._maybe_raise("alloc_host")
+        return self.inner.alloc_arena(nbytes)
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
