@@ -36,7 +36,7 @@ ldconfig_bin=$(command -v ldconfig || echo /sbin/ldconfig)
 
 stamp="$VENV/.omni-lock-$(cat "$LOCK" pyproject.toml ci/setup-cpu.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
-echo "setting up $VENV from $LOCK with Python $py_version (about 2 minutes on a new machine)"
+echo "setting up $VENV from $LOCK with Python $py_version (a few minutes on a new machine)"
 "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 
