@@ -16,7 +16,7 @@ command -v "$PYTHON" >/dev/null || fail "no '$PYTHON' on PATH; set PYTHON to the
 "$PYTHON" -c "import torch" 2>/dev/null ||
     fail "torch does not import in $PYTHON: install a CUDA build of torch (>=2.4,<2.15) first"
 "$PYTHON" -c "import sys, torch; sys.exit(torch.version.cuda is None)" ||
-    fail "$("$PYTHON" -c 'import torch; print(torch.__version__)') is not a CUDA build of torch"
+    fail "torch $("$PYTHON" -c 'import torch; print(torch.__version__)') is not a CUDA build"
 "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" ||
     fail "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)"
 "$PYTHON" -c "import triton" 2>/dev/null ||
