@@ -432,12 +432,16 @@ def report(result: dict[str, Any]) -> str:
     if device != "cuda":
         parts.append("Targets marked (GPU) hold on an NVIDIA GPU; on this device they are shown, "
                      "not judged.")
-    for name, points in result.get("scaling", {}).items():
-        parts.append(format_table([name if name == "pool blocks" else f"{name} per step",
-                                   "engine-thread µs", "host MiB"],
-                                  [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"]
-                                   for n, us, nbytes in points]))
     return "\n\n".join(parts)
+
+
+def scaling_report(sweeps: dict[str, list[tuple[int, float, int]]]) -> str:
+    """One small table per sweep of `scaling`."""
+    return "\n\n".join(
+        format_table([name if name == "pool blocks" else f"{name} per step",
+                      "engine-thread µs", "host MiB"],
+                     [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"] for n, us, nbytes in points])
+        for name, points in sweeps.items())
 
 
 def unwritable(json_path: str) -> str | None:
@@ -469,9 +473,10 @@ def unusable_device(device: str | None) -> str | None:
 
 def main(*, device: str | None, quick: bool, json_path: str | None) -> int:
     result = run(device, quick)
+    print(report(result), flush=True)
     if not quick:
         result["scaling"] = scaling(device)
-    print(report(result))
+        print(f"\n{scaling_report(result['scaling'])}")
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=2)

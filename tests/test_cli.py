@@ -106,3 +106,25 @@ def test_targets_judge_values_and_say_where_they_apply() -> None:
     assert gpu.applies_to("cuda") and not gpu.applies_to("cpu") and not gpu.applies_to("npu")
     with pytest.raises(ValueError, match="Target.op"):
         Target(">", 1.0)
+
+
+def test_report_fits_100_columns_and_says_pass_miss_gpu_only_or_not_run() -> None:
+    def metric(value: float, passed: bool | None) -> dict[str, object]:
+        return {"value": value, "target": "", "pass": passed, "note": "new_step_starts + "
+                "save_outputs, 64 requests of one token each, median of 30 steps after warm-up",
+                "reference": "contiguous pinned D2H of the same bytes in the same process"}
+
+    machine = "a-rather-long-host-name.example x86_64 16 cpus, torch 2.13.0, NVIDIA H200 " * 2
+    cases = {"cuda": ({"M1": metric(0.64, False), "M2": metric(90.0, True)}, "MISS", "pass"),
+             "cpu": ({"M1": metric(0.9, None), "M2": metric(900.0, None)}, "GPU only",
+                     "GPU only")}
+    for device, (measured, m1_result, m2_result) in cases.items():
+        measured["M3"] = metric(0.5, False)
+        text = bench.report({"device": device, "machine": machine, "metrics": measured})
+        lines = text.splitlines()
+        assert max(map(len, lines)) <= 100
+        rows = {ln.split()[0]: ln for ln in lines if ln.startswith("M")}
+        assert m1_result in rows["M1"]
+        assert m2_result in rows["M2"] and f"{measured['M2']['value']:.0f} µs" in rows["M2"]
+        assert "MISS" in rows["M3"]  # a target for every device is judged on CPU too
+        assert "not run" in rows["M2p"] and "not run" in rows["M4"]
