@@ -10,7 +10,7 @@
 # CPU wheel index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
+VENV=$(realpath -m "${VENV:-.venv}")  # absolute: the last check runs from another directory
 PYTHON=${PYTHON:-python3}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 LOCK=ci/requirements-cpu.lock
