@@ -1,4 +1,4 @@
-"""`python -m prefix_cache bench`: M1-M7 of SPEC §8, each measured beside its reference in one run.
+"""`python -m prefix_cache bench`: each metric of `targets.METRICS` measured beside its reference.
 
 Rows are `D`-wide bf16 (float32 on CPU) hidden states saved into random 16-token
 blocks of a pool; every ratio's numerator and denominator come from this process.
@@ -10,9 +10,11 @@ import json
 import os
 import platform
 import statistics
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,9 +24,9 @@ from prefix_cache import devices
 from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
-from prefix_cache.demo import format_table
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.reads import RowRead
+from prefix_cache.targets import METRICS
 
 WIDTH = 2048
 BLOCK = 16
@@ -32,8 +34,8 @@ BLOCK = 16
 SCALING_POOL_BLOCKS = 2048
 #: Saves issued before waiting, as consecutive steps overlap in an engine (M1's steady state).
 SAVES_IN_FLIGHT = 4
-TARGETS = {"M1": ">= 0.85", "M2": "<= 100 us (GPU)", "M3": ">= 0.7", "M4": "0 s",
-           "M5": ">= 0.98", "M6": "<= 1.05", "M7": "<= 1.03"}
+#: Columns the printed report fits in.
+REPORT_WIDTH = 100
 
 
 @dataclass
@@ -151,7 +153,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     view = _DecodeView(num_reqs, tokens_per_req)
     needed = num_reqs * (tokens_per_req // BLOCK + 1) + 2
     blocks = needed if num_blocks is None else max(num_blocks, needed)
-    config = PrefixCacheConfig(blocks, BLOCK, staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
+    config = PrefixCacheConfig(blocks, BLOCK,
+                               staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
     hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
     so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
                          "scheduled_cached_reqs": None,
@@ -345,8 +348,15 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     return {"device": backend.name, "machine": f"{platform.node()} {platform.machine()} "
             f"{os.cpu_count()} cpus, torch {torch.__version__}"
             + (f", {torch.cuda.get_device_name()}" if backend.name == "cuda" else ""),
-            "metrics": {k: {"value": m.value, "target": TARGETS[k], "reference": m.reference,
-                            "note": m.note} for k, m in metrics.items()}}
+            "metrics": {k: _metric_json(k, m, backend.name) for k, m in metrics.items()}}
+
+
+def _metric_json(name: str, metric: Metric, device: str) -> dict[str, Any]:
+    """A measured metric with its target; `pass` is None where the target does not apply."""
+    target = METRICS[name].target
+    judged = metric.value is not None and target.applies_to(device)
+    return {"value": metric.value, "target": target.text, "reference": metric.reference,
+            "note": metric.note, "pass": target.met_by(metric.value) if judged else None}
 
 
 def scaling(device: str | None) -> dict[str, list[tuple[int, float, int]]]:
@@ -370,19 +380,103 @@ def scaling(device: str | None) -> dict[str, list[tuple[int, float, int]]]:
     return out
 
 
+def format_table(headers: list[str], rows: list[list[Any]], width: int = REPORT_WIDTH) -> str:
+    """Left-aligned columns; the last one is wrapped so that every line fits in `width`."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    widths[-1] = min(widths[-1], max(width - indent, 20))
+
+    def lines(row: list[str]) -> list[str]:
+        head = "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths))
+        wrapped = textwrap.wrap(row[-1], widths[-1]) or [""]
+        first = f"{head}  {wrapped[0]}" if head else wrapped[0]
+        return [first.rstrip()] + [" " * indent + more for more in wrapped[1:]]
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([*lines(headers), rule, *(line for r in cells for line in lines(r))])
+
+
+def _value_text(name: str, metric: dict[str, Any] | None) -> str:
+    if metric is None or metric["value"] is None:
+        return "n/a"
+    unit = METRICS[name].target.unit
+    return f"{metric['value']:.0f} {unit}" if unit else f"{metric['value']:.3f}"
+
+
+def _result_text(device: str, name: str, metric: dict[str, Any] | None) -> str:
+    if metric is None:
+        return "not run"
+    if metric["pass"] is not None:
+        return "pass" if metric["pass"] else "MISS"
+    if not METRICS[name].target.applies_to(device):
+        return "GPU only"
+    return "n/a"
+
+
+def report(result: dict[str, Any]) -> str:
+    """The run as text for a terminal: a header, then one row per metric with pass or MISS."""
+    device = result["device"]
+    header = textwrap.fill(f"device: {device}   machine: {result['machine']}", REPORT_WIDTH)
+    rows = []
+    for name in METRICS:
+        metric = result["metrics"].get(name)
+        if metric is None:
+            detail = "not measured by this version of the bench"
+        else:
+            detail = "; ".join(t for t in (metric["reference"], metric["note"]) if t)
+        rows.append([name, _value_text(name, metric),
+                     METRICS[name].target.text, _result_text(device, name, metric), detail])
+    table = format_table(["metric", "value", "target", "result", "measured against; how"], rows)
+    parts = [header, table]
+    if device != "cuda":
+        parts.append("Targets marked (GPU) hold on an NVIDIA GPU; on this device they are shown, "
+                     "not judged.")
+    return "\n\n".join(parts)
+
+
+def scaling_report(sweeps: dict[str, list[tuple[int, float, int]]]) -> str:
+    """One small table per sweep of `scaling`."""
+    return "\n\n".join(
+        format_table([name if name == "pool blocks" else f"{name} per step",
+                      "engine-thread µs", "host MiB"],
+                     [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"] for n, us, nbytes in points])
+        for name, points in sweeps.items())
+
+
+def unwritable(json_path: str) -> str | None:
+    """Why `json_path` cannot be written, or None; leaves no file behind."""
+    path = Path(json_path)
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        return f"--json {json_path}: cannot write there ({exc.strerror})"
+    if not existed:
+        path.unlink()
+    return None
+
+
+def unusable_device(device: str | None) -> str | None:
+    """Why `device` cannot run the bench in this process, or None (None: auto-detect)."""
+    if device is None:
+        return None
+    classes = devices.backend_classes()
+    if device not in classes:
+        return f"unknown device {device!r}; known: {', '.join(sorted(classes))}"
+    if not classes[device].is_available():
+        return (f"device {device!r} is not present in this process; available here: "
+                f"{', '.join(devices.available())}")
+    return None
+
+
 def main(*, device: str | None, quick: bool, json_path: str | None) -> int:
     result = run(device, quick)
-    print(f"device: {result['device']}   machine: {result['machine']}")
-    rows = [[k, "n/a" if m["value"] is None else f"{m['value']:.3f}", m["target"], m["reference"],
-             m["note"]] for k, m in result["metrics"].items()]
-    print(format_table(["metric", "value", "target", "reference", "note"], rows))
+    print(report(result), flush=True)
     if not quick:
         result["scaling"] = scaling(device)
-        for name, points in result["scaling"].items():
-            print(format_table([name if name == "pool blocks" else f"{name} per step",
-                                "engine-thread µs", "host MiB"],
-                               [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"]
-                                for n, us, nbytes in points]))
+        print(f"\n{scaling_report(result['scaling'])}")
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=2)
