@@ -23,6 +23,16 @@ def _bench_epilog() -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m prefix_cache")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -38,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="2048-token steps and no scaling sweep; under a minute on CPU")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    bench.add_argument("--runs", type=_positive_int, default=1, metavar="N",
+                       help="run everything N times back to back; report each metric's median "
+                            "and spread (default: 1)")
     return parser
 
 
@@ -51,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
     if problem:
         parser.exit(2, f"{parser.prog} bench: error: {problem}\n")
-    return bench.main(device=args.device, quick=args.quick, json_path=args.json)
+    return bench.main(device=args.device, quick=args.quick, json_path=args.json, runs=args.runs)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_quick_bench_judges_every_metric_against_its_target(tmp_path: Path) -> N
     assert max(map(len, lines)) <= 100
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["machine"]
-    assert sorted(result["metrics"]) == [f"M{i}" for i in range(1, 8)]
+    assert sorted(result["metrics"]) == sorted(METRICS)
     for name, metric in result["metrics"].items():
         target = METRICS[name].target
         assert metric["target"] == target.text and metric["reference"], name
@@ -39,7 +39,7 @@ def test_quick_bench_judges_every_metric_against_its_target(tmp_path: Path) -> N
         verdict = {True: "pass", False: "MISS"}.get(metric["pass"])
         assert (verdict or ("GPU only" if target.gpu_only else "n/a")) in row, row
     assert result["metrics"]["M7"]["value"] is None  # no device compute on CPU: null, with why
-    assert result["metrics"]["M4"]["value"] == 0.0  # the hidden pool is allocated at init
-    assert result["metrics"]["M6"]["value"] <= 1.05
-    (m2p,) = [line for line in lines if line.startswith("M2p ")]
-    assert "not run" in m2p  # a target without a measurement yet is listed, never judged
+    m4 = result["metrics"]["M4"]
+    assert m4["value"] == 0 and "200 mixed steps after warm-up: 0 pinned" in m4["reference"]
+    assert 0.9 <= result["metrics"]["M6"]["value"] <= 1.05  # measured, not exactly 1
+    assert result["metrics"]["M2p"]["value"] > 0
