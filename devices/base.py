@@ -167,7 +167,9 @@ class DeviceBackend(ABC):
         """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready`.
 
         `rows` is `[n, F]` on the device, `slots` an int64 CPU tensor of n
-        distinct slots, `pool.tensor` a `[num_slots, F]` host tensor. `staging`
+        distinct slots (except slot 0, of vLLM's never-read null block, which
+        may take any number of discarded rows), `pool.tensor` a `[num_slots, F]`
+        host tensor. `staging`
         is a host `[>= n, F]` buffer for backends that stage (`needs_staging`);
         None lets them take a page of their own.
         """

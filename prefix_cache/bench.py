@@ -329,6 +329,10 @@ class _StallCounter:
         self._cuda = backend.name == "cuda"
         for name in ("alloc_host", "alloc_arena"):
             setattr(backend, name, self._counted(getattr(backend, name)))
+        if self._cuda:  # the scatter's slot pages register host memory of their own
+            from prefix_cache.devices.cuda import slot_pages
+            self._register = slot_pages.register_host
+            slot_pages.register_host = self._counted(self._register)
 
     def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -360,6 +364,9 @@ class _StallCounter:
     def restore(self) -> None:
         for name in ("alloc_host", "alloc_arena"):
             delattr(self.backend, name)
+        if self._cuda:
+            from prefix_cache.devices.cuda import slot_pages
+            slot_pages.register_host = self._register
 
 
 def engine_thread_stalls(backend: DeviceBackend, dtype: torch.dtype, steps: int,

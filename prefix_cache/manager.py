@@ -48,6 +48,9 @@ from prefix_cache.tasks import DeferredChunk, TaskState, WriteTask
 
 logger = logging.getLogger(__name__)
 
+#: Where rows that must not land go: a slot of vLLM's null block 0, which no hit or step reads.
+NULL_SLOT = 0
+
 
 class StageCacheOutputs(NamedTuple):
     """What `materialize` hands the next stage; every tensor is a CPU tensor the caller owns."""
@@ -582,17 +585,16 @@ class OmniPrefixCacheManager:
             task = self._open_deferred.pop(req_id, None)
             if task is None:
                 return
-            parts = []
-            for chunk in task.chunks:  # rows whose slots went to a new tenant are dropped
-                keep = self.pool.slot_claim[chunk.slots] == chunk.claims
-                if keep.any():
-                    parts.append((chunk, keep))
+            # rows whose slots went to a new tenant go to the null block, which nothing reads:
+            # dropping them on the device would cost an index upload, a synchronization
+            parts = [(chunk, np.where(keep, chunk.slots, NULL_SLOT)) for chunk in task.chunks
+                     if (keep := self.pool.slot_claim[chunk.slots] == chunk.claims).any()]
 
         def issue() -> Iterator[Transfer]:
             ready = self.backend.record_event()
-            slots = torch.from_numpy(np.concatenate([c.slots[k] for c, k in parts]))
+            slots = torch.from_numpy(np.concatenate([kept for _, kept in parts]))
             for key in parts[0][0].rows:
-                rows = torch.cat([self._select(c.rows[key], k) for c, k in parts])
+                rows = torch.cat([chunk.rows[key] for chunk, _ in parts])
                 yield self.backend.scatter_rows(
                     rows.reshape(len(slots), -1), slots, self.pool.keys[key].storage,
                     ready=ready, staging=None)
@@ -601,13 +603,6 @@ class OmniPrefixCacheManager:
             self._launch(task, issue() if parts else (), report_failure=True)
         except Exception:
             pass  # the task failed alone; the next public call raises its error
-
-    @staticmethod
-    def _select(rows: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
-        if keep.all():
-            return rows
-        index = torch.from_numpy(np.flatnonzero(keep)).to(rows.device)
-        return rows.index_select(0, index)
 
     def _mirror_block_copy(self, src: int, dst: int) -> None:
         """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on.
