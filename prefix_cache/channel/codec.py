@@ -1,0 +1,122 @@
+"""A stage entry and its wire form: a JSON header (keys, dtypes, shapes, offsets, metadata), then bytes.
+
+Layout: `MAGIC` (8 bytes), the header's length (8 bytes, little endian), the UTF-8 JSON header,
+then each tensor's raw bytes at `data_start + offset`, where `data_start` and every offset are
+multiples of `ALIGN`, so a decoded tensor is an aligned view of the buffer it was read into.
+Any strided torch dtype round-trips (bfloat16, float8, bool, complex...), 0-row tensors included.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+MAGIC = b"OPCSTG\x00\x01"
+ALIGN = 64
+_PREFIX = struct.Struct("<8sQ")  # magic, header length
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One request's published stage outputs: CPU tensors by key, the aborted marker, metadata."""
+
+    request_id: str
+    outputs: dict[str, torch.Tensor]
+    aborted: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON values, defined by the publisher
+    published_at: float = 0.0  # time.time() at publish
+
+
+class EncodedEntry(NamedTuple):
+    """An entry's wire form as pieces to write at their offsets; the gaps between them are zeros."""
+
+    nbytes: int
+    pieces: list[tuple[int, memoryview]]  # (offset, bytes), ascending; the header first
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _raw_bytes(key: str, value: Any) -> torch.Tensor:
+    """`value`'s bytes as a flat uint8 tensor, without a copy when it is already contiguous."""
+    if not isinstance(key, str):
+        raise TypeError(f"stage output key {key!r} is not a str")
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        raise TypeError(f"stage output {key!r} is not a dense tensor: {type(value).__name__}")
+    if value.device.type != "cpu":
+        raise ValueError(f"stage output {key!r} is on {value.device}; the channel takes CPU rows")
+    flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def encode(entry: StageEntry) -> EncodedEntry:
+    """The entry's wire form; tensor bytes are referenced, not copied (non-contiguous ones are)."""
+    rows, payloads, offset = [], [], 0
+    for key, value in entry.outputs.items():
+        raw = _raw_bytes(key, value)
+        rows.append({"key": key, "dtype": str(value.dtype).removeprefix("torch."),
+                     "shape": list(value.shape), "offset": offset})
+        payloads.append((offset, memoryview(raw.numpy())))
+        offset = _align(offset + raw.numel())
+    header = {"request_id": entry.request_id, "aborted": bool(entry.aborted),
+              "published_at": entry.published_at, "meta": entry.meta, "tensors": rows}
+    try:
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"request {entry.request_id}: entry metadata is not JSON: {e}") from e
+    data_start = _align(_PREFIX.size + len(header_bytes))
+    pieces = [(0, memoryview(_PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes))]
+    pieces += [(data_start + off, payload) for off, payload in payloads]
+    return EncodedEntry(data_start + offset, pieces)
+
+
+def join(encoded: EncodedEntry) -> torch.Tensor:
+    """The wire form as one contiguous uint8 tensor (a copy), for stores that take one buffer."""
+    out = torch.empty(encoded.nbytes, dtype=torch.uint8)
+    dst, end = out.numpy(), 0
+    for offset, piece in encoded.pieces:
+        dst[end:offset] = 0
+        dst[offset:offset + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
+        end = offset + piece.nbytes
+    dst[end:] = 0
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def decode(data: torch.Tensor) -> StageEntry:
+    """The entry in `data` (flat uint8, handed over by the caller); tensors are views of `data`.
+
+    Raises ValueError when `data` is not a well-formed entry.
+    """
+    if data.numel() < _PREFIX.size:
+        raise ValueError(f"{data.numel()} bytes is shorter than an entry's prefix")
+    magic, header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())
+    if magic != MAGIC:
+        raise ValueError(f"bad magic {magic!r}, not a stage entry of this version")
+    data_start = _align(_PREFIX.size + header_len)
+    if data_start > data.numel():
+        raise ValueError(f"header of {header_len} bytes runs past the entry's {data.numel()}")
+    header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes())
+    outputs = {}
+    for row in header["tensors"]:
+        dtype, shape = _dtype(row["dtype"]), torch.Size(row["shape"])
+        start = data_start + row["offset"]
+        end = start + shape.numel() * dtype.itemsize
+        if row["offset"] % ALIGN or end > data.numel():
+            raise ValueError(f"tensor {row['key']!r} at bytes {start}..{end} lies outside the "
+                             f"entry's {data.numel()} bytes or is misaligned")
+        outputs[row["key"]] = data[start:end].view(dtype).view(shape)
+    return StageEntry(header["request_id"], outputs, header["aborted"], header["meta"],
+                      header["published_at"])

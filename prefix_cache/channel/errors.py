@@ -1,0 +1,11 @@
+"""The errors a stage channel raises; each names the channel and the request or address involved."""
+
+from prefix_cache.errors import OmniPrefixCacheError
+
+
+class OmniPrefixCacheChannelError(OmniPrefixCacheError):
+    """A stage channel cannot serve: its backend is missing or unreachable, or an entry is bad."""
+
+
+class OmniPrefixCacheChannelTimeoutError(OmniPrefixCacheChannelError):
+    """No entry for the request arrived on the channel within the caller's timeout."""
