@@ -17,8 +17,9 @@ carries the prompt length and row count so the consumer can judge.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,8 +29,8 @@ from prefix_cache.errors import OmniPrefixCacheUnmatchError
 class StageSink(Protocol):
     """Where finished requests' rows go (a `prefix_cache.channel.StageChannel`)."""
 
-    def put(self, request_id: str, outputs: dict[str, torch.Tensor], *,
-            aborted: bool = False) -> None: ...
+    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *,
+            aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class StageDelivery:
             return
         num_rows = next(iter(rows.values())).shape[0] if rows else 0
         aborted = request.prompt_len is None or num_rows < request.prompt_len
-        self._sink.put(request.external_id, rows, aborted=aborted)
+        self._sink.put(request.external_id, rows, aborted=aborted,
+                       meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
         with self._lock:
             self._published += 1
