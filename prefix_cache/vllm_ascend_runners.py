@@ -27,9 +27,11 @@ class PrefixCacheNPUModelRunner(PrefixCacheRunnerMixin, NPUModelRunner):
 
 
 class PrefixCacheNPUWorker(StatsRPC, npu_worker.NPUWorker):
-    """vllm-ascend's NPU worker building a `PrefixCacheNPUModelRunner`."""
+    """vllm-ascend's NPU worker building a `runner_cls` (a `PrefixCacheNPUModelRunner`)."""
+
+    runner_cls: type[NPUModelRunner] = PrefixCacheNPUModelRunner
 
     def init_device(self) -> None:
         refuse_model_runner_v2(self)
-        with runner_class(npu_worker, "NPUModelRunner", PrefixCacheNPUModelRunner):
+        with runner_class(npu_worker, "NPUModelRunner", self.runner_cls):
             super().init_device()

@@ -58,20 +58,24 @@ class StatsRPC:
 
 
 class PrefixCacheCPUWorker(StatsRPC, cpu_worker.CPUWorker):
-    """vLLM's CPU worker building a `PrefixCacheCPUModelRunner`."""
+    """vLLM's CPU worker building a `runner_cls` (a `PrefixCacheCPUModelRunner`)."""
+
+    runner_cls: type[CPUModelRunner] = PrefixCacheCPUModelRunner
 
     def init_device(self) -> None:
         refuse_model_runner_v2(self)
-        with runner_class(cpu_worker, "CPUModelRunner", PrefixCacheCPUModelRunner):
+        with runner_class(cpu_worker, "CPUModelRunner", self.runner_cls):
             super().init_device()
 
 
 class PrefixCacheGPUWorker(StatsRPC, gpu_worker.Worker):
-    """vLLM's GPU worker building a `PrefixCacheGPUModelRunner`."""
+    """vLLM's GPU worker building a `runner_cls` (a `PrefixCacheGPUModelRunner`)."""
+
+    runner_cls: type[GPUModelRunner] = PrefixCacheGPUModelRunner
 
     def _make_model_runner(self) -> GPUModelRunner:
         refuse_model_runner_v2(self)
-        return PrefixCacheGPUModelRunner(self.vllm_config, self.device)
+        return self.runner_cls(self.vllm_config, self.device)
 
 
 def __getattr__(name: str) -> Any:
