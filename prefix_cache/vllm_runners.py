@@ -8,6 +8,7 @@ model runner V1; under Model Runner V2 every worker refuses at start.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -81,6 +82,5 @@ class PrefixCacheGPUWorker(StatsRPC, gpu_worker.Worker):
 def __getattr__(name: str) -> Any:
     """The NPU classes, from `prefix_cache.vllm_ascend_runners` (needs vllm-ascend)."""
     if name in _NPU_NAMES:
-        from prefix_cache import vllm_ascend_runners
-        return getattr(vllm_ascend_runners, name)
+        return getattr(importlib.import_module("prefix_cache.vllm_ascend_runners"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
