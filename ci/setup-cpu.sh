@@ -3,6 +3,11 @@
 # pytest, hypothesis. Idempotent: skips the install when the lock file has not changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Mooncake Store's client (pinned in the lock) needs libibverbs.so.1 to import, even over TCP.
+if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq libibverbs1
+fi
 VENV=${VENV:-.venv}
 LOCK=ci/requirements-cpu.lock
 stamp="$VENV/.omni-lock-$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -c1-16)"

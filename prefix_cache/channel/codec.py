@@ -1,4 +1,4 @@
-"""A stage entry and its wire form: a JSON header (keys, dtypes, shapes, offsets, metadata), then bytes.
+"""A stage entry and its wire form: a JSON header (keys, dtypes, shapes, offsets, meta), then bytes.
 
 Layout: `MAGIC` (8 bytes), the header's length (8 bytes, little endian), the UTF-8 JSON header,
 then each tensor's raw bytes at `data_start + offset`, where `data_start` and every offset are

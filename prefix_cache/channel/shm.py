@@ -174,6 +174,10 @@ class ShmChannel(StageChannel):
         try:
             os.rename(self.entry_path(request_id), claim)
         except FileNotFoundError:
+            if not self.directory.is_dir():
+                raise OmniPrefixCacheChannelError(
+                    f"shm channel namespace {self.directory} is gone (its owner closed it) while "
+                    f"waiting for request {request_id}") from None
             return None
         try:
             fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW)

@@ -1,0 +1,358 @@
+"""The stage channel with each backend (shared memory; Mooncake Store on loopback, real processes).
+
+Rows reach a consumer in another (spawned) process exactly, by request id; the get waits,
+bounded; entries are freed once consumed, after their time to live, and by the owner's close;
+shared-memory entries are private; an unreachable backend is a clear error; memory stays flat.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import multiprocessing
+import os
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
+from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelTimeoutError,
+                                  StageChannel, open_channel)
+from prefix_cache.channel.mooncake import MooncakeChannel
+from prefix_cache.channel.shm import ShmChannel
+from tests.mooncake_store import MooncakeStoreProcesses, free_port, mooncake_missing_reason
+
+MOONCAKE_MISSING = mooncake_missing_reason()
+BIG_ELEMENTS = 16 << 20  # 64 MiB of float32
+IsPublished = Callable[[StageChannel, str], bool]
+
+
+def sample_outputs(seed: int, rows: int = 37) -> dict[str, torch.Tensor]:
+    """A request's stage outputs as a worker publishes them: several keys and dtypes, 0-row key."""
+    g = torch.Generator().manual_seed(seed)
+    return {HIDDEN_KEY: torch.randn(rows, 64, generator=g).to(torch.bfloat16),
+            "talker_embeds": torch.randn(rows, 32, generator=g),
+            "codec_ids": torch.randint(0, 4096, (rows, 4), generator=g),
+            "no_rows_yet": torch.empty(0, 16)}
+
+
+def big_outputs(seed: int) -> dict[str, torch.Tensor]:
+    return {HIDDEN_KEY: torch.randn(BIG_ELEMENTS, generator=torch.Generator().manual_seed(seed))}
+
+
+EXPECTED = {"req-small": lambda: sample_outputs(1), "req-aborted": lambda: sample_outputs(2, 5),
+            "req-64MiB": lambda: big_outputs(3)}
+
+
+def same_rows(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(
+        got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def _consume(spec: str, results: multiprocessing.Queue) -> None:
+    """In a spawned process: take every EXPECTED entry and report whether its rows are exact."""
+    with open_channel(spec) as channel:
+        for request_id, outputs in EXPECTED.items():
+            entry = channel.get_entry(request_id, timeout_s=60)
+            results.put((request_id, (same_rows(entry.outputs, outputs()), entry.aborted,
+                                      entry.meta)))
+
+
+def _publish_later(spec: str, request_id: str, delay_s: float) -> None:
+    """In a spawned process: publish `sample_outputs(7)` after `delay_s`."""
+    time.sleep(delay_s)
+    with open_channel(spec) as channel:
+        channel.put(request_id, sample_outputs(7))
+
+
+def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+@pytest.fixture(scope="module")
+def mooncake_store(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeStoreProcesses]:
+    if MOONCAKE_MISSING:
+        pytest.skip(MOONCAKE_MISSING)
+    with MooncakeStoreProcesses(tmp_path_factory.mktemp("mooncake")) as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def mooncake_client(mooncake_store: MooncakeStoreProcesses) -> Iterator[Any]:
+    client = mooncake_store.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture(params=["shm", "mooncake"])
+def new_spec(request: pytest.FixtureRequest) -> str:
+    """A spec that opens a new namespace of the backend; options may be appended with '&'."""
+    if request.param == "shm":
+        return "shm://?"
+    return request.getfixturevalue("mooncake_store").spec
+
+
+@pytest.fixture
+def channel(new_spec: str) -> Iterator[StageChannel]:
+    with open_channel(new_spec) as channel:
+        yield channel
+
+
+@pytest.fixture
+def is_published(request: pytest.FixtureRequest) -> IsPublished:
+    """Whether the backend still holds a request's entry, asked of the backend itself."""
+    def check(channel: StageChannel, request_id: str) -> bool:
+        if isinstance(channel, ShmChannel):
+            return channel.entry_path(request_id).exists()
+        client = request.getfixturevalue("mooncake_client")
+        return client.is_exist(channel.entry_key(request_id)) == 1
+    return check
+
+
+def test_a_spawned_consumer_gets_exactly_the_rows(channel: StageChannel,
+                                                  is_published: IsPublished) -> None:
+    results = multiprocessing.get_context("spawn").Queue()
+    consumer = _spawn(_consume, channel.spec, results)
+    channel.put("req-small", EXPECTED["req-small"]())
+    meta = {"num_prompt_tokens": 5, "finish_reason": "abort"}
+    channel.put("req-aborted", EXPECTED["req-aborted"](), aborted=True, meta=meta)
+    channel.put("req-64MiB", EXPECTED["req-64MiB"]())
+    got = dict(results.get(timeout=120) for _ in EXPECTED)  # rid -> (exact, aborted, meta)
+    consumer.join(30)
+    assert consumer.exitcode == 0
+    assert got == {"req-small": (True, False, {}), "req-aborted": (True, True, meta),
+                   "req-64MiB": (True, False, {})}
+    assert not any(is_published(channel, rid) for rid in EXPECTED)
+
+
+def test_get_waits_for_a_put_from_another_process(channel: StageChannel) -> None:
+    publisher = _spawn(_publish_later, channel.spec, "req-late", 1.0)
+    start = time.monotonic()
+    outputs = channel.get("req-late", timeout_s=60)
+    waited = time.monotonic() - start
+    publisher.join(30)
+    assert publisher.exitcode == 0
+    assert same_rows(outputs, sample_outputs(7))
+    assert waited >= 1.0
+
+
+def test_a_reader_never_takes_a_half_written_entry(channel: StageChannel) -> None:
+    published, taken = big_outputs(3), {}
+    with open_channel(channel.spec) as reader:
+        polling = threading.Thread(target=lambda: taken.update(reader.get("req-big", 60)))
+        polling.start()  # polls every few ms while the 64 MiB entry is being stored
+        channel.put("req-big", published)
+        polling.join(60)
+    assert same_rows(taken, published)
+
+
+def test_get_times_out_with_one_line_naming_request_and_channel(channel: StageChannel) -> None:
+    start = time.monotonic()
+    with pytest.raises(OmniPrefixCacheChannelTimeoutError) as info:
+        channel.get("req-never-published", timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.5
+    assert isinstance(info.value, OmniPrefixCacheError)
+    message = str(info.value)
+    assert "req-never-published" in message and channel.spec in message and "\n" not in message
+
+
+def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published: IsPublished) -> None:
+    channel.put("req-1", sample_outputs(1))
+    assert is_published(channel, "req-1")
+    assert same_rows(channel.get("req-1", timeout_s=5), sample_outputs(1))
+    assert not is_published(channel, "req-1")
+    with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+        channel.get("req-1", timeout_s=0.1)
+
+
+def test_expired_entries_are_freed_unconsumed(new_spec: str, is_published: IsPublished) -> None:
+    with open_channel(new_spec + "&ttl=0.3") as channel, open_channel(channel.spec) as reader:
+        assert reader.ttl_s == 0.3
+        channel.put("req-old", sample_outputs(1))
+        channel.put("req-read-late", sample_outputs(2))
+        time.sleep(0.4)
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError, match="entries live 0.3 s"):
+            reader.get("req-read-late", timeout_s=0.2)  # found expired, or swept, and freed
+        assert not is_published(channel, "req-read-late")
+        channel.put("req-new", sample_outputs(3))  # the publisher sweeps what expired
+        assert not is_published(channel, "req-old")
+        assert same_rows(reader.get("req-new", timeout_s=5), sample_outputs(3))
+
+
+def test_aborted_marker_and_metadata_round_trip(channel: StageChannel) -> None:
+    channel.put("req-done", sample_outputs(1), meta={"num_cached_tokens": 16})
+    channel.put("req-cut", sample_outputs(2, rows=3), aborted=True)
+    done, cut = channel.get_entry("req-done", 5), channel.get_entry("req-cut", 5)
+    assert (done.aborted, done.meta, done.request_id) == (False, {"num_cached_tokens": 16},
+                                                          "req-done")
+    assert (cut.aborted, cut.meta) == (True, {})
+    assert same_rows(cut.outputs, sample_outputs(2, rows=3))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.resolve_conj().contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_the_consumer_owns_what_it_gets(channel: StageChannel) -> None:
+    published = {"rows": torch.arange(12.0).reshape(3, 4), "flag": torch.tensor([True, False]),
+                 "scalar": torch.tensor(2.5, dtype=torch.float64),
+                 "strided": torch.arange(20, dtype=torch.int16).reshape(4, 5).t(),
+                 "fp8": torch.arange(6.0).to(torch.float8_e4m3fn),
+                 "complex": torch.randn(3, dtype=torch.complex64).conj()}
+    channel.put("req-1", published)
+    kept = {k: v.clone() for k, v in published.items()}
+    published["rows"].add_(100)  # the publisher's tensors are not the entry
+    got = channel.get("req-1", timeout_s=5)
+    for key, value in kept.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape
+        assert torch.equal(_as_bytes(got[key]), _as_bytes(value)), key
+    got["rows"].mul_(-1)  # writable, and nobody else sees it
+    assert torch.equal(got["rows"], -kept["rows"])
+
+
+def test_a_namespace_owner_frees_everything_on_close(new_spec: str,
+                                                     is_published: IsPublished) -> None:
+    owner = open_channel(new_spec)
+    joined = open_channel(owner.spec)
+    joined.put("req-1", sample_outputs(1))
+    joined.put("req-2", sample_outputs(2))
+    joined.close()  # a joined handle's close keeps the entries
+    assert same_rows(owner.get("req-1", timeout_s=5), sample_outputs(1))
+    owner.close()
+    owner.close()
+    assert not is_published(owner, "req-2")
+    with pytest.raises(OmniPrefixCacheChannelError, match="is closed"):
+        owner.put("req-3", sample_outputs(3))
+    with pytest.raises(OmniPrefixCacheChannelError, match="is closed"):
+        joined.get("req-2", timeout_s=0.1)
+
+
+def test_shm_entries_are_private_and_unnamed_by_request_id() -> None:
+    old_umask = os.umask(0)
+    try:
+        first, second = open_channel("shm"), open_channel()
+    finally:
+        os.umask(old_umask)
+    with first, second:
+        first.put("req-secret", sample_outputs(1))
+        second.put("req-secret", sample_outputs(1))
+        assert stat.S_IMODE(os.stat(first.directory).st_mode) == 0o700
+        assert {stat.S_IMODE(p.stat().st_mode) for p in first.directory.iterdir()} == {0o600}
+        names = {first.entry_path("req-secret").name, second.entry_path("req-secret").name}
+        plain = {getattr(hashlib, h)(b"req-secret").hexdigest() for h in ("sha256", "sha1", "md5")}
+        assert len(names) == 2 and not names & plain
+        assert not any("req-secret" in p.name for p in first.directory.iterdir())
+        os.chmod(first.directory, 0o755)
+        with pytest.raises(OmniPrefixCacheChannelError, match="not a directory private to this"):
+            open_channel(first.spec)
+    assert not first.directory.exists() and not second.directory.exists()
+
+
+def test_shm_a_closed_namespace_is_a_clear_error() -> None:
+    with open_channel() as owner, open_channel(owner.spec) as joined:
+        owner.close()
+        start = time.monotonic()
+        with pytest.raises(OmniPrefixCacheChannelError, match="is gone .* request req-1"):
+            joined.get("req-1", timeout_s=30)
+        assert time.monotonic() - start < 1
+    with pytest.raises(OmniPrefixCacheChannelError, match="does not exist"):
+        open_channel(owner.spec)
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("tcp://127.0.0.1:1", "unknown channel spec"),
+    ("shm://?size=4", "unknown option"),
+    ("shm://../etc", "unknown channel spec"),
+    ("shm://.key", "not a plain directory name"),
+    ("mooncake://127.0.0.1:5?namespace=x", "needs the master's HOST:PORT and \\?metadata="),
+    ("mooncake://127.0.0.1?metadata=http://127.0.0.1:6/metadata", "HOST:PORT"),
+])
+def test_bad_specs_are_refused(spec: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        open_channel(spec)
+
+
+def test_bad_outputs_are_refused_naming_the_key(channel: StageChannel) -> None:
+    with pytest.raises(ValueError, match="'rows' is on meta"):
+        channel.put("req-1", {"rows": torch.empty(2, device="meta")})
+    with pytest.raises(TypeError, match="'rows' is not a dense tensor: list"):
+        channel.put("req-1", {"rows": [1.0]})
+    with pytest.raises(TypeError, match="request req-1: entry metadata is not JSON"):
+        channel.put("req-1", {}, meta={"when": object()})
+    with pytest.raises(ValueError, match="request id"):
+        channel.put("", {})
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a TCP listener on `port`, from /proc/net/tcp{,6}."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.rsplit(":", 1)
+            if state == "0A" and int(port_hex, 16) == port:
+                found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_mooncake_processes_listen_on_loopback_only(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+    for port in (mooncake_store.rpc_port, mooncake_store.metrics_port,
+                 mooncake_store.metadata_port, mooncake_store.holder_port):
+        assert _listening_addresses(port) == {loopback}, port
+
+
+@pytest.mark.slow
+def test_mooncake_master_not_running_names_the_address(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(OmniPrefixCacheChannelError,
+                       match=f"cannot reach the Mooncake master at {master} "):
+        open_channel(f"mooncake://{master}?metadata={mooncake_store.metadata_url}")
+    assert time.monotonic() - start < 10
+
+
+def test_mooncake_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the package were absent
+    with pytest.raises(OmniPrefixCacheChannelError,
+                       match="Mooncake Store's client does not import .*pip install mooncake"):
+        MooncakeChannel("127.0.0.1:1", "http://127.0.0.1:2/metadata", "ns", ttl_s=1, owner=True)
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_2000_entries_leave_memory_flat(channel: StageChannel, is_published: IsPublished) -> None:
+    outputs = {HIDDEN_KEY: torch.randn(64, 256), "codec_ids": torch.arange(64 * 8).reshape(64, 8)}
+
+    def round_trips(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            channel.put(f"req-{i}", outputs)
+            assert channel.get(f"req-{i}", timeout_s=5)[HIDDEN_KEY].shape == (64, 256)
+
+    round_trips(0, 200)  # warm up allocators and the backend's connections
+    gc.collect()
+    before = _rss_bytes()
+    round_trips(200, 1800)
+    gc.collect()
+    grown = _rss_bytes() - before
+    assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 1800 entries of 68 KiB"
+    assert not any(is_published(channel, f"req-{i}") for i in range(0, 2000, 97))
+    if isinstance(channel, ShmChannel):
+        assert [p.name for p in channel.directory.iterdir()] == [".key"]
