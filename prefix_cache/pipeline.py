@@ -127,14 +127,19 @@ class EngineShape:
 
 
 class Engine:
-    """One vLLM engine (an `LLM`), stepped by hand; `close()` stops its processes."""
+    """One vLLM engine (an `LLM`), stepped by hand; `close()` stops its processes.
+
+    An in-process engine's shutdown tears down this process's torch.distributed
+    state, which every in-process engine shares: close in-process engines only
+    when no other one is still in use.
+    """
 
     def __init__(self, model_dir: Path, shape: EngineShape, **kwargs: Any) -> None:
         apply_engine_env()
         from vllm import LLM
+        from vllm.v1.engine.core_client import InprocClient
         self.llm = LLM(model=str(model_dir), **shape.engine_args(), **kwargs)
         self.engine = self.llm.llm_engine
-        from vllm.v1.engine.core_client import InprocClient
         self.in_process = isinstance(self.engine.engine_core, InprocClient)
 
     def has_work(self) -> bool:
@@ -154,12 +159,9 @@ class Engine:
         return self.llm.collective_rpc("prefix_cache_stats")[0]
 
     def close(self) -> None:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
         self.engine.engine_core.shutdown()
         del self.engine, self.llm
         gc.collect()
-        if self.in_process:
-            cleanup_dist_env_and_memory()
 
 
 def start_thinker(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,
