@@ -9,6 +9,7 @@ model runner V1; under Model Runner V2 every worker refuses at start.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,7 +56,11 @@ class StatsRPC:
     """Worker methods reachable through `llm.collective_rpc(...)` (numbers only)."""
 
     def prefix_cache_stats(self) -> dict[str, int | float]:
-        return self.model_runner.prefix_cache_stats()
+        """The cache's and the delivery's counters, and this worker process's resident bytes."""
+        stats = self.model_runner.prefix_cache_stats()
+        with open("/proc/self/statm") as statm:  # resident pages, the second field
+            stats["worker_rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return stats
 
 
 class PrefixCacheCPUWorker(StatsRPC, cpu_worker.CPUWorker):
