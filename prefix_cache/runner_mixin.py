@@ -1,28 +1,54 @@
-"""PrefixCacheRunnerMixin: the cache inside a vLLM model runner (GPUModelRunner, CPUModelRunner, NPUModelRunner).
+"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner (GPU, CPU, NPU) through the cache.
 
 Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`). It
-snapshots the model's policy at `load_model`, runs the gate and builds the
-manager at `initialize_kv_cache` (allocating the hidden pool there, off the
-request path), calls `new_step_starts` before the runner updates its batch,
-`save_outputs` right after the forward, and `materialize` once the step's output
-is built, delivering each request's rows by position to `take_stage_outputs()`.
+snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
+the gate, builds the manager (allocating the hidden pool there, off the request
+path) when prefix caching is on, and opens the stage channel; per step it calls
+`new_step_starts` before the runner updates its batch, `save_outputs` right after
+the forward, and leaves `materialize` and publishing to its output thread, so the
+engine thread never waits for rows. Each finished request's rows from position 0
+go to the channel under its external request id.
+
+The channel is `vllm_config.additional_config["prefix_cache"]["channel"]`, else
+`$PREFIX_CACHE_CHANNEL`, else "shm" (see `prefix_cache.channel.open_channel`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from prefix_cache import devices
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
-from prefix_cache.delivery import StageDelivery
+from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.forward_output import describe, read_forward_output
 from prefix_cache.gate import stage_prefix_cache_config
 from prefix_cache.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
+from prefix_cache.stage_outputs import StageOutputDriver, StepBatch
 
 logger = logging.getLogger(__name__)
+
+CHANNEL_ENV = "PREFIX_CACHE_CHANNEL"
+
+
+def channel_spec(vllm_config: Any) -> str:
+    """The stage channel this engine publishes to (additional_config, then the environment)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    spec = (extra.get("prefix_cache") or {}).get("channel")
+    return spec or os.environ.get(CHANNEL_ENV) or "shm"
+
+
+def external_request_id(req_id: str) -> str:
+    """The id the engine's caller gave a request: vLLM appends `-<8 random chars>` inside."""
+    from vllm import envs
+    if envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION:
+        return req_id
+    return req_id.rsplit("-", 1)[0]
 
 
 def _outputs_leave_this_rank() -> bool:
@@ -32,17 +58,12 @@ def _outputs_leave_this_rank() -> bool:
 
 
 class PrefixCacheRunnerMixin:
-    """Runs one stage's prefix cache inside the runner; None-safe when the gate turns it off."""
+    """Carries one stage's outputs to the next stage; the cache serves prefix hits when it is on."""
 
     omni_prefix_cache: OmniPrefixCacheManager | None = None
     _omni_policy: ModelCachePolicy = ModelCachePolicy()
+    _omni_stage: StageOutputDriver | None = None
     _omni_in_step = False
-    _omni_step_id: int | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._omni_delivery = StageDelivery()
-        self._omni_step_ends: dict[str, int] = {}  # req -> position after this step's tokens
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -52,96 +73,118 @@ class PrefixCacheRunnerMixin:
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        self._ensure_omni_prefix_cache()
+        if not kwargs.get("is_profiling", False):  # a minimal KV cache for graph profiling
+            self._ensure_omni_prefix_cache()
 
     def _ensure_omni_prefix_cache(self) -> OmniPrefixCacheManager | None:
-        """Build the manager once, on the rank whose outputs leave the stage."""
-        if self.omni_prefix_cache is not None or getattr(self, "_omni_gate_done", False):
+        """Build the stage's output path once, on the rank whose outputs leave the stage."""
+        if self._omni_stage is not None or not _outputs_leave_this_rank():
             return self.omni_prefix_cache
-        self._omni_gate_done = True
-        vllm_config = self.vllm_config
+        from prefix_cache.channel import open_channel
         config = stage_prefix_cache_config(
             kv_cache_config=self.kv_cache_config, cache_config=self.cache_config,
-            kv_transfer_config=vllm_config.kv_transfer_config,
+            kv_transfer_config=self.vllm_config.kv_transfer_config,
             scheduler_config=self.scheduler_config, model_config=self.model_config,
             speculative_config=self.speculative_config, parallel_config=self.parallel_config,
             is_pooling_model=self.is_pooling_model)
-        if config is None or not _outputs_leave_this_rank():
-            return None
         backend = devices.get_backend(self.device.type)
-        kernel_sizes = getattr(self, "_kernel_block_sizes", None)
-        view = FullAttentionGroupView(self.input_batch, config.block_size, backend=backend,
-                                      kernel_block_size=kernel_sizes[0] if kernel_sizes else None)
-        manager = OmniPrefixCacheManager(config, view, backend=backend)
-        manager.register_policy(self._omni_policy)
-        if self._omni_policy.needs_full_hidden_states:
-            manager.preallocate(HIDDEN_KEY, (self.model_config.get_hidden_size(),),
-                                self.model_config.dtype)
+        hidden_size = self.model_config.get_hidden_size()
+        dtype = self.model_config.dtype
+        manager = None
+        if config is not None:
+            kernel_sizes = getattr(self, "_kernel_block_sizes", None)
+            view = FullAttentionGroupView(
+                self.input_batch, config.block_size, backend=backend,
+                kernel_block_size=kernel_sizes[0] if kernel_sizes else None)
+            manager = OmniPrefixCacheManager(config, view, backend=backend)
+            manager.register_policy(self._omni_policy)
+            if self._omni_policy.needs_full_hidden_states:
+                manager.preallocate(HIDDEN_KEY, (hidden_size,), dtype)
+            logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
+                        config.num_blocks, config.block_size)
+        spec = channel_spec(self.vllm_config)
+        self._omni_stage = StageOutputDriver(
+            StageDelivery(open_channel(spec)), backend, cache=manager,
+            policy=self._omni_policy,
+            empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
+            timeout_s=30.0 if config is None else config.staging_claim_timeout_s)
         self.omni_prefix_cache = manager
-        logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
-                    config.num_blocks, config.block_size)
+        logger.info("stage outputs go to channel %r", spec)
         return manager
+
+    def shutdown(self) -> None:
+        """Publish what is queued, stop the output thread and the cache, then vLLM's shutdown."""
+        stage, self._omni_stage = self._omni_stage, None
+        try:
+            if stage is not None:
+                stage.close()
+        finally:
+            super().shutdown()
 
     # ------------------------------------------------------------------ per step
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.omni_prefix_cache is not None:
-            self.omni_prefix_cache.new_step_starts(scheduler_output)  # before _update_states
-        self._omni_step_id = None
-        self._omni_step_ends = {}
+        stage = self._omni_stage
+        if stage is None or not stage.active:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        # before the runner drops the finished requests' states
+        stage.begin_step(scheduler_output, [self._omni_finished(r)
+                                            for r in scheduler_output.finished_req_ids])
         self._omni_in_step = True
         try:
-            return super().execute_model(scheduler_output, *args, **kwargs)
+            output = super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             self._omni_in_step = False
+        if output is not None:  # no sample_tokens follows (no forward, pooling, PP)
+            stage.end_step()
+        return output
+
+    def _omni_finished(self, req_id: str) -> FinishedRequest:
+        state = self.requests.get(req_id)  # absent: aborted before it was ever scheduled
+        return FinishedRequest(req_id, external_request_id(req_id),
+                               None if state is None else state.num_prompt_tokens)
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         output = super()._model_forward(*args, **kwargs)
         if self._omni_in_step:  # dummy and profile runs are not steps
             self._omni_in_step = False
-            hidden = output[0] if getattr(self, "use_aux_hidden_state_outputs", False) else output
-            if isinstance(hidden, torch.Tensor):
-                self._omni_after_forward(hidden, self.omni_mm_outputs(output))
+            self._omni_save(output)
         return output
 
-    def _omni_after_forward(self, hidden: torch.Tensor, mm: dict[str, Any] | None) -> None:
-        """Save the step (cache on) or deliver each request's own rows (cache off)."""
-        num_reqs = self.input_batch.num_reqs
-        bounds = self.query_start_loc.np[: num_reqs + 1].tolist()
-        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
-        req_ids = self.input_batch.req_ids[:num_reqs]
-        self._omni_step_ends = {r: computed[i] + bounds[i + 1] - bounds[i]
-                                for i, r in enumerate(req_ids)}
-        if self.omni_prefix_cache is not None:
-            self._omni_step_id = self.omni_prefix_cache.save_outputs(
-                hidden, mm, num_tokens_unpadded=bounds[-1], num_tokens_padded=hidden.shape[0])
+    def _omni_save(self, output: Any) -> None:
+        read = read_forward_output(output)
+        if read is None:
+            self._omni_turn_off(f"the forward returned {describe(output)}, which it cannot read "
+                                f"(a tensor, a (hidden, aux) tuple, or an object with hidden "
+                                f"states and multimodal_outputs)")
             return
-        for i, req_id in enumerate(req_ids):
-            self._omni_delivery.add(req_id, computed[i], {
-                HIDDEN_KEY: hidden[bounds[i]: bounds[i + 1]].to("cpu", copy=True)})
+        num_reqs = self.input_batch.num_reqs
+        batch = StepBatch(list(self.input_batch.req_ids[:num_reqs]),
+                          self.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
+                          self.query_start_loc.np[1: num_reqs + 1].tolist())
+        self._omni_stage.save_step(read.hidden, self.omni_mm_outputs(output), batch,
+                                   num_tokens_padded=read.hidden.shape[0])
 
-    def omni_mm_outputs(self, model_output: Any) -> dict[str, Any] | None:
-        """Per-token multimodal outputs of an omni model's forward; plain LMs have none."""
-        return None
+    def omni_mm_outputs(self, model_output: Any) -> Mapping[str, Any] | None:
+        """Per-token multimodal outputs of an omni model's forward (None for plain LMs).
+
+        Override for a model that hands its multimodal outputs over another way.
+        """
+        read = read_forward_output(model_output)
+        return None if read is None else read.mm
+
+    def _omni_turn_off(self, reason: str) -> None:
+        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
+                       "published: %s", reason)
+        self._omni_stage.turn_off()  # closed (cache shut down) at the runner's shutdown
+        self.omni_prefix_cache = None
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         output = super().sample_tokens(*args, **kwargs)
-        step_id, self._omni_step_id = self._omni_step_id, None
-        if step_id is not None:
-            outs = self.omni_prefix_cache.materialize(step_id, list(self._omni_step_ends))
-            for req_id, end in self._omni_step_ends.items():
-                rows = {k: v[req_id] for k, v in outs.mm_outputs.items()}
-                if outs.hidden_states is not None:
-                    rows[HIDDEN_KEY] = outs.hidden_states[req_id]
-                if rows:  # a hit's rows start at 0, the others where the step's tokens do
-                    self._omni_delivery.add(req_id, end - next(iter(rows.values())).shape[0],
-                                            rows)
+        if self._omni_stage is not None and self._omni_stage.active:
+            self._omni_stage.end_step()
         return output
 
-    def take_stage_outputs(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each request's rows from position 0 delivered so far, per key: what the next stage gets."""
-        return self._omni_delivery.take()
-
-    def shutdown_omni_prefix_cache(self) -> None:
-        if self.omni_prefix_cache is not None:
-            self.omni_prefix_cache.shutdown()
+    def prefix_cache_stats(self) -> dict[str, int | float]:
+        """Counters of the cache and the delivery (numbers only: safe over collective_rpc)."""
+        return {} if self._omni_stage is None else self._omni_stage.stats()

@@ -1,13 +1,15 @@
-"""vLLM model runners and workers with the prefix cache mixed in (imports vLLM; load lazily).
+"""vLLM workers whose model runner carries the stage-output cache (imports vLLM; load lazily).
 
-Select them with `LLM(..., worker_cls="prefix_cache.vllm_runners.PrefixCacheCPUWorker")`
-on CPU, or `...PrefixCacheGPUWorker` on NVIDIA GPUs. On Ascend, vllm-ascend's
-NPUModelRunner subclasses GPUModelRunner (>= v0.12), so
-`class R(PrefixCacheRunnerMixin, NPUModelRunner)` is the same one-line change.
+Select one with `LLM(..., worker_cls="prefix_cache.vllm_runners.PrefixCacheCPUWorker")`,
+`...PrefixCacheGPUWorker` on NVIDIA GPUs, or `...PrefixCacheNPUWorker` on Ascend
+(vllm-ascend's NPUWorker; imported only when asked for). The mixin hooks vLLM's
+model runner V1; under Model Runner V2 every worker refuses at start.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,20 +19,31 @@ import vllm.v1.worker.gpu_worker as gpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
+
+_NPU_NAMES = ("PrefixCacheNPUModelRunner", "PrefixCacheNPUWorker")
 
 
 class PrefixCacheCPUModelRunner(PrefixCacheRunnerMixin, CPUModelRunner):
-    """vLLM's CPU runner with the stage-output prefix cache."""
+    """vLLM's CPU runner with the stage-output cache."""
 
 
 class PrefixCacheGPUModelRunner(PrefixCacheRunnerMixin, GPUModelRunner):
-    """vLLM's GPU runner (model runner V1) with the stage-output prefix cache."""
+    """vLLM's GPU runner (model runner V1) with the stage-output cache."""
+
+
+def refuse_model_runner_v2(worker: Any) -> None:
+    """The mixin hooks model runner V1's methods; V2 has other ones."""
+    if getattr(worker, "use_v2_model_runner", False):
+        raise OmniPrefixCacheUnmatchError(
+            f"{type(worker).__name__}: the omni prefix cache hooks vLLM's model runner V1, but "
+            f"this engine uses Model Runner V2; start it with VLLM_USE_V2_MODEL_RUNNER=0")
 
 
 @contextmanager
-def _runner_class(module: Any, name: str, cls: type) -> Iterator[None]:
-    """The worker modules build their runner by a module-level name: swap it during init_device."""
+def runner_class(module: Any, name: str, cls: type) -> Iterator[None]:
+    """A worker module builds its runner by a module-level name: point it at `cls` meanwhile."""
     original = getattr(module, name)
     setattr(module, name, cls)
     try:
@@ -39,29 +52,40 @@ def _runner_class(module: Any, name: str, cls: type) -> Iterator[None]:
         setattr(module, name, original)
 
 
-class _StageOutputsRPC:
-    """Worker methods reachable through `llm.collective_rpc(...)`."""
-
-    def take_stage_outputs(self) -> dict[str, Any]:
-        return self.model_runner.take_stage_outputs()
+class StatsRPC:
+    """Worker methods reachable through `llm.collective_rpc(...)` (numbers only)."""
 
     def prefix_cache_stats(self) -> dict[str, int | float]:
-        cache = self.model_runner.omni_prefix_cache
-        return {} if cache is None else cache.stats()
+        """The cache's and the delivery's counters, and this worker process's resident bytes."""
+        stats = self.model_runner.prefix_cache_stats()
+        with open("/proc/self/statm") as statm:  # resident pages, the second field
+            stats["worker_rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return stats
 
-    def shutdown_prefix_cache(self) -> None:
-        self.model_runner.shutdown_omni_prefix_cache()
 
+class PrefixCacheCPUWorker(StatsRPC, cpu_worker.CPUWorker):
+    """vLLM's CPU worker building a `runner_cls` (a `PrefixCacheCPUModelRunner`)."""
 
-class PrefixCacheCPUWorker(_StageOutputsRPC, cpu_worker.CPUWorker):
+    runner_cls: type[CPUModelRunner] = PrefixCacheCPUModelRunner
+
     def init_device(self) -> None:
-        with _runner_class(cpu_worker, "CPUModelRunner", PrefixCacheCPUModelRunner):
+        refuse_model_runner_v2(self)
+        with runner_class(cpu_worker, "CPUModelRunner", self.runner_cls):
             super().init_device()
 
 
-class PrefixCacheGPUWorker(_StageOutputsRPC, gpu_worker.Worker):
+class PrefixCacheGPUWorker(StatsRPC, gpu_worker.Worker):
+    """vLLM's GPU worker building a `runner_cls` (a `PrefixCacheGPUModelRunner`)."""
+
+    runner_cls: type[GPUModelRunner] = PrefixCacheGPUModelRunner
+
     def _make_model_runner(self) -> GPUModelRunner:
-        if self.use_v2_model_runner:
-            raise NotImplementedError("the prefix cache hooks model runner V1; set "
-                                      "VLLM_USE_V2_MODEL_RUNNER=0")
-        return PrefixCacheGPUModelRunner(self.vllm_config, self.device)
+        refuse_model_runner_v2(self)
+        return self.runner_cls(self.vllm_config, self.device)
+
+
+def __getattr__(name: str) -> Any:
+    """The NPU classes, from `prefix_cache.vllm_ascend_runners` (needs vllm-ascend)."""
+    if name in _NPU_NAMES:
+        return getattr(importlib.import_module("prefix_cache.vllm_ascend_runners"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,10 +18,10 @@ def test_steps_concatenate_by_position() -> None:
     delivery = StageDelivery()
     delivery.add("a", 0, rows(0, 5))
     delivery.add("a", 5, rows(5, 6))
-    out = delivery.take()
-    assert torch.equal(out["a"]["hidden"], rows(0, 6)["hidden"])
-    assert torch.equal(out["a"]["mm.audio"], rows(0, 6)["mm.audio"])
-    assert delivery.take() == {}
+    out = delivery.pop("a")
+    assert torch.equal(out["hidden"], rows(0, 6)["hidden"])
+    assert torch.equal(out["mm.audio"], rows(0, 6)["mm.audio"])
+    assert delivery.pop("a") == {}
 
 
 def test_rows_recomputed_after_preemption_replace_the_delivered_ones() -> None:
@@ -29,7 +29,7 @@ def test_rows_recomputed_after_preemption_replace_the_delivered_ones() -> None:
     delivery.add("a", 0, rows(0, 8))
     delivery.add("a", 8, rows(8, 10))
     delivery.add("a", 4, {k: v + 100 for k, v in rows(4, 12).items()})  # resumed at its hit
-    hidden = delivery.take()["a"]["hidden"]
+    hidden = delivery.pop("a")["hidden"]
     assert hidden.shape == (12, 2)
     assert torch.equal(hidden[:4], rows(0, 4)["hidden"])
     assert torch.equal(hidden[4:], rows(4, 12)["hidden"] + 100)

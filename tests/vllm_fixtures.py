@@ -195,3 +195,28 @@ def ensure_cpu_slot_mapping_kernel() -> None:
     with warnings.catch_warnings():  # it scans sys.modules, touching deprecated attributes
         warnings.simplefilter("ignore")
         current_platform.register_triton_kernel_overrides()
+
+
+# ---------------------------------------------------------------------- engines with the cache
+
+@pytest.fixture(scope="session")
+def thinker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2 (hidden 256, 2 layers, initializer_range=1.0) for stage 1."""
+    pytest.importorskip("transformers")
+    from prefix_cache.pipeline import write_random_qwen2
+    return write_random_qwen2(tmp_path_factory.mktemp("thinker"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def talker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second random Qwen2 of the same hidden size, for stage 2."""
+    pytest.importorskip("transformers")
+    from prefix_cache.pipeline import write_random_qwen2
+    return write_random_qwen2(tmp_path_factory.mktemp("talker"), seed=1)
+
+
+def engine_runner(engine: Any) -> Any:
+    """The model runner of an in-process engine (`prefix_cache.pipeline.Engine` built with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0): engine core -> executor -> worker -> runner."""
+    core = engine.engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner

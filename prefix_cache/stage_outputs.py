@@ -1,0 +1,182 @@
+"""One stage's outputs on their way out: saved on the engine thread, assembled and published off it.
+
+Per engine step, on the engine thread:
+
+    begin_step(scheduler_output, finished)  # before the runner updates its batch
+    save_step(hidden, mm, batch, padded)    # right after the forward (skipped: no forward)
+    end_step()                              # once the step's output is built
+
+With the cache, `begin_step` is the manager's `new_step_starts`, `save_step` its
+`save_outputs`, and `end_step` queues `materialize` on the output thread (a
+step without a forward saves zero rows and is discarded at once, so every
+`new_step_starts` is followed by exactly one `save_outputs`). Without the
+cache (prefix caching off), `save_step` starts device->host copies of the
+step's per-token rows and the output thread waits for them. Either way the
+output thread hands each request's rows to `StageDelivery`, and the requests a
+step retires are published there after their last rows: a request's finish is
+queued at the step that reports it, after the materialize of the step before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
+from prefix_cache.manager import OmniPrefixCacheManager
+from prefix_cache.output_thread import OutputThread
+from prefix_cache.outputs import split_outputs
+
+logger = logging.getLogger(__name__)
+
+#: Jobs the output thread may hold (two per step at most: a finish and a materialize).
+MAX_PENDING_JOBS = 16
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """A step's rows in batch order: request i has rows `ends[i-1]:ends[i]`, positions from `starts[i]`."""
+
+    req_ids: Sequence[str]
+    starts: Sequence[int]
+    ends: Sequence[int]
+
+    @property
+    def num_rows(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def spans(self) -> list[tuple[str, int, int, int]]:
+        """(request, first row, end row, position of the first row) per request."""
+        firsts = [0, *self.ends[:-1]]
+        return list(zip(self.req_ids, firsts, self.ends, self.starts))
+
+
+@dataclass
+class _SavedStep:
+    batch: StepBatch
+    step_id: int | None = None                                  # with the cache
+    host_rows: dict[str, tuple[torch.Tensor, Transfer]] | None = None  # without it
+
+
+class StageOutputDriver:
+    """Owns one stage's output path; the engine thread calls it, its output thread does the row work."""
+
+    def __init__(self, delivery: StageDelivery, backend: DeviceBackend, *,
+                 cache: OmniPrefixCacheManager | None, policy: ModelCachePolicy,
+                 empty_hidden: Callable[[], torch.Tensor], timeout_s: float = 30.0) -> None:
+        self.delivery = delivery
+        self.backend = backend
+        self.cache = cache
+        self.policy = policy
+        self._empty_hidden = empty_hidden
+        self._timeout_s = timeout_s
+        self._thread = OutputThread("omni-stage-outputs", max_pending=MAX_PENDING_JOBS,
+                                    timeout_s=timeout_s)
+        self._step: _SavedStep | None = None
+        self._in_step = False
+        self._off = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ engine thread
+
+    def begin_step(self, scheduler_output: Any, finished: Sequence[FinishedRequest]) -> None:
+        """Start a step; the requests it retires are published after their last rows."""
+        self._thread.check()  # a failure on the output thread surfaces here
+        if self.cache is not None:
+            self.cache.new_step_starts(scheduler_output)
+        self._step, self._in_step = None, True
+        if finished:
+            requests = list(finished)
+            self._thread.submit(f"publish {len(requests)} finished requests",
+                                lambda: self._publish(requests))
+
+    def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
+                  num_tokens_padded: int) -> None:
+        """Take this step's rows (the cache copies them; nothing here waits for a copy)."""
+        n = batch.num_rows
+        if self.cache is not None:
+            step_id = self.cache.save_outputs(hidden, mm, num_tokens_unpadded=n,
+                                              num_tokens_padded=num_tokens_padded)
+            self._step = _SavedStep(batch, step_id=step_id)
+            return
+        with torch.inference_mode(False):
+            per_token = split_outputs(hidden, mm, n, num_tokens_padded, self.policy).per_token()
+            ready = self.backend.record_event()
+            host_rows = {key: self.backend.copy_to_host(
+                rows if self.backend.synchronous else self.backend.snapshot(rows), ready=ready)
+                for key, rows in per_token.items()}
+        self._step = _SavedStep(batch, host_rows=host_rows)
+
+    @property
+    def active(self) -> bool:
+        """False once turned off: the engine runs on, nothing is saved or published."""
+        return not self._off
+
+    def turn_off(self) -> None:
+        """Stop saving and publishing from this step on; queued work still runs until `close`."""
+        self._off, self._in_step, self._step = True, False, None
+
+    def end_step(self) -> None:
+        """The step's output is built: queue its rows for delivery (a step without rows ends here)."""
+        if not self._in_step:
+            return
+        step, self._step, self._in_step = self._step, None, False
+        if step is None:
+            if self.cache is not None:  # no forward ran: still exactly one save per step
+                step_id = self.cache.save_outputs(self._empty_hidden(), None,
+                                                  num_tokens_unpadded=0, num_tokens_padded=0)
+                self.cache.discard_step(step_id)
+            return
+        self._thread.submit(f"rows of a {step.batch.num_rows}-row step",
+                            lambda: self._deliver(step))
+
+    # ------------------------------------------------------------------ output thread
+
+    def _deliver(self, step: _SavedStep) -> None:
+        spans = step.batch.spans()
+        if step.step_id is not None:
+            outs = self.cache.materialize(step.step_id, step.batch.req_ids)
+            for req_id, first, end, start in spans:
+                rows = {key: by_req[req_id] for key, by_req in outs.mm_outputs.items()}
+                if outs.hidden_states is not None:
+                    rows[HIDDEN_KEY] = outs.hidden_states[req_id]
+                if rows:  # a hit's rows start at 0, the others where the step's tokens do
+                    count = next(iter(rows.values())).shape[0]
+                    self.delivery.add(req_id, start + end - first - count, rows)
+            return
+        host: dict[str, torch.Tensor] = {}
+        for key, (rows, transfer) in step.host_rows.items():
+            wait_event(transfer.event, self._timeout_s, lambda: f"step rows {key!r}")
+            if transfer.finish is not None:
+                transfer.finish()
+            host[key] = rows
+        for req_id, first, end, start in spans:
+            self.delivery.add(req_id, start, {k: v[first:end] for k, v in host.items()})
+
+    def _publish(self, requests: list[FinishedRequest]) -> None:
+        for request in requests:
+            self.delivery.finish(request)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {} if self.cache is None else self.cache.stats()
+        out.update(self.delivery.stats())
+        return out
+
+    def close(self) -> None:
+        """Publish what is queued (bounded), then stop the thread and the cache; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._thread.close()
+        finally:
+            if self.cache is not None:
+                self.cache.shutdown()

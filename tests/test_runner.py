@@ -1,0 +1,222 @@
+"""The runner mixin inside vLLM's real CPU engine: rows leave off the engine thread, omni forward
+outputs are read (or refused out loud), and workers refuse model runner V2."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
+
+from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
+from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channel  # noqa: E402
+from prefix_cache.pipeline import (StageRequest, multiprocessing_mode, run_pipeline,  # noqa: E402
+                                   start_thinker)
+from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
+from prefix_cache.vllm_runners import PrefixCacheCPUWorker, PrefixCacheGPUWorker  # noqa: E402
+from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
+
+pytestmark = [pytest.mark.vllm]
+
+#: Seconds each materialize is held back in the slow-copy test.
+SLOW_S = 0.25
+
+
+def shared_prefix_requests(num: int = 4, seed: int = 0) -> list[StageRequest]:
+    """Requests sharing a 64-token (two-block) prefix, one arriving every other step."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 1000) for _ in range(64)]
+    return [StageRequest(f"r{i}", prefix + [rng.randrange(1, 1000) for _ in range(5 + 7 * i)],
+                         3, arrive_at_step=2 * i) for i in range(num)]
+
+
+def test_steps_return_before_their_rows_are_materialized(
+        thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = shared_prefix_requests()
+    events: list[tuple[str, int | None, float, str]] = []
+
+    def record(what: str, step_id: int | None) -> None:
+        events.append((what, step_id, time.perf_counter(), threading.current_thread().name))
+
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True)
+        try:
+            runner = engine_runner(engine)
+            manager = runner.omni_prefix_cache
+            save, materialize, sample = (manager.save_outputs, manager.materialize,
+                                         runner.sample_tokens)
+
+            def timed_save(*args: Any, **kwargs: Any) -> int:
+                step_id = save(*args, **kwargs)
+                record("saved", step_id)
+                return step_id
+
+            def slow_materialize(step_id: int, req_ids: Any) -> Any:
+                time.sleep(SLOW_S)  # a device copy that takes its time
+                out = materialize(step_id, req_ids)
+                record("materialized", step_id)
+                return out
+
+            def timed_sample(*args: Any, **kwargs: Any) -> Any:
+                out = sample(*args, **kwargs)
+                record("sampled", None)
+                return out
+
+            monkeypatch.setattr(manager, "save_outputs", timed_save)
+            monkeypatch.setattr(manager, "materialize", slow_materialize)
+            monkeypatch.setattr(runner, "sample_tokens", timed_sample)
+            run = run_pipeline(engine, channel, requests)
+        finally:
+            engine.close()
+
+    materialized = {e[1]: e for e in events if e[0] == "materialized"}
+    assert len(materialized) >= len(requests)
+    for i, (what, step_id, saved_at, engine_thread) in enumerate(events):
+        if what != "saved" or step_id not in materialized:
+            continue
+        sampled_at = next(e[2] for e in events[i:] if e[0] == "sampled")
+        _, _, done_at, output_thread = materialized[step_id]
+        assert sampled_at < done_at, f"step {step_id}: sample_tokens waited for its rows"
+        assert output_thread != engine_thread
+    first_steps = [e for e in events if e[0] == "saved"][:3]  # before any backpressure
+    for _, step_id, saved_at, _ in first_steps:
+        sampled_at = next(e[2] for e in events if e[0] == "sampled" and e[2] > saved_at)
+        assert sampled_at - saved_at < SLOW_S / 2
+    for request in requests:  # the rows still all arrive, from position 0
+        result = run.results[request.req_id]
+        assert result.rows.shape[0] == len(request.prompt) + request.max_tokens - 1
+
+
+# ---------------------------------------------------------------------- omni forward outputs
+
+class OmniOutput(NamedTuple):
+    """vllm-omni's forward output shape (model_executor/models/output_templates.py)."""
+
+    text_hidden_states: torch.Tensor
+    multimodal_outputs: dict[str, Any] | None = None
+    intermediate_tensors: Any = None
+    next_token_id: torch.Tensor | None = None
+
+
+def audio_codes(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden[:, :4] * 2  # a per-token mm output the test can recompute from the rows
+
+
+FORMS = {
+    "tensor": lambda h: h,
+    "tuple": lambda h: (h, {"codes": {"audio": audio_codes(h)}, "speaker": h[0].sum()}),
+    "object": lambda h: OmniOutput(h, {"codes": {"audio": audio_codes(h)},
+                                       "speaker": h[0].sum()}),
+    "unreadable": lambda h: {"hidden": h},
+}
+
+
+class _ModelForm:
+    """Below the mixin: the model's forward returns its output in the form under test."""
+
+    form = "tensor"
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return FORMS[self.form](super()._model_forward(*args, **kwargs))
+
+
+class _Unwrap:
+    """Above the mixin: as an omni runner does, vLLM's sampler gets the hidden states alone."""
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._model_forward(*args, **kwargs)
+        if isinstance(out, dict):
+            return out["hidden"]
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _form_worker(form: str) -> type:
+    runner = type(f"{form.title()}FormRunner", (_Unwrap, PrefixCacheRunnerMixin, _ModelForm,
+                                                CPUModelRunner), {"form": form})
+    return type(f"{form.title()}FormWorker", (PrefixCacheCPUWorker,), {"runner_cls": runner})
+
+
+TensorFormWorker, TupleFormWorker, ObjectFormWorker, UnreadableFormWorker = map(
+    _form_worker, FORMS)
+
+
+@pytest.mark.parametrize("form", ["tensor", "tuple", "object"])
+def test_omni_forward_outputs_reach_the_next_stage(thinker_model_dir: Path, form: str) -> None:
+    requests = shared_prefix_requests()
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,
+                               worker_cls=f"{__name__}.{form.title()}FormWorker")
+        try:
+            run = run_pipeline(engine, channel, requests)
+            stats = engine.stats()
+        finally:
+            engine.close()
+    assert stats["hit_tokens"] >= 64 * (len(requests) - 1)  # the later requests hit the prefix
+    assert stats["calls.save_outputs"] == stats["calls.new_step_starts"]  # one save per step
+    assert stats["calls.discard_step"] >= 1  # the last step only retires requests: 0 rows
+    for request in requests:
+        outputs = run.results[request.req_id].entry.outputs
+        hidden = outputs[HIDDEN_KEY]
+        assert hidden.shape == (len(request.prompt) + request.max_tokens - 1, 256)
+        if form == "tensor":
+            assert set(outputs) == {HIDDEN_KEY}
+        else:  # per-token mm rows at every position, hit positions included; no leftovers
+            assert set(outputs) == {HIDDEN_KEY, "codes.audio"}
+            assert torch.equal(outputs["codes.audio"], audio_codes(hidden))
+
+
+def test_an_unreadable_forward_output_turns_the_cache_off_with_one_warning(
+        thinker_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    requests = shared_prefix_requests()
+    with multiprocessing_mode(False), open_channel() as channel, \
+            caplog.at_level(logging.WARNING, logger="prefix_cache"):
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,
+                               worker_cls=f"{__name__}.UnreadableFormWorker")
+        try:
+            runner = engine_runner(engine)
+            for request in requests:
+                engine.engine.add_request(request.req_id, {"prompt_token_ids": request.prompt},
+                                          _greedy(request.max_tokens))
+            tokens: dict[str, list[int]] = {}
+            while engine.has_work():
+                for out in engine.step():
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            engine.flush()
+            assert runner.omni_prefix_cache is None
+            with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+                channel.get(requests[0].req_id, timeout_s=0.5)
+        finally:
+            engine.close()
+    warnings = [r for r in caplog.records if r.name.startswith("prefix_cache")]
+    assert len(warnings) == 1
+    assert "cannot read" in warnings[0].getMessage()
+    assert "dict" in warnings[0].getMessage()
+    assert all(len(t) == r.max_tokens for t, r in zip(tokens.values(), requests))
+
+
+def _greedy(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          detokenize=False)
+
+
+# ---------------------------------------------------------------------- workers
+
+@pytest.mark.parametrize("worker_cls, start", [(PrefixCacheCPUWorker, "init_device"),
+                                               (PrefixCacheGPUWorker, "_make_model_runner")])
+def test_workers_refuse_model_runner_v2_naming_the_setting(worker_cls: type, start: str) -> None:
+    # vLLM's CPU build refuses V2 itself (it needs Triton), and there is no GPU here: the
+    # worker's own check is called on an instance that was never started.
+    worker = object.__new__(worker_cls)
+    worker.use_v2_model_runner = True
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        getattr(worker, start)()

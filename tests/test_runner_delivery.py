@@ -1,0 +1,166 @@
+"""The runner's way out, without vLLM: the output thread, the stage-output driver, publishing.
+
+Real components: the manager on the CPU backend, the shared-memory stage channel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
+                          OmniPrefixCacheManager, PrefixCacheConfig)
+from prefix_cache.channel import open_channel
+from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.devices import get_backend
+from prefix_cache.output_thread import OutputThread
+from prefix_cache.stage_outputs import StageOutputDriver, StepBatch
+
+HIDDEN = 8
+
+
+def rows(start: int, end: int) -> dict[str, torch.Tensor]:
+    positions = torch.arange(start, end, dtype=torch.float32)
+    return {HIDDEN_KEY: positions[:, None].repeat(1, HIDDEN)}
+
+
+# ---------------------------------------------------------------------- publishing
+
+def test_a_finished_request_is_published_from_position_0_then_freed() -> None:
+    with open_channel() as channel:
+        delivery = StageDelivery(channel)
+        delivery.add("a-1234abcd", 0, rows(0, 5))
+        delivery.add("a-1234abcd", 5, rows(5, 7))
+        assert delivery.stats()["delivery_requests_held"] == 1
+        delivery.finish(FinishedRequest("a-1234abcd", "a", prompt_len=5))
+        assert delivery.stats() == {"delivery_requests_held": 0, "delivery_bytes_held": 0,
+                                    "delivery_published": 1}
+        entry = channel.get_entry("a", timeout_s=1)
+    assert not entry.aborted
+    assert entry.meta == {"prompt_len": 5, "num_rows": 7}
+    assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 7)[HIDDEN_KEY])
+
+
+def test_a_request_short_of_its_prompt_is_published_marked_aborted() -> None:
+    with open_channel() as channel:
+        delivery = StageDelivery(channel)
+        delivery.add("b", 0, rows(0, 64))  # its first prefill chunk, then the abort
+        delivery.finish(FinishedRequest("b", "b", prompt_len=160))
+        delivery.finish(FinishedRequest("c", "c", prompt_len=None))  # never scheduled
+        partial = channel.get_entry("b", timeout_s=1)
+        empty = channel.get_entry("c", timeout_s=1)
+    assert partial.aborted and partial.outputs[HIDDEN_KEY].shape == (64, HIDDEN)
+    assert empty.aborted and empty.outputs == {} and empty.meta["num_rows"] == 0
+
+
+def test_a_key_missing_from_some_steps_reads_zeros_there() -> None:
+    delivery = StageDelivery()
+    delivery.add("a", 0, rows(0, 3))
+    delivery.add("a", 3, {**rows(3, 5), "codes": torch.ones(2, 4)})
+    out = delivery.pop("a")
+    assert torch.equal(out["codes"], torch.cat([torch.zeros(3, 4), torch.ones(2, 4)]))
+    assert torch.equal(out[HIDDEN_KEY], rows(0, 5)[HIDDEN_KEY])
+
+
+# ---------------------------------------------------------------------- the output thread
+
+def test_jobs_run_in_submission_order_off_the_submitting_thread() -> None:
+    seen: list[tuple[int, str]] = []
+    thread = OutputThread("test-output", max_pending=4, timeout_s=5)
+    for i in range(10):
+        thread.submit(f"job {i}", lambda i=i: seen.append((i, threading.current_thread().name)))
+    thread.close()
+    assert [i for i, _ in seen] == list(range(10))
+    assert {name for _, name in seen} == {"test-output"}
+
+
+def test_a_failed_job_surfaces_at_the_next_submit_and_stops_later_jobs() -> None:
+    ran: list[int] = []
+    thread = OutputThread("test-output", max_pending=4, timeout_s=5)
+    thread.submit("materialize step 3", lambda: 1 / 0)
+    thread.submit("later", lambda: ran.append(1))
+    with pytest.raises(OmniPrefixCacheError, match="materialize step 3 failed"):
+        thread.drain()
+    with pytest.raises(OmniPrefixCacheError, match="materialize step 3 failed"):
+        thread.submit("next step", lambda: ran.append(2))
+    assert ran == []
+    with pytest.raises(OmniPrefixCacheError):
+        thread.close()
+
+
+def test_a_stuck_job_makes_submit_raise_after_its_timeout_instead_of_hanging() -> None:
+    release = threading.Event()
+    thread = OutputThread("test-output", max_pending=1, timeout_s=0.2)
+    thread.submit("stuck copy", lambda: release.wait(10))
+    thread.submit("queued", lambda: None)
+    start = time.monotonic()
+    with pytest.raises(OmniPrefixCacheError, match="no room for step 9"):
+        thread.submit("step 9", lambda: None)
+    assert time.monotonic() - start < 2
+    with pytest.raises(OmniPrefixCacheError, match="still pending"):
+        thread.drain(0.1)
+    release.set()
+    thread.close()
+
+
+# ---------------------------------------------------------------------- the driver
+
+class OneBlockView:
+    """At most one request, `a`, whose position p sits in slot 32 + p (block 1, 32 tokens)."""
+
+    def __init__(self) -> None:
+        self.batch = ["a"]
+        self.computed = 0
+
+    def batch_req_ids(self) -> list[str]:
+        return self.batch
+
+    def step_slots_cpu(self, req_ids: list[str], scheduled: dict[str, int]) -> torch.Tensor:
+        n = sum(scheduled[r] for r in req_ids)
+        return torch.arange(32 + self.computed, 32 + self.computed + n)
+
+
+def step(req_ids: list[str], scheduled: dict[str, int], finished: tuple[str, ...] = ()
+         ) -> SimpleNamespace:
+    new = [SimpleNamespace(req_id=r, num_computed_tokens=0, block_ids=([1],))
+           for r in req_ids]
+    return SimpleNamespace(
+        finished_req_ids=set(finished), scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens=scheduled)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cache", "no-cache"])
+def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
+    backend = get_backend("cpu")
+    view = OneBlockView()
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=4, block_size=32), view,
+                                     backend=backend) if cached else None
+    with open_channel() as channel:
+        driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
+                                   policy=ModelCachePolicy(),
+                                   empty_hidden=lambda: torch.empty(0, HIDDEN))
+        driver.begin_step(step(["a"], {"a": 5}), [])
+        driver.save_step(rows(0, 5)[HIDDEN_KEY], None, StepBatch(["a"], [0], [5]), 5)
+        driver.end_step()
+        view.computed = 5
+        so = step([], {"a": 1})
+        so.scheduled_cached_reqs.req_ids = ["a"]
+        driver.begin_step(so, [])
+        driver.save_step(rows(5, 6)[HIDDEN_KEY], None, StepBatch(["a"], [5], [1]), 1)
+        driver.end_step()
+        view.batch = []
+        driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "a", 5)])
+        driver.end_step()  # no forward: zero rows saved and discarded with the cache
+        entry = channel.get_entry("a", timeout_s=5)
+        stats = driver.stats()
+        driver.close()
+    assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 6)[HIDDEN_KEY])
+    assert stats["delivery_published"] == 1 and stats["delivery_requests_held"] == 0
+    if cached:
+        assert stats["calls.save_outputs"] == stats["calls.new_step_starts"] == 3
+        assert stats["calls.discard_step"] == 1
