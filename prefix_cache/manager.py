@@ -17,13 +17,13 @@ absent from then on, and its error is raised once, by the next public call.
 from __future__ import annotations
 
 import itertools
-import math
 import logging
+import math
 import operator
 import os
 import threading
-from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,23 +33,21 @@ import torch
 from prefix_cache import devices
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.adapter import StartedRequest, translate_step
-from prefix_cache.block_pool import PoolKey, PrefixBlockPool
+from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.controller import Committer
+from prefix_cache.deferred import DeferredWriter
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheUnmatchError)
 from prefix_cache.host_copies import HostCopy
 from prefix_cache.layout import GroupView, StepLayout
 from prefix_cache.outputs import StepOutputs, map_tensors, split_outputs
-from prefix_cache.reads import PREFETCH_MIN_BYTES, Prefetcher, RowRead
+from prefix_cache.reads import ReadPlanner, RowRead
 from prefix_cache.staging import StagingPool
 from prefix_cache.stats import CacheStats
-from prefix_cache.tasks import DeferredChunk, TaskState, WriteTask
+from prefix_cache.tasks import TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
-
-#: Where rows that must not land go: a slot of vLLM's null block 0, which no hit or step reads.
-NULL_SLOT = 0
 
 
 class StageCacheOutputs(NamedTuple):
@@ -113,24 +111,20 @@ class OmniPrefixCacheManager:
         self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
                                    self.backend)
         self._stats = CacheStats()
-        self._lock = threading.Lock()
-        self._claims = itertools.count(1)
-        self._task_ids = itertools.count(1)
+        self._lock = threading.Lock()  # the tables below; never held while waiting
         self._step_ids = itertools.count(1)
         self._started = False  # a first step was seen: the policy is fixed
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
         self._steps: dict[int, _StepRecord] = {}
-        self._tasks: dict[int, WriteTask] = {}          # launched or open, not landed
-        self._open_deferred: dict[str, WriteTask] = {}  # req -> its open deferred write
-        self._deferred_writes: defaultdict[str, int] = defaultdict(int)  # live req -> writes
-        self._pinned: set[RowRead] = set()
-        self._budget_used = 0
         self._failures: deque[OmniPrefixCacheError] = deque()  # unreported failed writes
         self._closed = False
         timeout = config.staging_claim_timeout_s
+        self._tasks = TaskTable()
+        self._deferred = DeferredWriter(self.pool, self.backend, self._tasks, self._lock,
+                                        self._launch, config.gpu_budget_bytes, timeout)
+        self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout)
         self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
-        self._prefetcher = Prefetcher(self.pool, timeout, self._unpin)
 
     # ------------------------------------------------------------------ public API
 
@@ -164,7 +158,8 @@ class OmniPrefixCacheManager:
             events = translate_step(scheduler_output, self.group_id)
             self._started = True
             for req_id in events.finished:  # first, whatever the rest of the step raises
-                self._retire(req_id)
+                self._progress.pop(req_id, None)
+                self._deferred.retire(req_id)
             for src, dst in events.block_copies:
                 self._mirror_block_copy(src, dst)
             restarts = events.started + events.resumed_starts
@@ -259,10 +254,11 @@ class OmniPrefixCacheManager:
         out["staging_waits"] = self.staging.waits
         out["staging_wait_s"] = self.staging.wait_time_s
         out["staging_bytes"] = self.staging.nbytes()
+        out["copy_on_write_reads"] = self._reads.copy_on_write_reads
         with self._lock:
             out["tasks_in_flight"] = len(self._tasks)
             out["steps_unconsumed"] = len(self._steps)
-            out["deferred_device_bytes"] = self._budget_used
+            out["deferred_device_bytes"] = self._deferred.held_bytes
             out["live_requests"] = len(self._progress)
         for key, nbytes in self.pool.nbytes().items():
             out[f"pool_bytes.{key}"] = nbytes
@@ -281,17 +277,10 @@ class OmniPrefixCacheManager:
             return
         timeout = self.config.staging_claim_timeout_s
         self._committer.close(timeout)
-        self._prefetcher.close(timeout)
+        self._reads.close()
+        self._deferred.close()
         with self._lock:
-            reads = list(self._pinned)
-            open_tasks = list(self._open_deferred.values())
-            self._open_deferred.clear()
             self._steps.clear()
-        for read in reads:
-            read.cancel(self._unpin)
-        for task in open_tasks:
-            task.fail(OmniPrefixCacheError("cache shut down before the request finished"))
-            task.chunks.clear()
         if not self.backend.drain(timeout):  # a copy may still write into a pool: keep them
             raise OmniPrefixCacheError(
                 f"shutdown: {self.backend.name} copies still running after {timeout:.1f}s; "
@@ -435,7 +424,7 @@ class OmniPrefixCacheManager:
         n = len(slots)
         immediate = self._private(outputs.immediate)
         deferred = self._private(outputs.deferred)
-        chunks = self._deferred_chunks(outputs.deferred, layout)
+        chunks = self._deferred.snapshot(outputs.deferred, layout)
         leftover = map_tensors(outputs.leftover, self._private_tensor)
         ready = self.backend.record_event()  # after every private copy: the copies read them
         arena = self.staging.arenas[slot]
@@ -444,18 +433,13 @@ class OmniPrefixCacheManager:
                      for key, rows in deferred.items()}
         leftover = map_tensors(leftover,
                                 lambda t: HostCopy.start(self.backend, arena, t, ready))
-        self._resolve_conflicts(slots)
-        claim = next(self._claims)
+        self._reads.resolve_conflicts(slots)
         task = None
         with self._lock:
-            self.pool.slot_claim[slots] = claim
+            claim = self.pool.claim(slots)
             if immediate and n:
-                task = WriteTask(next(self._task_ids), f"step {step_id}", staging_slot=slot)
-                for key in immediate:
-                    pool_key = self.pool.keys[key]
-                    pool_key.version[slots] = claim
-                    pool_key.producer[slots] = task.task_id
-                self._tasks[task.task_id] = task
+                task = self._tasks.new(f"step {step_id}", staging_slot=slot)
+                self.pool.record_write(immediate, slots, claim, task.task_id)
         if task is not None:
             self.staging.hold(slot, ("write", task.task_id))
             slots_t = torch.from_numpy(slots)
@@ -465,8 +449,8 @@ class OmniPrefixCacheManager:
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
                                                  rows.dtype)
                              if self.backend.needs_staging else None))
-                for key, rows in immediate.items()), report_failure=False)
-        self._append_deferred(chunks, layout, claim)
+                for key, rows in immediate.items()), False)
+        self._deferred.append(chunks, slots, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                              {}, host_rows, {}, leftover)
         self._plan_reads(record, immediate.keys(), slots, task, spans)
@@ -474,7 +458,7 @@ class OmniPrefixCacheManager:
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
 
-    def _launch(self, task: WriteTask, transfers: Iterable[Transfer], *,
+    def _launch(self, task: WriteTask, transfers: Iterable[Transfer],
                 report_failure: bool) -> None:
         """Issue the task's copies (a lazy iterable), then hand it to the committer as QUEUED.
 
@@ -502,9 +486,8 @@ class OmniPrefixCacheManager:
         """Committer callback: forget the task, return its budget and staging hold; a failed
         task's rows read as absent from now on, and its error waits for the next call."""
         with self._lock:
-            self._tasks.pop(task.task_id, None)
-            self._budget_used -= task.budget_bytes
-            task.budget_bytes = 0
+            self._tasks.forget(task)
+            self._deferred.landed(task)
             if task.state is TaskState.FAILED:
                 self.pool.mark_lost(task.task_id)
                 if task.report_failure:
@@ -512,97 +495,6 @@ class OmniPrefixCacheManager:
                         OmniPrefixCacheError(f"{task.describe()}: {task.error}"))
         if task.staging_slot is not None:
             self.staging.release(task.staging_slot, ("write", task.task_id))
-
-    def _deferred_chunks(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout
-                         ) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
-        """Each request's rows of the deferred keys, as private device copies."""
-        if not deferred:
-            return []
-        return [(req_id, start, end,
-                 {k: self.backend.snapshot(v[start:end]) for k, v in deferred.items()})
-                for req_id, (start, end) in layout.items()]
-
-    def _append_deferred(self, chunks: list[tuple[str, int, int, dict[str, torch.Tensor]]],
-                         layout: StepLayout, claim: int) -> None:
-        """Keep each request's deferred rows on the device in its open write, under the budget."""
-        if not chunks:
-            return
-        slots = layout.slots
-        for req_id, start, end, chunk_rows in chunks:
-            nbytes = sum(t.numel() * t.element_size() for t in chunk_rows.values())
-            chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), chunk_rows, nbytes)
-            with self._lock:
-                task = self._open_deferred.get(req_id)
-                if task is None:
-                    self._deferred_writes[req_id] += 1
-                    task = WriteTask(next(self._task_ids),
-                                     f"request {req_id} deferred write "
-                                     f"{self._deferred_writes[req_id]}")
-                    self._open_deferred[req_id] = task
-                    self._tasks[task.task_id] = task
-                task.chunks.append(chunk)
-                task.budget_bytes += nbytes
-                self._budget_used += nbytes
-                for key in chunk_rows:
-                    pool_key = self.pool.keys[key]
-                    pool_key.version[chunk.slots] = claim
-                    pool_key.producer[chunk.slots] = task.task_id
-        self._enforce_budget()
-
-    def _enforce_budget(self) -> None:
-        """Flush the oldest open deferred writes, then wait for flushed ones, until under budget."""
-        budget = self.config.gpu_budget_bytes
-        while self._budget_used > budget:
-            with self._lock:
-                oldest = next(iter(self._open_deferred.items()), None)
-                in_flight = [t for t in self._tasks.values()
-                             if t.budget_bytes and t.state is not TaskState.PENDING]
-            if oldest is not None:
-                logger.debug("deferred device bytes %d over budget %d: flushing request %s",
-                             self._budget_used, budget, oldest[0])
-                self._flush_deferred(oldest[0])
-            elif in_flight:
-                try:
-                    in_flight[0].wait(self.config.staging_claim_timeout_s)
-                except OmniPrefixCacheError:
-                    pass  # a failed write returned its budget; its error is reported once
-            else:
-                return
-
-    def _retire(self, req_id: str) -> None:
-        """A finished or aborted request: its rows were published to vLLM, so they still land."""
-        self._progress.pop(req_id, None)
-        self._flush_deferred(req_id)
-        self._deferred_writes.pop(req_id, None)
-
-    def _flush_deferred(self, req_id: str) -> None:
-        """Close `req_id`'s open deferred write and launch it; its next chunk opens a new one.
-
-        Never raises: a write that cannot be launched fails alone (its rows read
-        as absent) and its error is raised by the next public call.
-        """
-        with self._lock:
-            task = self._open_deferred.pop(req_id, None)
-            if task is None:
-                return
-            # rows whose slots went to a new tenant go to the null block, which nothing reads:
-            # dropping them on the device would cost an index upload, a synchronization
-            parts = [(chunk, np.where(keep, chunk.slots, NULL_SLOT)) for chunk in task.chunks
-                     if (keep := self.pool.slot_claim[chunk.slots] == chunk.claims).any()]
-
-        def issue() -> Iterator[Transfer]:
-            ready = self.backend.record_event()
-            slots = torch.from_numpy(np.concatenate([kept for _, kept in parts]))
-            for key in parts[0][0].rows:
-                rows = torch.cat([chunk.rows[key] for chunk, _ in parts])
-                yield self.backend.scatter_rows(
-                    rows.reshape(len(slots), -1), slots, self.pool.keys[key].storage,
-                    ready=ready, staging=None)
-
-        try:
-            self._launch(task, issue() if parts else (), report_failure=True)
-        except Exception:
-            pass  # the task failed alone; the next public call raises its error
 
     def _mirror_block_copy(self, src: int, dst: int) -> None:
         """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on.
@@ -619,14 +511,12 @@ class OmniPrefixCacheManager:
                 f"1..{self.config.num_blocks - 1}")
         dst_slots = np.arange(dst * bs, (dst + 1) * bs)
         src_slots = np.arange(src * bs, (src + 1) * bs)
-        self._resolve_conflicts(dst_slots)
+        self._reads.resolve_conflicts(dst_slots)
         with self._lock:
-            sources = self._producers(src_slots, self.pool.keys.keys())
-        for task in sources:
-            if task.state is TaskState.PENDING:
-                self._flush_deferred_task(task)
+            sources = self._tasks.live(self.pool.producer_ids(src_slots, self.pool.keys))
+        self._deferred.flush_tasks(sources)
         with self._lock:  # open deferred writes to dst drop those rows: dst gets a new claim
-            launched = [t for t in self._tasks.values() if t.state is not TaskState.PENDING]
+            launched = self._tasks.launched()
         for task in launched:
             try:
                 task.wait(self.config.staging_claim_timeout_s)
@@ -636,88 +526,29 @@ class OmniPrefixCacheManager:
                 with self._lock:
                     self.pool.mark_lost(task.task_id)  # its rows must not be copied as present
         with self._lock:
-            claim = next(self._claims)
-            self.pool.slot_claim[dst_slots] = claim
-            self.pool.copy_block(src, dst, claim)
-
-    def _flush_deferred_task(self, task: WriteTask) -> None:
-        with self._lock:
-            req_id = next((r for r, t in self._open_deferred.items() if t is task), None)
-        if req_id is not None:
-            self._flush_deferred(req_id)
+            self.pool.copy_block(src, dst)
 
     # ------------------------------------------------------------------ reads
-
-    def _producers(self, slots: np.ndarray, keys: Iterable[str]) -> list[WriteTask]:
-        """Unlanded tasks that produce the current rows of `keys` at `slots` (caller holds _lock)."""
-        ids: set[int] = set()
-        for key in keys:
-            pool_key = self.pool.keys[key]
-            present = self.pool.present(key, slots)
-            ids.update(np.unique(pool_key.producer[slots[present]]).tolist())
-        return [self._tasks[i] for i in sorted(ids) if i in self._tasks]
 
     def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], slots: np.ndarray,
                     task: WriteTask | None, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
         """Bind this step's and its hits' reads to the writes producing them, and pin their slots."""
-        n = len(slots)
-        keys = list(record.per_token)
-        planned: list[RowRead] = []
-        to_flush: list[WriteTask] = []
         with self._lock:
-            for key in immediate:
-                pool_key = self.pool.keys[key]
-                out = torch.empty((n, pool_key.row_width), dtype=pool_key.dtype)
-                read = RowRead(f"step {record.step_id}", key, slots, np.ones(n, dtype=bool),
-                               [task] if task is not None else [], out, 0)
-                record.step_reads[key] = read
-                planned.append(read)
+            record.step_reads = self._reads.plan_step(record.step_id, immediate, slots, task)
             for req_id, (h, hit_slots) in spans.items():
                 if req_id not in record.layout:
                     continue
                 start, end = record.layout.rows(req_id)
-                per_key = record.hit_reads[req_id] = {}
-                for key in keys:
-                    pool_key = self.pool.keys[key]
-                    present = self.pool.present(key, hit_slots)
-                    producers = self._producers(hit_slots, (key,))
-                    to_flush.extend(t for t in producers if t.state is TaskState.PENDING)
-                    alloc = torch.empty if present.all() else torch.zeros
-                    out = alloc((h + end - start, pool_key.row_width), dtype=pool_key.dtype)
-                    per_key[key] = RowRead(f"request {req_id} step {record.step_id}", key,
-                                           hit_slots, present, producers, out, 0)
-                    planned.append(per_key[key])
+                record.hit_reads[req_id] = {
+                    key: self._reads.plan_hit(f"request {req_id} step {record.step_id}", key,
+                                              hit_slots, end - start)
+                    for key in record.per_token}
                 self._stats.add(hit_tokens=h, hit_requests=1)
-            for read in planned:
-                self.pool.read_pins[read.slots] += 1
-                self._pinned.add(read)
-        self._stats.add(miss_tokens=n)
-        for producer in {t.task_id: t for t in to_flush}.values():
-            self._flush_deferred_task(producer)  # a hit on rows still held on the device
-        for read in planned:
-            if read.nbytes >= PREFETCH_MIN_BYTES:
-                self._prefetcher.submit(read)
-
-    def _unpin(self, read: RowRead) -> None:
-        with self._lock:
-            if read in self._pinned:
-                self._pinned.discard(read)
-                self.pool.read_pins[read.slots] -= 1
-
-    def _resolve_conflicts(self, slots: np.ndarray) -> None:
-        """Before new writes claim `slots`, finish every planned read still pinning them (copy-on-write)."""
-        with self._lock:
-            if not self.pool.read_pins[slots].any():
-                return
-            claimed = np.zeros(self.pool.num_slots, dtype=bool)
-            claimed[slots] = True
-            conflicts = [r for r in self._pinned if claimed[r.slots].any()]
-        self._stats.add(copy_on_write_reads=len(conflicts))
-        for read in conflicts:
-            try:
-                read.resolve(self.pool, self.config.staging_claim_timeout_s, self._unpin)
-            except OmniPrefixCacheError:
-                pass  # the read keeps its error for its consumer
+        self._stats.add(miss_tokens=len(slots))
+        planned = list(record.reads())
+        # a hit on rows still held on the device: their deferred writes go out now
+        self._deferred.flush_tasks([t for read in planned for t in read.producers])
+        self._reads.prefetch(planned)
 
     # ------------------------------------------------------------------ materialize
 
@@ -742,10 +573,10 @@ class OmniPrefixCacheManager:
         for req_id, per_key in record.hit_reads.items():
             if req_id not in wanted:
                 for read in per_key.values():
-                    read.cancel(self._unpin)
+                    self._reads.cancel(read)
         step_rows: dict[str, torch.Tensor] = {}
         for key, read in record.step_reads.items():
-            read.resolve(self.pool, timeout, self._unpin)
+            self._reads.resolve(read)
             step_rows[key] = read.out
         for key, copy in record.host_rows.items():
             host = copy.result(timeout, f"step {record.step_id} {key!r} rows")
@@ -763,7 +594,7 @@ class OmniPrefixCacheManager:
                 mine = step_rows[key][start:end]
                 read = hits.get(key)
                 if read is not None:
-                    read.resolve(self.pool, timeout, self._unpin)
+                    self._reads.resolve(read)
                     h = len(read.slots)
                     read.out[h:].copy_(mine)
                     mine = read.out
@@ -781,6 +612,6 @@ class OmniPrefixCacheManager:
         """Cancel its unread reads, grow its slot's arena if it was short (off the engine
         thread), then free the slot."""
         for read in record.reads():
-            read.cancel(self._unpin)
+            self._reads.cancel(read)
         self.staging.arenas[record.staging_slot].grow()
         self.staging.release(record.staging_slot, ("step", record.step_id))
