@@ -68,6 +68,7 @@ class StepOps:
     consume: str               # when this step is materialized (CONSUME_MODES)
     drop_mask: int             # bit i: batch row i's request is left out of materialize
     reject: bool = False       # a save with bad input comes first, then the same save again
+    copy_hit: bool = False     # admitted hits get a copy of their last hit block (block copy)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         consume=st.sampled_from(CONSUME_MODES),
         drop_mask=st.just(0) | st.integers(0, 15),  # half the steps materialize every row
         reject=st.sampled_from([False] * 5 + [True]),
+        copy_hit=st.sampled_from([False] * 3 + [True]),
     )
     return Workload(
         block_size=bs,
@@ -272,6 +274,7 @@ class MiniScheduler:
         self.spans: dict[str, tuple[SimRequest, int, int]] = {}  # positions its rows cover
         self.batch: list[str] = []
         self.granted_hits: list[int] = []            # hit tokens of first admissions
+        self.block_copies: list[tuple[int, int]] = []  # (src, dst) of this step
 
     def add(self, arrival: Arrival) -> None:
         """Queue a request: a fresh id, or the id of the request that finished last."""
@@ -296,7 +299,7 @@ class MiniScheduler:
         """The step's SchedulerOutput (field names as vLLM's)."""
         chunks = iter(ops.chunks)
         budget = self.token_budget
-        self.scheduled, self.spans = {}, {}
+        self.scheduled, self.spans, self.block_copies = {}, {}, []
         preempted: list[str] = []
         i = 0
         while i < len(self.running) and budget:
@@ -332,7 +335,18 @@ class MiniScheduler:
                 event("same-step hit on blocks computed in this forward")
             self.waiting.pop(0)
             self.running.append(req)
-            req.blocks = self.allocator.take(hit, num_new)
+            if (ops.copy_hit and hit and hit[-1] not in self.allocator.published_this_step
+                    and self.allocator.can_take(hit, num_new + 1)):
+                # the KV of its last hit block is copied into a block of its own (vLLM's
+                # kv_cache_block_copies): that block's rows must be the source's
+                blocks = self.allocator.take(hit, num_new + 1)
+                src, dst = hit[-1], blocks[len(hit)]
+                self.allocator.release([src])
+                req.blocks = [*hit[:-1], *blocks[len(hit):]]
+                self.block_copies.append((src, dst))
+                event("block copy of a hit block")
+            else:
+                req.blocks = self.allocator.take(hit, num_new)
             req.computed, req.num_published = h, len(hit)
             if req.preempted:
                 req.preempted = False
@@ -449,6 +463,7 @@ class MiniScheduler:
         return SimpleNamespace(
             finished_req_ids=finished,
             preempted_req_ids=set(preempted),
+            kv_cache_block_copies=list(self.block_copies),
             scheduled_new_reqs=[SimpleNamespace(req_id=r.req_id, num_computed_tokens=r.computed,
                                                 block_ids=(list(r.blocks),)) for r in new_reqs],
             scheduled_cached_reqs=cached,
