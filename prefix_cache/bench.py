@@ -326,6 +326,7 @@ class _StallCounter:
         self.allocations = 0
         self.syncs = 0
         self._thread = threading.get_ident()
+        self._counting = False  # inside `window` only: materialize may grow arenas, off it
         self._cuda = backend.name == "cuda"
         for name in ("alloc_host", "alloc_arena"):
             setattr(backend, name, self._counted(getattr(backend, name)))
@@ -336,7 +337,7 @@ class _StallCounter:
 
     def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == self._thread:
+            if self._counting and threading.get_ident() == self._thread:
                 self.allocations += 1
             return fn(*args, **kwargs)
         return counted
@@ -347,19 +348,21 @@ class _StallCounter:
     def window(self, fn: Callable[[], Any]) -> Any:
         """Run `fn`, counting what it does on this thread."""
         before = self._torch_pinned()
-        if not self._cuda:
-            out = fn()
-        else:
+        self._counting = True
+        try:
+            if not self._cuda:
+                return fn()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    out = fn()
+                    return fn()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            self.syncs += sum("synchroniz" in str(w.message) for w in caught)
-        self.allocations += self._torch_pinned() - before
-        return out
+                    self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+        finally:
+            self._counting = False
+            self.allocations += self._torch_pinned() - before
 
     def restore(self) -> None:
         for name in ("alloc_host", "alloc_arena"):
