@@ -107,10 +107,11 @@ class StageOutputDriver:
             return
         with torch.inference_mode(False):
             per_token = split_outputs(hidden, mm, n, num_tokens_padded, self.policy).per_token()
+            if not self.backend.synchronous:  # the next forward may overwrite the originals
+                per_token = {key: self.backend.snapshot(rows) for key, rows in per_token.items()}
             ready = self.backend.record_event()
-            host_rows = {key: self.backend.copy_to_host(
-                rows if self.backend.synchronous else self.backend.snapshot(rows), ready=ready)
-                for key, rows in per_token.items()}
+            host_rows = {key: self.backend.copy_to_host(rows, ready=ready)
+                         for key, rows in per_token.items()}
         self._step = _SavedStep(batch, host_rows=host_rows)
 
     @property
