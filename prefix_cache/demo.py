@@ -1,4 +1,4 @@
-"""The main job: a two-stage omni pipeline on vLLM's engine, run with stage 1's prefix caching on and off.
+"""The main job: a two-stage omni pipeline on vLLM, with stage 1's prefix caching on, then off.
 
 Stage 1 (the "thinker") is vLLM's engine with the stage-output cache: a tiny
 random Qwen2, requests sharing prefixes, chunked prefill, a long prompt aborted
@@ -102,9 +102,9 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]
-    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
     rule = "  ".join("-" * w for w in widths)
-    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join([line, rule, *body])
 
 
@@ -167,12 +167,14 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
     noise = torch.randn(rows.shape, generator=generator) * rows.pow(2).mean().sqrt()
     out = pl.talk(talker, {f"noise-{level:g}": rows + level * noise for level in PERTURBATIONS},
                   TALKER_TOKENS)
-    return {level: sum(a != b for a, b in zip(out[f"noise-{level:g}"][0], result.tokens))
+    return {level: sum(a != b for a, b in zip(out[f"noise-{level:g}"][0], result.tokens,
+                                              strict=True))
             for level in PERTURBATIONS}
 
 
 def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
+    from prefix_cache import engines
     from prefix_cache import pipeline as pl
     from prefix_cache.channel import open_channel
 
@@ -181,18 +183,18 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
             open_channel("shm") as channel:
         progress("writing two random Qwen2 models (hidden 256, 2 layers, "
                  "initializer_range=1.0; nothing is downloaded) ...")
-        thinker_dir = pl.write_random_qwen2(Path(tmp) / "thinker", seed=0)
-        talker_dir = pl.write_random_qwen2(Path(tmp) / "talker", seed=1)
+        thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
+        talker_dir = engines.write_random_qwen2(Path(tmp) / "talker", seed=1)
         progress("starting stage 2, the talker engine (prompt_embeds, greedy) ...")
         start = time.perf_counter()
-        talker = pl.start_talker(talker_dir)
+        talker = engines.start_talker(talker_dir)
         progress(f"talker ready in {time.perf_counter() - start:.0f}s")
         runs = {}
         for caching in (True, False):
             label = "on" if caching else "off"
             progress(f"starting stage 1, the thinker engine (prefix caching {label}) ...")
             start = time.perf_counter()
-            thinker = pl.start_thinker(thinker_dir, channel, prefix_caching=caching)
+            thinker = engines.start_thinker(thinker_dir, channel, prefix_caching=caching)
             progress(f"thinker ready in {time.perf_counter() - start:.0f}s; warming up, then "
                 f"{len(requests)} requests through thinker -> channel -> talker ...")
             pl.warm_up(thinker, channel, talker)

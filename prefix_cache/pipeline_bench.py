@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.pipeline import (Engine, EngineShape, StageRequest, multiprocessing_mode,
-                                   run_pipeline, start_talker, start_thinker, warm_up,
-                                   write_random_qwen2)
+from prefix_cache.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
+                                  start_thinker, write_random_qwen2)
+from prefix_cache.pipeline import StageRequest, run_pipeline, warm_up
 
 #: A prefill-dominated stage 1 (about 100 M parameters) and a light stage 2 of its width.
 M8_THINKER = dict(hidden_size=1024, num_layers=8, intermediate_size=2816, num_heads=16,
@@ -95,8 +95,8 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
             for engine in (*engines.values(), talker):
                 engine.close()
     hit_fraction = statistics.median(hit_tokens) / prompt_tokens
-    ratios = [a / b for a, b in zip(times["on"], times["off"])]
-    e2e_ratios = [a / b for a, b in zip(times["e2e_on"], times["e2e_off"])]
+    ratios = [a / b for a, b in zip(times["on"], times["off"], strict=True)]
+    e2e_ratios = [a / b for a, b in zip(times["e2e_on"], times["e2e_off"], strict=True)]
     target = SLACK * (1 - hit_fraction)
     ratio = statistics.median(times["on"]) / statistics.median(times["off"])
     return {

@@ -1,4 +1,4 @@
-"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner (GPU, CPU, NPU) through the cache.
+"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner (GPU, CPU, NPU) via the cache.
 
 Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`). It
 snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
