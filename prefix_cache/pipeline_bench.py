@@ -47,8 +47,9 @@ def m8_workload(*, families: int = 2, per_family: int = 8, prefix: int = 192, su
             for i in range(per_family) for f in range(families)]
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
 
 
 def _cold(*engines: Engine | None) -> None:
@@ -80,7 +81,8 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
             hit_tokens = []
             for i in range(runs):
                 progress(f"run {i + 1}/{runs} ...")
-                for caching, engine in engines.items():
+                order = list(engines.items())  # on first, then off first: drift cancels
+                for caching, engine in order if i % 2 == 0 else order[::-1]:
                     label = "on" if caching else "off"
                     _cold(engine)
                     run = run_pipeline(engine, channel, requests)
@@ -149,7 +151,8 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
             steps: dict[str, list[float]] = {"plain": [], "cache": []}
             for i in range(runs):
                 progress(f"run {i + 1}/{runs} ...")
-                for name, engine in engines.items():
+                order = list(engines.items())
+                for name, engine in order if i % 2 == 0 else order[::-1]:
                     _cold(engine)
                     steps[name] += _timed_steps(engine, requests)
                     if name == "cache":  # take the published rows off the channel
