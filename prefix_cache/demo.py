@@ -229,7 +229,9 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
         f"of " + ", ".join(f"{level:g} x RMS changes {n}/{TALKER_TOKENS}"
                            for level, n in changed.items()) + " tokens")
     say(f"end to end (engines up): prefix caching on {on.seconds:.2f}s, off {off.seconds:.2f}s "
-        f"(on/off {on.seconds / off.seconds:.2f})")
+        f"(on/off {on.seconds / off.seconds:.2f}; this tiny model's steps cost little to compute, "
+        f"so per-step overhead rules; M8 in `python -m prefix_cache.pipeline_bench` measures "
+        f"the saving on a prefill-dominated model)")
     say(f"vLLM's logs and warnings: {LOG_PATH}")
     say("")
     wrong = [c.req_id for c in checks if not c.ok]
