@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
 
 __all__ = ["DeviceBackend", "DeviceEvent", "HostBuffer", "Transfer", "available",
-           "backend_classes", "get_backend", "wait_event"]
+           "backend_classes", "get_backend", "parse_device", "wait_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,24 @@ def available() -> list[str]:
 
 
 def get_backend(name: str | None = None) -> DeviceBackend:
-    """The backend for `name`, or for the first available device type when None."""
+    """The backend for `name` (`"cuda"`, `"cuda:1"`, case-insensitive), or for the first
+    available device type when None."""
     classes = backend_classes()
     if name is None:
         name = next(n for n in _BUILTIN if classes[n].is_available())
-    cls = classes.get(name)
+    device_type, index = parse_device(name)
+    cls = classes.get(device_type)
     if cls is None:
         raise ValueError(f"unknown device type {name!r}; known: {sorted(classes)}")
     if not cls.is_available():
-        raise RuntimeError(f"device type {name!r} is not available in this process")
-    return cls()
+        raise RuntimeError(f"device type {device_type!r} is not available in this process")
+    return cls() if index is None else cls(index)
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """`"CUDA:1"` -> `("cuda", 1)`, `"npu"` -> `("npu", None)`; ValueError if malformed."""
+    device_type, _, index = device.strip().lower().partition(":")
+    if not device_type or (index and not index.isdigit()) or (index and device_type == "cpu"):
+        raise ValueError(f"device {device!r} is not a device type with an optional "
+                         f"accelerator index (cpu, cuda, cuda:1, npu:0, ...)")
+    return device_type, int(index) if index else None

@@ -13,30 +13,35 @@ from typing import Any
 
 import torch
 
-from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
 
 
 class _StreamScope:
-    """`with` block on `stream`, restoring the previous current stream of `device` on exit.
+    """`with` block on `stream`, restoring the previous current stream and current device on exit.
 
     The bare current-stream swap of torch's `stream()` context, at a third of its
-    cost (it runs on the engine thread every step); the device must be current.
+    cost (it runs on the engine thread every step). `set_stream` also makes the
+    stream's device current, so the caller's current device is put back too.
     """
 
-    __slots__ = ("_module", "_stream", "_device", "_previous")
+    __slots__ = ("_module", "_stream", "_device", "_previous", "_previous_device")
 
     def __init__(self, module: Any, stream: Any, device: torch.device) -> None:
         self._module = module
         self._stream = stream
         self._device = device
         self._previous: Any = None
+        self._previous_device = 0
 
     def __enter__(self) -> None:
+        self._previous_device = self._module.current_device()
         self._previous = self._module.current_stream(self._device)
         self._module.set_stream(self._stream)
 
     def __exit__(self, *exc: object) -> None:
         self._module.set_stream(self._previous)
+        if self._module.current_device() != self._previous_device:
+            self._module.set_device(self._previous_device)
 
 
 class AcceleratorBackend(DeviceBackend):
@@ -56,10 +61,22 @@ class AcceleratorBackend(DeviceBackend):
     def device(self) -> torch.device:
         return self._device
 
+    def bind_thread(self) -> None:
+        self.module.set_device(self._device)
+
     def record_event(self) -> DeviceEvent:
         event = self.module.Event()
         event.record(self.module.current_stream(self._device))
         return event
+
+    def drain(self, timeout_s: float) -> bool:
+        done = self.module.Event()
+        done.record(self.copy_stream)
+        try:
+            wait_event(done, timeout_s, lambda: f"{self.name} copy stream")
+        except TimeoutError:
+            return False
+        return True
 
     def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone()
@@ -98,11 +115,17 @@ class AcceleratorBackend(DeviceBackend):
 
         return Transfer(event=done, finish=finish, keepalive=(rows,))
 
-    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
-                     ) -> tuple[torch.Tensor, Transfer]:
+    def alloc_arena(self, nbytes: int) -> torch.Tensor:
+        # torch's caching host allocator: a block is reused only once its copies completed
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
         if tensor.device.type != self.name:
-            return tensor.detach().to("cpu", copy=True), Transfer()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = tensor.detach().to("cpu", copy=True)
+            return (host if out is None else out.copy_(host)), Transfer()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if out is None \
+            else out
         with self._on_copy_stream(ready):
             host.copy_(tensor, non_blocking=True)
             done = self._record_copy_done()

@@ -7,6 +7,7 @@ never touches a device API directly.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -23,10 +24,17 @@ class DeviceEvent(Protocol):
     def query(self) -> bool: ...
 
 
+def _in_process(pid: int, release: Callable[[], None]) -> None:
+    """Run `release` only in the process that registered the memory (never in a forked child)."""
+    if os.getpid() == pid:
+        release()
+
+
 class HostBuffer:
     """An exact-size host tensor, page-locked where the device can use that.
 
-    Invariant: `tensor` stays valid until `close()`; closing twice is a no-op.
+    Invariant: `tensor` stays valid until `close()`; closing twice is a no-op,
+    and a forked child never releases its parent's registration.
     """
 
     def __init__(self, tensor: torch.Tensor, *, pinned: bool,
@@ -34,7 +42,8 @@ class HostBuffer:
         self.tensor = tensor
         self.pinned = pinned
         # a finalizer, so a buffer dropped without close() is still unregistered
-        self._release = weakref.finalize(self, release) if release is not None else None
+        self._release = (weakref.finalize(self, _in_process, os.getpid(), release)
+                         if release is not None else None)
         self.device_view: torch.Tensor | None = None  # set by zero-copy backends
 
     @property
@@ -65,10 +74,12 @@ class Transfer:
         return self.event is None and self.finish is None
 
 
-def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str]) -> None:
-    """Poll `event` until it completes; raise TimeoutError naming `what()` after `timeout_s`.
+def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str], *,
+               error: type[Exception] = TimeoutError, max_pause_s: float = 1e-4) -> None:
+    """Poll `event` until it completes; raise `error` naming `what()` after `timeout_s`.
 
-    Device events only offer an unbounded `synchronize()`, so bounded waits poll.
+    Device events only offer an unbounded `synchronize()`, so bounded waits poll,
+    backing off to `max_pause_s` between queries (the GIL is free meanwhile).
     """
     if event is None or event.query():
         return
@@ -76,9 +87,9 @@ def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], s
     pause = 1e-5
     while not event.query():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what()}: device copy not complete after {timeout_s:.1f}s")
+            raise error(f"{what()}: device copy not complete after {timeout_s:.1f}s")
         time.sleep(pause)
-        pause = min(pause * 2, 1e-4)
+        pause = min(pause * 2, max_pause_s)
 
 
 def block_on_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str]) -> None:
@@ -121,10 +132,24 @@ class DeviceBackend(ABC):
         """Whether `scatter_rows` needs a pinned staging buffer to pass through."""
         return not (self.zero_copy or self.synchronous)
 
+    def bind_thread(self) -> None:
+        """Make this backend's device current on the calling helper thread (before device calls)."""
+
+    def check_rows(self, what: str, tensor: torch.Tensor) -> None:
+        """Refuse rows that are not on this backend's device, naming them and both devices."""
+        device = self.device
+        if tensor.device.type != device.type or (
+                device.index is not None and tensor.device.index != device.index):
+            raise ValueError(f"{what} are on {tensor.device}, the cache's device is {device}")
+
     # streams and events
     @abstractmethod
     def record_event(self) -> DeviceEvent | None:
         """An event on the current (compute) stream; None where work is synchronous."""
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, for every copy issued so far; False if one is still running."""
+        return True
 
     def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private copy of `tensor` on its device, ordered on the current stream."""
@@ -142,15 +167,28 @@ class DeviceBackend(ABC):
         """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready`.
 
         `rows` is `[n, F]` on the device, `slots` an int64 CPU tensor of n
-        distinct slots, `pool.tensor` a `[num_slots, F]` host tensor. `staging`
+        distinct slots (except slot 0, of vLLM's never-read null block, which
+        may take any number of discarded rows), `pool.tensor` a `[num_slots, F]`
+        host tensor. `staging`
         is a host `[>= n, F]` buffer for backends that stage (`needs_staging`);
         None lets them take a page of their own.
         """
 
     @abstractmethod
-    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
-                     ) -> tuple[torch.Tensor, Transfer]:
-        """A host copy of `tensor`, valid once the transfer completes."""
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+        """A host copy of `tensor`, valid once the transfer completes.
+
+        `out`, a host tensor of `tensor`'s shape and dtype (from `alloc_arena`),
+        receives the copy without any allocation; None allocates one.
+        """
+
+    def alloc_arena(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of host memory for `copy_to_host(out=...)` views, pinned where that exists.
+
+        Dropping the tensor is safe while copies into it are in flight.
+        """
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     # kernel-block knowledge for FullAttentionGroupView
     def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,

@@ -4,8 +4,8 @@ Nothing here imports vLLM at module scope: vLLM objects are read by attribute.
 """
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
-from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheStagingTimeoutError,
-                                 OmniPrefixCacheUnmatchError)
+from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
+                                 OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError)
 from prefix_cache.gate import stage_prefix_cache_config
 from prefix_cache.group_view import FullAttentionGroupView
 from prefix_cache.block_pool import PrefixBlockPool
@@ -14,6 +14,7 @@ from prefix_cache.tasks import TaskState, WriteTask
 
 __all__ = [
     "HIDDEN_KEY", "FullAttentionGroupView", "ModelCachePolicy", "OmniPrefixCacheError",
+    "OmniPrefixCacheInputError",
     "OmniPrefixCacheManager", "OmniPrefixCacheStagingTimeoutError", "OmniPrefixCacheUnmatchError",
     "PrefixBlockPool", "PrefixCacheConfig", "StageCacheOutputs", "TaskState", "WriteTask",
     "stage_prefix_cache_config",

@@ -4,22 +4,67 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
+
+from prefix_cache.targets import METRICS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _bench_epilog() -> str:
+    lines = ["metrics and their targets ((GPU): judged on an NVIDIA GPU only, shown elsewhere):"]
+    lines += [f"  {name:<4} {spec.target.text:<16} {spec.summary}"
+              for name, spec in METRICS.items()]
+    return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m prefix_cache")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("demo", help="vLLM's CPU engine end to end, checked against a cache-off run")
+    bench = sub.add_parser(
+        "bench", help="measure the cache's metrics (M1-M7) beside their references",
+        description="Measure each metric beside its reference, in this process, and print one\n"
+                    "table with a pass/MISS column against each target.",
+        epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("--device", metavar="NAME",
+                       help="cpu, cuda, npu or a registered backend (default: the first present "
+                            "of npu, cuda, cpu)")
+    bench.add_argument("--quick", action="store_true",
+                       help="2048-token steps and no scaling sweep; under a minute on CPU")
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    bench.add_argument("--runs", type=_positive_int, default=1, metavar="N",
+                       help="run everything N times back to back; report each metric's median "
+                            "and spread (default: 1)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefix_cache")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="vLLM's CPU engine end to end, checked against a cache-off run")
-    bench = sub.add_parser("bench", help="measure M1-M7 side by side with their references")
-    bench.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
-    bench.add_argument("--quick", action="store_true", help="small sizes; under a minute on CPU")
-    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
         from prefix_cache import demo
         return demo.main()
-    from prefix_cache import bench as bench_mod
-    return bench_mod.main(device=args.device, quick=args.quick, json_path=args.json)
+    from prefix_cache import bench
+    problem = bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
+    if problem:
+        parser.exit(2, f"{parser.prog} bench: error: {problem}\n")
+    return bench.main(device=args.device, quick=args.quick, json_path=args.json, runs=args.runs)
 
 
 if __name__ == "__main__":

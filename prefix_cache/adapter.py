@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefix_cache.errors import OmniPrefixCacheUnmatchError
+from prefix_cache.errors import OmniPrefixCacheInputError, OmniPrefixCacheUnmatchError
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,11 @@ def _block_copies(copies: Iterable[Any] | None) -> tuple[tuple[int, int], ...]:
 
 def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
     """The step's events from a vLLM `SchedulerOutput` (0.23-0.33) or a look-alike."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if not isinstance(scheduled, Mapping):
+        raise OmniPrefixCacheInputError(
+            f"new_step_starts: expected a vLLM SchedulerOutput (or an object with its fields, "
+            f"num_scheduled_tokens a dict), got {type(scheduler_output).__name__}")
     started = tuple(
         StartedRequest(_req_id(new), int(getattr(new, "num_computed_tokens", 0) or 0),
                        _group_blocks(getattr(new, "block_ids", None), group_id, _req_id(new)))
@@ -109,5 +114,5 @@ def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
         started=started,
         resumed=resumed,
         resumed_starts=resumed_starts,
-        num_scheduled_tokens=dict(getattr(scheduler_output, "num_scheduled_tokens", None) or {}),
+        num_scheduled_tokens=dict(scheduled),
     )

@@ -1,4 +1,4 @@
-"""`python -m prefix_cache bench`: M1-M7 of SPEC §8, each measured beside its reference in one run.
+"""`python -m prefix_cache bench`: each metric of `targets.METRICS` measured beside its reference.
 
 Rows are `D`-wide bf16 (float32 on CPU) hidden states saved into random 16-token
 blocks of a pool; every ratio's numerator and denominator come from this process.
@@ -6,13 +6,19 @@ blocks of a pool; every ratio's numerator and denominator come from this process
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import statistics
+import textwrap
+import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,10 +27,10 @@ import torch
 from prefix_cache import devices
 from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
-from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
-from prefix_cache.demo import format_table
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.reads import RowRead
+from prefix_cache.targets import METRICS
 
 WIDTH = 2048
 BLOCK = 16
@@ -32,8 +38,8 @@ BLOCK = 16
 SCALING_POOL_BLOCKS = 2048
 #: Saves issued before waiting, as consecutive steps overlap in an engine (M1's steady state).
 SAVES_IN_FLIGHT = 4
-TARGETS = {"M1": ">= 0.85", "M2": "<= 100 us (GPU)", "M3": ">= 0.7", "M4": "0 s",
-           "M5": ">= 0.98", "M6": "<= 1.05", "M7": "<= 1.03"}
+#: Columns the printed report fits in.
+REPORT_WIDTH = 100
 
 
 @dataclass
@@ -151,7 +157,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     view = _DecodeView(num_reqs, tokens_per_req)
     needed = num_reqs * (tokens_per_req // BLOCK + 1) + 2
     blocks = needed if num_blocks is None else max(num_blocks, needed)
-    config = PrefixCacheConfig(blocks, BLOCK, staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
+    config = PrefixCacheConfig(blocks, BLOCK,
+                               staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
     hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
     so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
                          "scheduled_cached_reqs": None,
@@ -287,16 +294,162 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
     return out
 
 
+class _MixedView:
+    """View protocol for the M4 run: request slot j owns blocks 4j+1..4j+4 and walks them."""
+
+    def __init__(self, num_reqs: int) -> None:
+        self.num_reqs = num_reqs
+        self.req_ids: list[str] = []
+        self.positions: dict[str, int] = {}
+
+    def batch_req_ids(self) -> list[str]:
+        return self.req_ids
+
+    def step_slots_cpu(self, req_ids: Any, num_scheduled_tokens: Any) -> torch.Tensor:
+        parts = []
+        for j, req_id in enumerate(req_ids):
+            pos = (self.positions[req_id] + np.arange(num_scheduled_tokens[req_id])) % (4 * BLOCK)
+            parts.append((4 * j + 1) * BLOCK + pos)
+        return torch.from_numpy(np.concatenate(parts))
+
+
+class _StallCounter:
+    """Pinned allocations, host registrations and device synchronizations on this thread.
+
+    Backend allocations are counted at the backend (every pool, staging page and arena goes
+    through `alloc_host` or `alloc_arena`); CUDA also counts torch's own pinned allocations
+    (`host_memory_stats`) and the synchronizations `set_sync_debug_mode("warn")` reports.
+    """
+
+    def __init__(self, backend: DeviceBackend) -> None:
+        self.backend = backend
+        self.allocations = 0
+        self.syncs = 0
+        self._thread = threading.get_ident()
+        self._counting = False  # inside `window` only: materialize may grow arenas, off it
+        self._cuda = backend.name == "cuda"
+        for name in ("alloc_host", "alloc_arena"):
+            setattr(backend, name, self._counted(getattr(backend, name)))
+        if self._cuda:  # the scatter's slot pages register host memory of their own
+            from prefix_cache.devices.cuda import slot_pages
+            self._register = slot_pages.register_host
+            slot_pages.register_host = self._counted(self._register)
+
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._counting and threading.get_ident() == self._thread:
+                self.allocations += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def _torch_pinned(self) -> int:
+        return int(torch.cuda.host_memory_stats().get("num_host_alloc", 0)) if self._cuda else 0
+
+    def window(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn`, counting what it does on this thread."""
+        before = self._torch_pinned()
+        self._counting = True
+        try:
+            if not self._cuda:
+                return fn()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+        finally:
+            self._counting = False
+            self.allocations += self._torch_pinned() - before
+
+    def restore(self) -> None:
+        for name in ("alloc_host", "alloc_arena"):
+            delattr(self.backend, name)
+        if self._cuda:
+            from prefix_cache.devices.cuda import slot_pages
+            slot_pages.register_host = self._register
+
+
+def engine_thread_stalls(backend: DeviceBackend, dtype: torch.dtype, steps: int,
+                         warmup: int = 20) -> tuple[int, int, int]:
+    """(engine-thread pinned allocations + registrations, syncs, counted steps) over a mixed
+    run after `warmup` steps: 8 requests alternate 32-token prefill and decode steps, with a
+    deferred key and a leftover output; every 4th step the batch finishes (its deferred rows
+    are written) and new requests take its blocks. Materialize runs outside the counted calls."""
+    num_reqs = 8
+    view = _MixedView(num_reqs)
+    config = PrefixCacheConfig(4 * num_reqs + 2, BLOCK, staging_capacity_tokens=32 * num_reqs)
+    counter = _StallCounter(backend)
+    cache = OmniPrefixCacheManager(config, view, backend=backend)
+    cache.register_policy(ModelCachePolicy(deferred_keys={"codes"}))
+    cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
+    finished: list[str] = []
+    try:
+        for step in range(warmup + steps):
+            if step % 4 == 0:
+                finished, view.req_ids = view.req_ids, [f"s{step}r{j}" for j in range(num_reqs)]
+                view.positions = dict.fromkeys(view.req_ids, 0)
+            n = 32 if step % 2 == 0 else 1
+            so = SimpleNamespace(finished_req_ids=set(finished), scheduled_new_reqs=[],
+                                 scheduled_cached_reqs=None,
+                                 num_scheduled_tokens=dict.fromkeys(view.req_ids, n))
+            finished = []
+            hidden = torch.randn(num_reqs * n, WIDTH, device=backend.device).to(dtype)
+            mm = {"codes": torch.randn(num_reqs * n, 64, device=backend.device).to(dtype),
+                  "logits": torch.randn(num_reqs, 1000, device=backend.device)}
+
+            def engine_calls() -> int:
+                cache.new_step_starts(so)
+                return cache.save_outputs(hidden, mm, num_tokens_unpadded=num_reqs * n,
+                                          num_tokens_padded=num_reqs * n)
+
+            if step == warmup:
+                counter.allocations = counter.syncs = 0
+            sid = counter.window(engine_calls)
+            cache.materialize(sid, view.req_ids)
+            for req_id in view.req_ids:
+                view.positions[req_id] += n
+    finally:
+        cache.shutdown()
+        counter.restore()
+    return counter.allocations, counter.syncs, steps
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def resident_ratio(backend: DeviceBackend, dtype: torch.dtype, num_blocks: int) -> float:
-    """Host bytes the backend actually pins/allocates for a pool ÷ the pool's logical bytes."""
-    buffer: HostBuffer = backend.alloc_host((num_blocks * BLOCK, WIDTH), dtype)
-    logical = num_blocks * BLOCK * WIDTH * torch.empty((), dtype=dtype).element_size()
-    actual = buffer.tensor.untyped_storage().nbytes()
-    if backend.name == "cuda" and buffer.device_view is None:  # torch-pinned fallback
-        actual = max(actual, int(torch.cuda.host_memory_stats().get(
-            "reserved_bytes.all.current", actual)))
-    buffer.close()
-    return actual / logical
+    """Host bytes resident for a cache's pool, staging and arenas ÷ the bytes they hold.
+
+    Resident is measured: the process's resident set grows by exactly what was allocated
+    and touched (pinned pages are resident), so rounding by any allocator shows up.
+    """
+    view = _DecodeView(64, 1)
+    config = PrefixCacheConfig(num_blocks, BLOCK, staging_capacity_tokens=64)
+    hidden = torch.randn(64, WIDTH, device=backend.device).to(dtype)
+    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
+                         scheduled_cached_reqs=None, num_scheduled_tokens=dict.fromkeys(
+                             view.req_ids, 1))
+    before = _rss_bytes()
+    with OmniPrefixCacheManager(config, view, backend=backend) as cache:
+        cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
+        for key in cache.pool.keys.values():
+            key.flat.zero_()  # every page of the pool resident, as a long run leaves it
+        for _ in range(3):  # staging arenas reach their size
+            cache.new_step_starts(so)
+            cache.materialize(cache.save_outputs(hidden, {"logits": torch.randn(
+                64, 1000, device=backend.device)[:8]}, num_tokens_unpadded=64,
+                num_tokens_padded=64), view.req_ids)
+        gc.collect()
+        resident = _rss_bytes() - before
+        stats = cache.stats()
+    logical = stats["staging_bytes"] + sum(v for k, v in stats.items()
+                                           if k.startswith("pool_bytes."))
+    return resident / logical
 
 
 def run(device: str | None, quick: bool) -> dict[str, Any]:
@@ -317,23 +470,29 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     decode_us = engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200).median_us
     metrics["M2"] = Metric(decode_us, "64-request decode step, µs per step",
                            "new_step_starts + save_outputs")
+    prefill_us = engine_thread_us(backend, 1, 2048, dtype, 20 if quick else 100).median_us
+    metrics["M2p"] = Metric(prefill_us, "one 2048-token prefill step, µs per step",
+                            "new_step_starts + save_outputs")
     hit_gbs, memcpy_gbs = measure_hit(2048 if quick else 8192, dtype, repeat)
     metrics["M3"] = Metric(hit_gbs / memcpy_gbs,
                            f"memcpy of the pool's rows into a new tensor {memcpy_gbs:.1f} GB/s",
                            f"hit gather (random blocks) {hit_gbs:.1f} GB/s")
-    eager = engine_thread_us(backend, 8, 256, dtype, 5)
-    lazy = engine_thread_us(backend, 8, 256, dtype, 5, preallocate=False)
-    metrics["M4"] = Metric(0.0, f"first-step stall x{eager.first_us / eager.median_us:.1f} "
-                           f"preallocated, x{lazy.first_us / eager.median_us:.1f} allocated on "
-                           "the request path",
-                           "hidden pool allocated at init (KV-cache init), not on a request")
+    allocations, syncs, counted = engine_thread_stalls(backend, dtype, 200 if quick else 1000)
+    metrics["M4"] = Metric(allocations + syncs,
+                           f"{counted} mixed steps after warm-up: {allocations} pinned "
+                           f"allocations or registrations, "
+                           + (f"{syncs} device syncs" if backend.name == "cuda"
+                              else "syncs not observable on this device"),
+                           "deferred key and leftover on every step; batches finish and "
+                           "new tenants take their blocks")
     steps = 10 if quick else 50
     off = step_loop(backend, 256, dtype, steps, with_cache=False)
     on = step_loop(backend, 256, dtype, steps, with_cache=True)
     metrics["M5"] = Metric(on / off, f"cache off {off:.0f} steps/s",
                            "256-token steps of an MLP-stack forward, 0% hits")
     metrics["M6"] = Metric(resident_ratio(backend, dtype, 1000 if quick else 15092),
-                           "pool bytes requested", "exact-size allocation")
+                           "pool, staging and arena bytes the cache holds",
+                           "resident-set growth of the process (pinned pages are resident)")
     if backend.name == "cuda":
         inter = gemm_interference(backend, dtype, 10 if quick else 30)
         metrics["M7"] = Metric(inter["kernel"], "GEMM loop alone",
@@ -345,8 +504,38 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     return {"device": backend.name, "machine": f"{platform.node()} {platform.machine()} "
             f"{os.cpu_count()} cpus, torch {torch.__version__}"
             + (f", {torch.cuda.get_device_name()}" if backend.name == "cuda" else ""),
-            "metrics": {k: {"value": m.value, "target": TARGETS[k], "reference": m.reference,
-                            "note": m.note} for k, m in metrics.items()}}
+            "metrics": {k: _metric_json(k, m, backend.name) for k, m in metrics.items()}}
+
+
+def _metric_json(name: str, metric: Metric, device: str) -> dict[str, Any]:
+    """A measured metric with its target; `pass` is None where the target does not apply."""
+    return {"value": metric.value, "target": METRICS[name].target.text,
+            "reference": metric.reference, "note": metric.note,
+            "pass": _judge(name, metric.value, device)}
+
+
+def _judge(name: str, value: float | None, device: str) -> bool | None:
+    target = METRICS[name].target
+    return target.met_by(value) if value is not None and target.applies_to(device) else None
+
+
+def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
+    """`runs` back-to-back runs: each metric's median, judged, with every run's value kept
+    (`runs`) and its spread in the note; references and notes are the last run's."""
+    results = [run(device, quick) for _ in range(runs)]
+    merged = results[-1]
+    if runs == 1:
+        return merged
+    for name, metric in merged["metrics"].items():
+        values = [r["metrics"][name]["value"] for r in results]
+        if None in values:
+            continue
+        metric["runs"] = values
+        metric["value"] = statistics.median(values)
+        metric["pass"] = _judge(name, metric["value"], merged["device"])
+        metric["note"] = (f"median of {runs} runs, spread {min(values):.3g}-{max(values):.3g}; "
+                          + metric["note"])
+    return merged
 
 
 def scaling(device: str | None) -> dict[str, list[tuple[int, float, int]]]:
@@ -370,19 +559,103 @@ def scaling(device: str | None) -> dict[str, list[tuple[int, float, int]]]:
     return out
 
 
-def main(*, device: str | None, quick: bool, json_path: str | None) -> int:
-    result = run(device, quick)
-    print(f"device: {result['device']}   machine: {result['machine']}")
-    rows = [[k, "n/a" if m["value"] is None else f"{m['value']:.3f}", m["target"], m["reference"],
-             m["note"]] for k, m in result["metrics"].items()]
-    print(format_table(["metric", "value", "target", "reference", "note"], rows))
+def format_table(headers: list[str], rows: list[list[Any]], width: int = REPORT_WIDTH) -> str:
+    """Left-aligned columns; the last one is wrapped so that every line fits in `width`."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    widths[-1] = min(widths[-1], max(width - indent, 20))
+
+    def lines(row: list[str]) -> list[str]:
+        head = "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths))
+        wrapped = textwrap.wrap(row[-1], widths[-1]) or [""]
+        first = f"{head}  {wrapped[0]}" if head else wrapped[0]
+        return [first.rstrip()] + [" " * indent + more for more in wrapped[1:]]
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([*lines(headers), rule, *(line for r in cells for line in lines(r))])
+
+
+def _value_text(name: str, metric: dict[str, Any] | None) -> str:
+    if metric is None or metric["value"] is None:
+        return "n/a"
+    unit = METRICS[name].target.unit
+    return f"{metric['value']:.0f} {unit}" if unit else f"{metric['value']:.3f}"
+
+
+def _result_text(device: str, name: str, metric: dict[str, Any] | None) -> str:
+    if metric is None:
+        return "not run"
+    if metric["pass"] is not None:
+        return "pass" if metric["pass"] else "MISS"
+    if not METRICS[name].target.applies_to(device):
+        return "GPU only"
+    return "n/a"
+
+
+def report(result: dict[str, Any]) -> str:
+    """The run as text for a terminal: a header, then one row per metric with pass or MISS."""
+    device = result["device"]
+    header = textwrap.fill(f"device: {device}   machine: {result['machine']}", REPORT_WIDTH)
+    rows = []
+    for name in METRICS:
+        metric = result["metrics"].get(name)
+        if metric is None:
+            detail = "not measured by this version of the bench"
+        else:
+            detail = "; ".join(t for t in (metric["reference"], metric["note"]) if t)
+        rows.append([name, _value_text(name, metric),
+                     METRICS[name].target.text, _result_text(device, name, metric), detail])
+    table = format_table(["metric", "value", "target", "result", "measured against; how"], rows)
+    parts = [header, table]
+    if device != "cuda":
+        parts.append("Targets marked (GPU) hold on an NVIDIA GPU; on this device they are shown, "
+                     "not judged.")
+    return "\n\n".join(parts)
+
+
+def scaling_report(sweeps: dict[str, list[tuple[int, float, int]]]) -> str:
+    """One small table per sweep of `scaling`."""
+    return "\n\n".join(
+        format_table([name if name == "pool blocks" else f"{name} per step",
+                      "engine-thread µs", "host MiB"],
+                     [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"] for n, us, nbytes in points])
+        for name, points in sweeps.items())
+
+
+def unwritable(json_path: str) -> str | None:
+    """Why `json_path` cannot be written, or None; leaves no file behind."""
+    path = Path(json_path)
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        return f"--json {json_path}: cannot write there ({exc.strerror})"
+    if not existed:
+        path.unlink()
+    return None
+
+
+def unusable_device(device: str | None) -> str | None:
+    """Why `device` cannot run the bench in this process, or None (None: auto-detect)."""
+    if device is None:
+        return None
+    classes = devices.backend_classes()
+    if device not in classes:
+        return f"unknown device {device!r}; known: {', '.join(sorted(classes))}"
+    if not classes[device].is_available():
+        return (f"device {device!r} is not present in this process; available here: "
+                f"{', '.join(devices.available())}")
+    return None
+
+
+def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 1) -> int:
+    result = run_many(device, quick, runs)
+    print(report(result), flush=True)
     if not quick:
         result["scaling"] = scaling(device)
-        for name, points in result["scaling"].items():
-            print(format_table([name if name == "pool blocks" else f"{name} per step",
-                                "engine-thread µs", "host MiB"],
-                               [[n, f"{us:.0f}", f"{nbytes / 2**20:.1f}"]
-                                for n, us, nbytes in points]))
+        print(f"\n{scaling_report(result['scaling'])}")
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=2)

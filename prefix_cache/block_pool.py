@@ -6,8 +6,10 @@ tenant's first write claims its slots and every older row there stops counting.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -50,7 +52,10 @@ class PrefixBlockPool:
     """Host rows of every cached key, with a claim per slot and a version per (slot, key).
 
     Invariant: the rows of key k at slot s belong to the slot's current tenant
-    iff `keys[k].version[s] == slot_claim[s] != 0`; anything else reads as absent.
+    iff `keys[k].version[s] == slot_claim[s] != 0`; they were lost to a failed
+    write iff `version[s] == -slot_claim[s] != 0`; anything else reads as absent.
+    Claims only grow, so a version never matches a later tenant's claim. The
+    tables change only through the methods below, under the caller's lock.
     """
 
     def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend) -> None:
@@ -58,11 +63,51 @@ class PrefixBlockPool:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self._backend = backend
-        self.slot_claim = np.zeros(self.num_slots, dtype=np.int64)
+        self._claims = itertools.count(1)
+        self._slot_claim = np.zeros(self.num_slots, dtype=np.int64)
         #: unresolved reads per slot; a claim must first resolve the reads pinning its slots
-        self.read_pins = np.zeros(self.num_slots, dtype=np.int32)
+        self._read_pins = np.zeros(self.num_slots, dtype=np.int32)
         self.keys: dict[str, PoolKey] = {}
         self._gather_threads: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ tenancy
+
+    def claim(self, slots: np.ndarray) -> int:
+        """A new tenant takes `slots`: every older row there stops counting. Returns its claim."""
+        claim = next(self._claims)
+        self._slot_claim[slots] = claim
+        return claim
+
+    def record_write(self, keys: Iterable[str], slots: np.ndarray, claim: int,
+                     producer: int) -> None:
+        """`producer` will land the rows of `keys` at `slots`, written under `claim`."""
+        for name in keys:
+            key = self.keys[name]
+            key.version[slots] = claim
+            key.producer[slots] = producer
+
+    def still_claimed(self, slots: np.ndarray, claims: np.ndarray) -> np.ndarray:
+        """Mask of `slots` whose tenant is still the one that held `claims`."""
+        return self._slot_claim[slots] == claims
+
+    def producer_ids(self, slots: np.ndarray, keys: Iterable[str]) -> set[int]:
+        """Write tasks that produce the present rows of `keys` at `slots`."""
+        ids: set[int] = set()
+        for name in keys:
+            present = self.present(name, slots)
+            ids.update(np.unique(self.keys[name].producer[slots[present]]).tolist())
+        return ids
+
+    # ------------------------------------------------------------------ read pins
+
+    def pin(self, slots: np.ndarray) -> None:
+        self._read_pins[slots] += 1
+
+    def unpin(self, slots: np.ndarray) -> None:
+        self._read_pins[slots] -= 1
+
+    def any_pinned(self, slots: np.ndarray) -> bool:
+        return bool(self._read_pins[slots].any())
 
     def allocate(self, name: str, feat_shape: tuple[int, ...], dtype: torch.dtype) -> PoolKey:
         """Host storage for a new key; does not touch shared tables, so it may run unlocked."""
@@ -82,8 +127,22 @@ class PrefixBlockPool:
         key = self.keys.get(name)
         if key is None:
             return np.zeros(len(slots), dtype=bool)
-        claims = self.slot_claim[slots]
+        claims = self._slot_claim[slots]
         return (key.version[slots] == claims) & (claims != 0)
+
+    def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""
+        key = self.keys.get(name)
+        if key is None:
+            return np.zeros(len(slots), dtype=bool)
+        claims = self._slot_claim[slots]
+        return (key.version[slots] == -claims) & (claims != 0)
+
+    def mark_lost(self, producer: int) -> None:
+        """Every row `producer` was to write is lost: it never landed."""
+        for key in self.keys.values():
+            mine = (key.producer == producer) & (key.version > 0)
+            key.version[mine] = -key.version[mine]
 
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]`, whole blocks at a time where slots run block-aligned."""
@@ -115,15 +174,16 @@ class PrefixBlockPool:
                      for i in range(0, len(index), step)]:
             done.result()
 
-    def copy_block(self, src_block: int, dst_block: int, claim: int) -> None:
-        """Mirror vLLM's copy of block `src_block` into `dst_block` (already claimed as `claim`)."""
+    def copy_block(self, src_block: int, dst_block: int) -> None:
+        """Mirror vLLM's copy of block `src_block` into `dst_block`, a new tenant of `dst_block`."""
         bs = self.block_size
         src = np.arange(src_block * bs, (src_block + 1) * bs)
         dst = src - src_block * bs + dst_block * bs
+        claim = self.claim(dst)
         for key in self.keys.values():
-            keep = self.present(key.name, src)
+            keep, lost = self.present(key.name, src), self.lost(key.name, src)
             key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]
-            key.version[dst] = np.where(keep, claim, 0)
+            key.version[dst] = np.where(keep, claim, np.where(lost, -claim, 0))
             key.producer[dst] = 0
 
     def nbytes(self) -> dict[str, int]:

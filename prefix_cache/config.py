@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
+
+from prefix_cache.devices import backend_classes, parse_device
 
 #: Pool key of the stage's last hidden states.
 HIDDEN_KEY = "__hidden_states__"
 
 _DEFAULT_STAGING_CAPACITY = 8192
+#: Host bytes every slot costs whatever the model: its claim, read pins, and the hidden key's
+#: version and producer; a pool the host cannot even index is refused up front.
+_MIN_HOST_BYTES_PER_SLOT = 8 + 4 + 8 + 8
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -33,12 +48,34 @@ class PrefixCacheConfig:
             raise ValueError(f"PrefixCacheConfig.gpu_budget_bytes must be an int >= 0, "
                              f"got {self.gpu_budget_bytes!r}")
         timeout = self.staging_claim_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"PrefixCacheConfig.staging_claim_timeout_s must be a positive "
-                             f"number of seconds, got {timeout!r}")
-        if self.device is not None and (not isinstance(self.device, str) or not self.device):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"PrefixCacheConfig.staging_claim_timeout_s must be a finite "
+                             f"positive number of seconds, got {timeout!r}")
+        host = _host_memory_bytes()
+        if host is not None and self.num_slots * _MIN_HOST_BYTES_PER_SLOT > host:
+            raise ValueError(
+                f"PrefixCacheConfig.num_blocks={self.num_blocks} x block_size={self.block_size} "
+                f"needs at least {self.num_slots * _MIN_HOST_BYTES_PER_SLOT} bytes of host "
+                f"bookkeeping; this host has {host}")
+        if self.device is not None:
+            object.__setattr__(self, "device", self._checked_device(self.device))
+
+    @staticmethod
+    def _checked_device(device: Any) -> str:
+        """The device name normalized (`"CUDA:1"` -> `"cuda:1"`), refused if no backend knows it."""
+        if not isinstance(device, str):
             raise ValueError(f"PrefixCacheConfig.device must be a device type name or None, "
-                             f"got {self.device!r}")
+                             f"got {device!r}")
+        try:
+            name, index = parse_device(device)
+        except ValueError as exc:
+            raise ValueError(f"PrefixCacheConfig.device: {exc}") from None
+        known = backend_classes()
+        if name not in known:
+            raise ValueError(f"PrefixCacheConfig.device={device!r}: unknown device type; "
+                             f"known: {sorted(known)}")
+        return name if index is None else f"{name}:{index}"
 
     @property
     def num_slots(self) -> int:
@@ -62,25 +99,59 @@ class PrefixCacheConfig:
         return cls(**kwargs)
 
 
+def _key_set(field_name: str, keys: Any) -> frozenset[str]:
+    """A set of mm keys; a single string is one key, never a set of characters."""
+    if keys is None:
+        return frozenset()
+    if isinstance(keys, str):
+        keys = (keys,)
+    if not isinstance(keys, Iterable) or isinstance(keys, (bytes, dict)):
+        raise ValueError(f"ModelCachePolicy.{field_name} must be a set of key names, "
+                         f"got {keys!r}")
+    out = frozenset(keys)
+    bad = sorted(repr(k) for k in out if not isinstance(k, str) or not k)
+    if bad:
+        raise ValueError(f"ModelCachePolicy.{field_name}: keys must be non-empty strings, "
+                         f"got {', '.join(bad)}")
+    if HIDDEN_KEY in out:
+        raise ValueError(f"ModelCachePolicy.{field_name} may not hold {HIDDEN_KEY!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class ModelCachePolicy:
-    """Which of a model's outputs the cache keeps, and when it writes them."""
+    """Which of a model's outputs the cache keeps, and when it writes them.
+
+    `deferred_keys` are per-token keys written once, when their request
+    finishes; `per_request_keys` are never per-token (always leftover), even
+    when their first dimension happens to equal the step's token count.
+    """
 
     needs_full_hidden_states: bool = True
     deferred_keys: frozenset[str] = frozenset()
+    per_request_keys: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.deferred_keys, frozenset):
-            object.__setattr__(self, "deferred_keys", frozenset(self.deferred_keys))
-        if HIDDEN_KEY in self.deferred_keys:
-            raise ValueError(f"ModelCachePolicy.deferred_keys may not hold {HIDDEN_KEY!r}")
+        if not isinstance(self.needs_full_hidden_states, bool):
+            raise ValueError(f"ModelCachePolicy.needs_full_hidden_states must be a bool, "
+                             f"got {self.needs_full_hidden_states!r}")
+        deferred = _key_set("deferred_keys", self.deferred_keys)
+        per_request = _key_set("per_request_keys", self.per_request_keys)
+        both = sorted(deferred & per_request)
+        if both:
+            raise ValueError(f"ModelCachePolicy: keys {both} are both deferred (per-token) and "
+                             f"per-request")
+        object.__setattr__(self, "deferred_keys", deferred)
+        object.__setattr__(self, "per_request_keys", per_request)
 
     @classmethod
     def from_model(cls, model: Any) -> ModelCachePolicy:
-        """Read `requires_full_prefix_cached_hidden_states` (default True) and
-        `deferred_prefix_cache_mm_keys` (default empty) off the model."""
+        """Read `requires_full_prefix_cached_hidden_states` (default True),
+        `deferred_prefix_cache_mm_keys` and `prefix_cache_per_request_mm_keys`
+        (default empty) off the model."""
         return cls(
-            needs_full_hidden_states=bool(
-                getattr(model, "requires_full_prefix_cached_hidden_states", True)),
-            deferred_keys=frozenset(getattr(model, "deferred_prefix_cache_mm_keys", ()) or ()),
+            needs_full_hidden_states=getattr(
+                model, "requires_full_prefix_cached_hidden_states", True),
+            deferred_keys=getattr(model, "deferred_prefix_cache_mm_keys", None),
+            per_request_keys=getattr(model, "prefix_cache_per_request_mm_keys", None),
         )

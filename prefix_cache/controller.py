@@ -2,9 +2,9 @@
 
 It waits on each task's device copies, runs their host half (the scatter out
 of staging on staged backends) and marks the task WRITTEN. It only ever waits
-on device events, never on another thread or a table lock; it waits in the
-driver (GIL released), so a copy engine that never finishes leaves the task
-COPYING and every caller's bounded wait raises with the task's id and state.
+on device events, never on another thread or a table lock, and every wait is
+bounded: a copy engine that never finishes fails its task with the task's id
+and state after the timeout, and the writes behind it land as usual.
 """
 
 from __future__ import annotations
@@ -14,18 +14,25 @@ import queue
 import threading
 from collections.abc import Callable
 
-from prefix_cache.devices.base import block_on_event
+from prefix_cache.devices.base import wait_event
+from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.tasks import TaskState, WriteTask
 
 logger = logging.getLogger(__name__)
+
+#: Longest pause between two queries of a copy's event: the committer polls (bounded waits
+#: only), and a landing this much late is invisible next to a step.
+_POLL_PAUSE_S = 2e-4
 
 
 class Committer:
     """Lands QUEUED tasks in FIFO order on its own thread; `on_landed` runs after each."""
 
-    def __init__(self, timeout_s: float, on_landed: Callable[[WriteTask], None]) -> None:
+    def __init__(self, timeout_s: float, on_landed: Callable[[WriteTask], None],
+                 bind_thread: Callable[[], None]) -> None:
         self._timeout_s = timeout_s
         self._on_landed = on_landed
+        self._bind_thread = bind_thread
         self._queue: queue.SimpleQueue[WriteTask | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="omni-prefix-cache-committer",
                                         daemon=True)
@@ -39,7 +46,10 @@ class Committer:
         try:
             task.transition(TaskState.COPYING)
             for transfer in task.transfers:
-                block_on_event(transfer.event, self._timeout_s, task.describe)
+                wait_event(transfer.event, self._timeout_s, task.describe,
+                           error=OmniPrefixCacheError, max_pause_s=_POLL_PAUSE_S)
+            if task.launch_error is not None:  # its issued copies are done: now it may fail
+                raise task.launch_error
             task.transition(TaskState.HOST_READY)
             for transfer in task.transfers:
                 if transfer.finish is not None:
@@ -53,6 +63,7 @@ class Committer:
             self._on_landed(task)
 
     def _run(self) -> None:
+        self._bind_thread()
         while (task := self._queue.get()) is not None:
             try:
                 self.land(task)

@@ -9,5 +9,9 @@ class OmniPrefixCacheUnmatchError(OmniPrefixCacheError):
     """The stage configuration is refused, or a caller or vLLM broke the cache's contract."""
 
 
+class OmniPrefixCacheInputError(OmniPrefixCacheUnmatchError, ValueError):
+    """A public call got input it cannot use (type, shape, dtype, device, size); nothing changed."""
+
+
 class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):
     """No staging slot became free within `staging_claim_timeout_s`."""

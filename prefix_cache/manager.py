@@ -8,35 +8,44 @@ Only the engine thread claims slots and launches writes, so launch order is
 claim order; the committer lands writes in that order, the prefetch thread
 resolves reads ahead of `materialize`. `_lock` covers tables only and is never
 held while waiting.
+
+A call rejected for its input changes nothing (the same step may be saved
+again). A write that fails after its rows left fails alone: its rows read as
+absent from then on, and its error is raised once, by the next public call.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import operator
+import os
 import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from prefix_cache import devices
-from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
+from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.adapter import StartedRequest, translate_step
-from prefix_cache.block_pool import PoolKey, PrefixBlockPool
+from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.controller import Committer
-from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
+from prefix_cache.deferred import DeferredWriter
+from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
+                                 OmniPrefixCacheUnmatchError)
+from prefix_cache.host_copies import HostCopy
 from prefix_cache.layout import GroupView, StepLayout
-from prefix_cache.outputs import StepOutputs, split_outputs
-from prefix_cache.reads import PREFETCH_MIN_BYTES, Prefetcher, RowRead
+from prefix_cache.outputs import StepOutputs, map_tensors, split_outputs
+from prefix_cache.reads import ReadPlanner, RowRead
 from prefix_cache.staging import StagingPool
 from prefix_cache.stats import CacheStats
-from prefix_cache.tasks import DeferredChunk, TaskState, WriteTask
+from prefix_cache.tasks import TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +75,9 @@ class _StepRecord:
     layout: StepLayout                                  # row range and slot of every row
     per_token: dict[str, tuple[int, ...]]               # key -> feature shape, hidden first
     step_reads: dict[str, RowRead]                      # immediate key -> all rows of the step
-    host_rows: dict[str, tuple[torch.Tensor, Transfer]]  # deferred key -> this step's host rows
+    host_rows: dict[str, HostCopy]                      # deferred key -> this step's rows
     hit_reads: dict[str, dict[str, RowRead]]            # req -> key -> [hit + step rows]
-    leftover: dict[str, Any]
-    leftover_transfers: list[Transfer] = field(default_factory=list)
+    leftover: dict[str, Any]                            # unsplit, each tensor a HostCopy
 
     def reads(self) -> Iterable[RowRead]:
         yield from self.step_reads.values()
@@ -82,39 +90,54 @@ class OmniPrefixCacheManager:
 
     def __init__(self, config: PrefixCacheConfig, view: GroupView, *,
                  backend: DeviceBackend | None = None, group_id: int = 0) -> None:
+        if not isinstance(config, PrefixCacheConfig):
+            raise OmniPrefixCacheInputError(
+                f"OmniPrefixCacheManager: config must be a PrefixCacheConfig, got "
+                f"{type(config).__name__}")
+        missing = [m for m in ("batch_req_ids", "step_slots_cpu")
+                   if not callable(getattr(view, m, None))]
+        if missing:
+            raise OmniPrefixCacheInputError(
+                f"OmniPrefixCacheManager: view {type(view).__name__} lacks {missing} (a "
+                f"FullAttentionGroupView or any object with batch_req_ids and step_slots_cpu)")
         self.config = config
         self.view = view
         self.group_id = group_id
         self._owns_backend = backend is None  # a backend passed in stays open for its owner
         self.backend = backend if backend is not None else devices.get_backend(config.device)
+        self._pid = os.getpid()  # streams and registrations belong to this process
         self.policy = ModelCachePolicy()
         self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend)
         self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
                                    self.backend)
         self._stats = CacheStats()
-        self._lock = threading.Lock()
-        self._claims = itertools.count(1)
-        self._task_ids = itertools.count(1)
+        self._lock = threading.Lock()  # the tables below; never held while waiting
         self._step_ids = itertools.count(1)
+        self._started = False  # a first step was seen: the policy is fixed
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
         self._steps: dict[int, _StepRecord] = {}
-        self._tasks: dict[int, WriteTask] = {}          # launched or open, not landed
-        self._open_deferred: dict[str, WriteTask] = {}  # req -> its open deferred write
-        self._deferred_writes: defaultdict[str, int] = defaultdict(int)
-        self._pinned: set[RowRead] = set()
-        self._budget_used = 0
-        self._fatal: BaseException | None = None
+        self._failures: deque[OmniPrefixCacheError] = deque()  # unreported failed writes
         self._closed = False
         timeout = config.staging_claim_timeout_s
-        self._committer = Committer(timeout, self._on_landed)
-        self._prefetcher = Prefetcher(self.pool, timeout, self._unpin)
+        self._tasks = TaskTable()
+        self._deferred = DeferredWriter(self.pool, self.backend, self._tasks, self._lock,
+                                        self._launch, config.gpu_budget_bytes, timeout)
+        self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout)
+        self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
 
     # ------------------------------------------------------------------ public API
 
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set what the model emits; call before the first step."""
         self._check_usable("register_policy")
+        if not isinstance(policy, ModelCachePolicy):
+            raise OmniPrefixCacheInputError(
+                f"register_policy: expected a ModelCachePolicy, got {type(policy).__name__}")
+        if self._started:
+            raise OmniPrefixCacheUnmatchError(
+                "register_policy: the policy is fixed once the first step started; register "
+                "it before the first new_step_starts")
         self.policy = policy
 
     def preallocate(self, key: str, feat_shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -128,20 +151,22 @@ class OmniPrefixCacheManager:
         """Apply a scheduler step: retire finished requests first, mirror block copies, note hits."""
         with self._stats.timed("new_step_starts"), torch.inference_mode(False):
             self._check_usable("new_step_starts")
+            if self._pending is not None:
+                raise OmniPrefixCacheUnmatchError(
+                    "new_step_starts called twice without save_outputs: every step, one with "
+                    "no tokens included, is saved (then materialized or discarded)")
             events = translate_step(scheduler_output, self.group_id)
-            spans: dict[str, tuple[int, np.ndarray]] = {}
-            finished = set(events.finished)
-            restarts = events.started + events.resumed_starts
-            for new in restarts:
-                h = new.num_computed_tokens
-                if h == 0 or (new.req_id not in finished
-                              and h <= self._progress.get(new.req_id, 0)):
-                    continue  # a miss; or a live request whose rows up to h were handed over
-                spans[new.req_id] = (h, self._hit_slots(new))
-            for req_id in events.finished:
-                self._retire(req_id)
+            self._started = True
+            for req_id in events.finished:  # first, whatever the rest of the step raises
+                self._progress.pop(req_id, None)
+                self._deferred.retire(req_id)
             for src, dst in events.block_copies:
                 self._mirror_block_copy(src, dst)
+            restarts = events.started + events.resumed_starts
+            spans = {new.req_id: (new.num_computed_tokens, self._hit_slots(new))
+                     for new in restarts
+                     # a miss; or a live request whose rows up to h were handed over
+                     if new.num_computed_tokens > self._progress.get(new.req_id, 0)}
             for new in restarts:
                 self._progress[new.req_id] = new.num_computed_tokens
             for req_id, n in events.num_scheduled_tokens.items():
@@ -168,43 +193,49 @@ class OmniPrefixCacheManager:
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                      *, num_tokens_unpadded: int, num_tokens_padded: int) -> int:
-        """Save this step's rows; returns the step id to materialize or discard."""
+        """Save this step's rows; returns the step id to materialize or discard.
+
+        Everything it is handed is read or privately copied, ordered on the caller's
+        stream, before it returns: the caller may overwrite every tensor right away.
+        """
         # tensors the cache keeps are written later by its own threads: never inference tensors
         with self._stats.timed("save_outputs"), torch.inference_mode(False):
             self._check_usable("save_outputs")
-            n = num_tokens_unpadded
-            if not 0 <= n <= num_tokens_padded:
-                raise ValueError(f"save_outputs: num_tokens_unpadded={n} must be within "
-                                 f"0..num_tokens_padded={num_tokens_padded}")
-            if n > self.config.staging_capacity_tokens:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
-                    f"{self.config.staging_capacity_tokens}")
             if self._pending is None:
                 raise OmniPrefixCacheUnmatchError(
                     "save_outputs called without new_step_starts for this step")
-            pending, self._pending = self._pending, None
-            outputs = split_outputs(hidden_states, mm_outputs, n, num_tokens_padded, self.policy)
+            pending = self._pending
+            n, padded = self._token_counts(num_tokens_unpadded, num_tokens_padded)
+            outputs = split_outputs(hidden_states, mm_outputs, n, padded, self.policy)
+            new_keys = self._check_outputs(outputs)
             layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
                                         self.config.block_size, self.pool.num_slots)
-            self._ensure_keys(outputs)
-            self._check_hidden_hits(pending.hit_spans, layout.slots, outputs)
+            try:
+                self._check_hits(pending.hit_spans, layout.slots, outputs)
+            except OmniPrefixCacheUnmatchError:
+                self._pending = None  # no retry can serve those positions: the step is lost
+                raise
+            self._install_keys(new_keys)
             step_id = next(self._step_ids)
             slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
                                       lambda: len(self._tasks))
             try:
                 record = self._save(step_id, slot, outputs, layout, pending.hit_spans)
             except BaseException:
-                self.staging.release(slot, "step")
-                self.staging.release(slot, "write")
+                self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
                 raise
             with self._lock:
                 self._steps[step_id] = record
+            self._pending = None
             return step_id
 
     def materialize(self, step_id: int, req_ids: Iterable[str]) -> StageCacheOutputs:
         """Full-prompt outputs of `req_ids` for a saved step: hit rows, then this step's rows."""
         with self._stats.timed("materialize"):
+            if isinstance(req_ids, str) or not isinstance(req_ids, Iterable):
+                raise OmniPrefixCacheInputError(
+                    f"materialize(step {step_id}): req_ids must be an iterable of request ids, "
+                    f"got {req_ids!r}")
             req_ids = list(req_ids)
             record = self._consume(step_id, req_ids)
             try:
@@ -223,32 +254,37 @@ class OmniPrefixCacheManager:
         out["staging_waits"] = self.staging.waits
         out["staging_wait_s"] = self.staging.wait_time_s
         out["staging_bytes"] = self.staging.nbytes()
+        out["copy_on_write_reads"] = self._reads.copy_on_write_reads
         with self._lock:
             out["tasks_in_flight"] = len(self._tasks)
             out["steps_unconsumed"] = len(self._steps)
-            out["deferred_device_bytes"] = self._budget_used
+            out["deferred_device_bytes"] = self._deferred.held_bytes
+            out["live_requests"] = len(self._progress)
         for key, nbytes in self.pool.nbytes().items():
             out[f"pool_bytes.{key}"] = nbytes
         return out
 
     def shutdown(self) -> None:
-        """Stop the threads and release pinned memory and device clones; idempotent."""
+        """Stop the threads, drain the copy stream, then release pinned memory and device clones.
+
+        Idempotent. In a forked child it only marks the manager closed: the
+        parent's streams and registrations are not the child's to release.
+        """
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return
         timeout = self.config.staging_claim_timeout_s
         self._committer.close(timeout)
-        self._prefetcher.close(timeout)
+        self._reads.close()
+        self._deferred.close()
         with self._lock:
-            reads = list(self._pinned)
-            open_tasks = list(self._open_deferred.values())
-            self._open_deferred.clear()
             self._steps.clear()
-        for read in reads:
-            read.cancel(self._unpin)
-        for task in open_tasks:
-            task.fail(OmniPrefixCacheError("cache shut down before the request finished"))
-            task.chunks.clear()
+        if not self.backend.drain(timeout):  # a copy may still write into a pool: keep them
+            raise OmniPrefixCacheError(
+                f"shutdown: {self.backend.name} copies still running after {timeout:.1f}s; "
+                f"pinned pools left registered")
         self.pool.close()
         self.staging.close()
         if self._owns_backend:
@@ -263,36 +299,102 @@ class OmniPrefixCacheManager:
     # ------------------------------------------------------------------ step bookkeeping
 
     def _check_usable(self, call: str) -> None:
+        """Refuse calls after shutdown or in a forked child; raise the oldest unreported failure."""
+        if os.getpid() != self._pid:
+            raise OmniPrefixCacheError(
+                f"{call}: this prefix cache was built in process {self._pid}; a forked child "
+                f"(process {os.getpid()}) cannot use its streams or pinned pools; build a new "
+                f"manager in the child")
         if self._closed:
             raise OmniPrefixCacheError(f"{call}: the prefix cache was shut down")
-        if self._fatal is not None:
-            raise OmniPrefixCacheError(
-                f"{call}: an earlier write failed: {self._fatal}") from self._fatal
+        with self._lock:
+            failure = self._failures.popleft() if self._failures else None
+        if failure is not None:
+            raise OmniPrefixCacheError(f"{call}: an earlier write failed: {failure}") from failure
 
-    def _ensure_keys(self, outputs: StepOutputs) -> None:
-        """Allocate pools for keys seen for the first time (unlocked), then install them."""
+    @staticmethod
+    def _token_counts(unpadded: Any, padded: Any) -> tuple[int, int]:
+        counts = []
+        for name, value in (("num_tokens_unpadded", unpadded), ("num_tokens_padded", padded)):
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                counts.append(operator.index(value))
+            except TypeError:
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: {name} must be an int, got {value!r}") from None
+        n, padded_n = counts
+        if not 0 <= n <= padded_n:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: num_tokens_unpadded={n} must be within "
+                f"0..num_tokens_padded={padded_n}")
+        return n, padded_n
+
+    def _check_outputs(self, outputs: StepOutputs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Check every tensor against the device, the capacity and its pool; the keys seen first."""
+        n = next((len(v) for v in outputs.per_token().values()), 0)
+        if n > self.config.staging_capacity_tokens:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
+                f"{self.config.staging_capacity_tokens}")
+        new_keys = {}
         for key, rows in outputs.per_token().items():
+            try:
+                self.backend.check_rows(f"save_outputs: {key!r} rows", rows)
+            except ValueError as exc:
+                raise OmniPrefixCacheInputError(str(exc)) from None
             feat, dtype = tuple(rows.shape[1:]), rows.dtype
             pool_key = self.pool.keys.get(key)
             if pool_key is None:
-                with self._stats.timed("pool_allocation"):
-                    pool_key = self.pool.allocate(key, feat, dtype)
-                with self._lock:
-                    self.pool.install(pool_key)
+                new_keys[key] = (feat, dtype)
             elif (pool_key.feat_shape, pool_key.dtype) != (feat, dtype):
-                raise ValueError(f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
-                                 f"{pool_key.feat_shape} {pool_key.dtype}")
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
+                    f"{pool_key.feat_shape} {pool_key.dtype}")
+        for key, value in outputs.leftover.items():
+            map_tensors(value, lambda t, key=key: self._check_leftover(key, t))
+        return new_keys
 
-    def _check_hidden_hits(self, spans: Mapping[str, tuple[int, np.ndarray]],
-                           step_slots: np.ndarray, outputs: StepOutputs) -> None:
-        """A hit on hidden rows nobody wrote (nor writes this step) is fatal; checked before any claim."""
-        if outputs.hidden is None:
-            return
+    def _check_leftover(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            try:
+                self.backend.check_rows(f"save_outputs: leftover {key!r}", tensor)
+            except ValueError as exc:
+                raise OmniPrefixCacheInputError(str(exc)) from None
+
+    def _install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Allocate pools for keys seen for the first time (unlocked), then install them all."""
+        allocated = []
+        try:
+            for key, (feat, dtype) in new_keys.items():
+                with self._stats.timed("pool_allocation"):
+                    allocated.append(self.pool.allocate(key, feat, dtype))
+        except BaseException:
+            for pool_key in allocated:
+                pool_key.storage.close()
+            raise
+        with self._lock:
+            for pool_key in allocated:
+                self.pool.install(pool_key)
+
+    def _check_hits(self, spans: Mapping[str, tuple[int, np.ndarray]], step_slots: np.ndarray,
+                    outputs: StepOutputs) -> None:
+        """A hit on hidden rows nobody wrote, or on any rows a failed write lost (and this
+        step does not write again), is fatal; checked before any claim."""
+        keys = outputs.feature_shapes()
         for req_id, (h, hit_slots) in spans.items():
+            rewritten = np.isin(hit_slots, step_slots)
             with self._lock:
+                for key in keys:
+                    lost = self.pool.lost(key, hit_slots) & ~rewritten
+                    if lost.any():
+                        raise OmniPrefixCacheUnmatchError(
+                            f"request {req_id}: prefix hit of {h} tokens, but the {key!r} rows "
+                            f"of {int(lost.sum())} hit slots (first {int(hit_slots[lost][0])}) "
+                            f"were lost to a failed write; those positions cannot be served")
                 present = self.pool.present(HIDDEN_KEY, hit_slots)
-            missing = ~present & ~np.isin(hit_slots, step_slots)
-            if missing.any():
+            missing = ~present & ~rewritten
+            if outputs.hidden is not None and missing.any():
                 raise OmniPrefixCacheUnmatchError(
                     f"request {req_id}: prefix hit of {h} tokens but hidden rows of "
                     f"{int(missing.sum())} hit slots were never written (first slot "
@@ -300,156 +402,108 @@ class OmniPrefixCacheManager:
 
     # ------------------------------------------------------------------ writes
 
+    def _private(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of `tensors` the caller cannot change, ordered on its stream."""
+        return {k: self._private_tensor(v) for k, v in tensors.items()}
+
+    def _private_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor's private copy, ordered on the caller's stream; none is needed
+        where every transfer completes inside the call, nor for host tensors (copied now)."""
+        if self.backend.synchronous or tensor.device.type == "cpu":
+            return tensor
+        return self.backend.snapshot(tensor)
+
     def _save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
               spans: dict[str, tuple[int, np.ndarray]]) -> _StepRecord:
+        """Copy what outlives the call, then claim the step's slots and launch its write.
+
+        Everything that can fail for want of memory runs before the claim, so a
+        failure there leaves the pool as it was.
+        """
         slots = layout.slots
         n = len(slots)
-        sync = self.backend.synchronous
-        immediate = {k: v if sync else self.backend.snapshot(v)
-                     for k, v in outputs.immediate.items()}
-        ready = self.backend.record_event()
-        self._resolve_conflicts(slots)
-        claim = next(self._claims)
-        task = WriteTask(next(self._task_ids), f"step {step_id}", staging_slot=slot)
+        immediate = self._private(outputs.immediate)
+        deferred = self._private(outputs.deferred)
+        chunks = self._deferred.snapshot(outputs.deferred, layout)
+        leftover = map_tensors(outputs.leftover, self._private_tensor)
+        ready = self.backend.record_event()  # after every private copy: the copies read them
+        arena = self.staging.arenas[slot]
+        arena.reset()
+        host_rows = {key: HostCopy.start(self.backend, arena, rows, ready)
+                     for key, rows in deferred.items()}
+        leftover = map_tensors(leftover,
+                                lambda t: HostCopy.start(self.backend, arena, t, ready))
+        self._reads.resolve_conflicts(slots)
+        task = None
         with self._lock:
-            self.pool.slot_claim[slots] = claim
-            for key in immediate:
-                pool_key = self.pool.keys[key]
-                pool_key.version[slots] = claim
-                pool_key.producer[slots] = task.task_id
-            self._tasks[task.task_id] = task
-        slots_t = torch.from_numpy(slots)
-        try:
-            self._launch(task, [
+            claim = self.pool.claim(slots)
+            if immediate and n:
+                task = self._tasks.new(f"step {step_id}", staging_slot=slot)
+                self.pool.record_write(immediate, slots, claim, task.task_id)
+        if task is not None:
+            self.staging.hold(slot, ("write", task.task_id))
+            slots_t = torch.from_numpy(slots)
+            self._launch(task, (
                 self.backend.scatter_rows(
-                    rows_.reshape(n, -1), slots_t, self.pool.keys[key].storage, ready=ready,
+                    rows.reshape(n, -1), slots_t, self.pool.keys[key].storage, ready=ready,
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
-                                                 rows_.dtype)
+                                                 rows.dtype)
                              if self.backend.needs_staging else None))
-                for key, rows_ in immediate.items()])
-        except BaseException as exc:
-            self._launch_failed(task, exc)
-            raise
-        host_rows = {key: self.backend.copy_to_host(rows_, ready=ready)
-                     for key, rows_ in outputs.deferred.items()}
-        self._append_deferred(outputs.deferred, layout, claim)
-        leftover, leftover_transfers = self._copy_leftover(outputs.leftover, ready)
+                for key, rows in immediate.items()), False)
+        self._deferred.append(chunks, slots, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
-                             {}, host_rows, {}, leftover, leftover_transfers)
+                             {}, host_rows, {}, leftover)
         self._plan_reads(record, immediate.keys(), slots, task, spans)
         self._stats.add(rows_saved=n, bytes_saved=sum(
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
 
-    def _launch(self, task: WriteTask, transfers: list[Transfer]) -> None:
-        """Move a task whose copies were just issued to QUEUED and hand it to the committer."""
-        task.transfers = transfers
+    def _launch(self, task: WriteTask, transfers: Iterable[Transfer],
+                report_failure: bool) -> None:
+        """Issue the task's copies (a lazy iterable), then hand it to the committer as QUEUED.
+
+        If issuing fails midway, the task still goes to the committer: the copies
+        already issued land (their staging pages stay held) before it fails with
+        the error, which is raised here too; `report_failure` says whether the next
+        public call should raise it again (False: this caller passes it on).
+        """
+        issued: list[Transfer] = []
+        try:
+            issued.extend(transfers)
+        except Exception as exc:
+            task.launch_error = exc
+            task.report_failure = report_failure
+        task.transfers = issued
         task.transition(TaskState.QUEUED)
-        if all(t.complete_at_launch for t in transfers):
+        if all(t.complete_at_launch for t in issued):
             self._committer.land(task)  # nothing in flight: land it on this thread
         else:
             self._committer.submit(task)
-
-    def _launch_failed(self, task: WriteTask, exc: BaseException) -> None:
-        if task.fail(exc):
-            self._on_landed(task)
+        if task.launch_error is not None:
+            raise task.launch_error
 
     def _on_landed(self, task: WriteTask) -> None:
-        """Committer callback: forget the task, return its budget and staging hold."""
+        """Committer callback: forget the task, return its budget and staging hold; a failed
+        task's rows read as absent from now on, and its error waits for the next call."""
         with self._lock:
-            self._tasks.pop(task.task_id, None)
-            self._budget_used -= task.budget_bytes
-            task.budget_bytes = 0
-            if task.state is TaskState.FAILED and self._fatal is None:
-                self._fatal = OmniPrefixCacheError(f"{task.describe()}: {task.error}")
+            self._tasks.forget(task)
+            self._deferred.landed(task)
+            if task.state is TaskState.FAILED:
+                self.pool.mark_lost(task.task_id)
+                if task.report_failure:
+                    self._failures.append(
+                        OmniPrefixCacheError(f"{task.describe()}: {task.error}"))
         if task.staging_slot is not None:
-            self.staging.release(task.staging_slot, "write")
-
-    def _append_deferred(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout,
-                         claim: int) -> None:
-        """Keep each request's deferred rows on the device in its open write, under the budget."""
-        if not deferred:
-            return
-        slots = layout.slots
-        for req_id, (start, end) in layout.items():
-            chunk_rows = {k: self.backend.snapshot(v[start:end]) for k, v in deferred.items()}
-            nbytes = sum(t.numel() * t.element_size() for t in chunk_rows.values())
-            chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), chunk_rows, nbytes)
-            with self._lock:
-                task = self._open_deferred.get(req_id)
-                if task is None:
-                    self._deferred_writes[req_id] += 1
-                    task = WriteTask(next(self._task_ids),
-                                     f"request {req_id} deferred write "
-                                     f"{self._deferred_writes[req_id]}")
-                    self._open_deferred[req_id] = task
-                    self._tasks[task.task_id] = task
-                task.chunks.append(chunk)
-                task.budget_bytes += nbytes
-                self._budget_used += nbytes
-                for key in chunk_rows:
-                    pool_key = self.pool.keys[key]
-                    pool_key.version[chunk.slots] = claim
-                    pool_key.producer[chunk.slots] = task.task_id
-        self._enforce_budget()
-
-    def _enforce_budget(self) -> None:
-        """Flush the oldest open deferred writes, then wait for flushed ones, until under budget."""
-        budget = self.config.gpu_budget_bytes
-        while self._budget_used > budget:
-            with self._lock:
-                oldest = next(iter(self._open_deferred.items()), None)
-                in_flight = [t for t in self._tasks.values()
-                             if t.budget_bytes and t.state is not TaskState.PENDING]
-            if oldest is not None:
-                logger.debug("deferred device bytes %d over budget %d: flushing request %s",
-                             self._budget_used, budget, oldest[0])
-                self._flush_deferred(oldest[0])
-            elif in_flight:
-                in_flight[0].wait(self.config.staging_claim_timeout_s)
-            else:
-                return
-
-    def _retire(self, req_id: str) -> None:
-        """A finished or aborted request: its rows were published to vLLM, so they still land."""
-        self._progress.pop(req_id, None)
-        self._flush_deferred(req_id)
-
-    def _flush_deferred(self, req_id: str) -> None:
-        """Close `req_id`'s open deferred write and launch it; its next chunk opens a new one."""
-        with self._lock:
-            task = self._open_deferred.pop(req_id, None)
-            if task is None:
-                return
-            parts = []
-            for chunk in task.chunks:  # rows whose slots went to a new tenant are dropped
-                keep = self.pool.slot_claim[chunk.slots] == chunk.claims
-                if keep.any():
-                    parts.append((chunk, keep))
-        try:
-            transfers = []
-            if parts:
-                ready = self.backend.record_event()
-                slots = torch.from_numpy(np.concatenate([c.slots[k] for c, k in parts]))
-                for key in parts[0][0].rows:
-                    rows = torch.cat([self._select(c.rows[key], k) for c, k in parts])
-                    transfers.append(self.backend.scatter_rows(
-                        rows.reshape(len(slots), -1), slots, self.pool.keys[key].storage,
-                        ready=ready, staging=None))
-            self._launch(task, transfers)
-        except BaseException as exc:
-            self._launch_failed(task, exc)
-            raise
-
-    @staticmethod
-    def _select(rows: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
-        if keep.all():
-            return rows
-        index = torch.from_numpy(np.flatnonzero(keep)).to(rows.device)
-        return rows.index_select(0, index)
+            self.staging.release(task.staging_slot, ("write", task.task_id))
 
     def _mirror_block_copy(self, src: int, dst: int) -> None:
-        """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on."""
+        """vLLM copied KV block `src` into `dst`: `dst` serves the same rows from now on.
+
+        Before the host copy, `src`'s open deferred writes are flushed and every
+        launched write lands: one still in flight to `dst` (a discarded step, a
+        retiring tenant's flush) must not land over the copy. Block copies are
+        rare, so a barrier is simpler than tracking each write's slots.
+        """
         bs = self.config.block_size
         if not (0 < src < self.config.num_blocks and 0 < dst < self.config.num_blocks):
             raise OmniPrefixCacheUnmatchError(
@@ -457,113 +511,44 @@ class OmniPrefixCacheManager:
                 f"1..{self.config.num_blocks - 1}")
         dst_slots = np.arange(dst * bs, (dst + 1) * bs)
         src_slots = np.arange(src * bs, (src + 1) * bs)
-        self._resolve_conflicts(dst_slots)
+        self._reads.resolve_conflicts(dst_slots)
         with self._lock:
-            producers = self._producers(src_slots, self.pool.keys.keys())
-        for task in producers:
-            if task.state is TaskState.PENDING:
-                self._flush_deferred_task(task)
-            task.wait(self.config.staging_claim_timeout_s)
+            sources = self._tasks.live(self.pool.producer_ids(src_slots, self.pool.keys))
+        self._deferred.flush_tasks(sources)
+        with self._lock:  # open deferred writes to dst drop those rows: dst gets a new claim
+            launched = self._tasks.launched()
+        for task in launched:
+            try:
+                task.wait(self.config.staging_claim_timeout_s)
+            except OmniPrefixCacheError:
+                if task.state is not TaskState.FAILED:
+                    raise  # still running after the timeout: copying now would race it
+                with self._lock:
+                    self.pool.mark_lost(task.task_id)  # its rows must not be copied as present
         with self._lock:
-            claim = next(self._claims)
-            self.pool.slot_claim[dst_slots] = claim
-            self.pool.copy_block(src, dst, claim)
-
-    def _flush_deferred_task(self, task: WriteTask) -> None:
-        with self._lock:
-            req_id = next((r for r, t in self._open_deferred.items() if t is task), None)
-        if req_id is not None:
-            self._flush_deferred(req_id)
-
-    def _copy_leftover(self, leftover: Mapping[str, Any], ready: Any
-                       ) -> tuple[dict[str, Any], list[Transfer]]:
-        transfers: list[Transfer] = []
-
-        def to_host(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                host, transfer = self.backend.copy_to_host(value, ready=ready)
-                transfers.append(transfer)
-                return host
-            if isinstance(value, dict):
-                return {k: to_host(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(to_host(v) for v in value)
-            return value
-
-        return {k: to_host(v) for k, v in leftover.items()}, transfers
+            self.pool.copy_block(src, dst)
 
     # ------------------------------------------------------------------ reads
 
-    def _producers(self, slots: np.ndarray, keys: Iterable[str]) -> list[WriteTask]:
-        """Unlanded tasks that produce the current rows of `keys` at `slots` (caller holds _lock)."""
-        ids: set[int] = set()
-        for key in keys:
-            pool_key = self.pool.keys[key]
-            present = self.pool.present(key, slots)
-            ids.update(np.unique(pool_key.producer[slots[present]]).tolist())
-        return [self._tasks[i] for i in sorted(ids) if i in self._tasks]
-
     def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], slots: np.ndarray,
-                    task: WriteTask, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
+                    task: WriteTask | None, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
         """Bind this step's and its hits' reads to the writes producing them, and pin their slots."""
-        n = len(slots)
-        keys = list(record.per_token)
-        planned: list[RowRead] = []
-        to_flush: list[WriteTask] = []
         with self._lock:
-            for key in immediate:
-                pool_key = self.pool.keys[key]
-                out = torch.empty((n, pool_key.row_width), dtype=pool_key.dtype)
-                read = RowRead(f"step {record.step_id}", key, slots, np.ones(n, dtype=bool),
-                               [task], out, 0)
-                record.step_reads[key] = read
-                planned.append(read)
+            record.step_reads = self._reads.plan_step(record.step_id, immediate, slots, task)
             for req_id, (h, hit_slots) in spans.items():
                 if req_id not in record.layout:
                     continue
                 start, end = record.layout.rows(req_id)
-                per_key = record.hit_reads[req_id] = {}
-                for key in keys:
-                    pool_key = self.pool.keys[key]
-                    present = self.pool.present(key, hit_slots)
-                    producers = self._producers(hit_slots, (key,))
-                    to_flush.extend(t for t in producers if t.state is TaskState.PENDING)
-                    alloc = torch.empty if present.all() else torch.zeros
-                    out = alloc((h + end - start, pool_key.row_width), dtype=pool_key.dtype)
-                    per_key[key] = RowRead(f"request {req_id} step {record.step_id}", key,
-                                           hit_slots, present, producers, out, 0)
-                    planned.append(per_key[key])
+                record.hit_reads[req_id] = {
+                    key: self._reads.plan_hit(f"request {req_id} step {record.step_id}", key,
+                                              hit_slots, end - start)
+                    for key in record.per_token}
                 self._stats.add(hit_tokens=h, hit_requests=1)
-            for read in planned:
-                self.pool.read_pins[read.slots] += 1
-                self._pinned.add(read)
-        self._stats.add(miss_tokens=n)
-        for producer in {t.task_id: t for t in to_flush}.values():
-            self._flush_deferred_task(producer)  # a hit on rows still held on the device
-        for read in planned:
-            if read.nbytes >= PREFETCH_MIN_BYTES:
-                self._prefetcher.submit(read)
-
-    def _unpin(self, read: RowRead) -> None:
-        with self._lock:
-            if read in self._pinned:
-                self._pinned.discard(read)
-                self.pool.read_pins[read.slots] -= 1
-
-    def _resolve_conflicts(self, slots: np.ndarray) -> None:
-        """Before new writes claim `slots`, finish every planned read still pinning them (copy-on-write)."""
-        with self._lock:
-            if not self.pool.read_pins[slots].any():
-                return
-            claimed = np.zeros(self.pool.num_slots, dtype=bool)
-            claimed[slots] = True
-            conflicts = [r for r in self._pinned if claimed[r.slots].any()]
-        self._stats.add(copy_on_write_reads=len(conflicts))
-        for read in conflicts:
-            try:
-                read.resolve(self.pool, self.config.staging_claim_timeout_s, self._unpin)
-            except OmniPrefixCacheError:
-                pass  # the read keeps its error for its consumer
+        self._stats.add(miss_tokens=len(slots))
+        planned = list(record.reads())
+        # a hit on rows still held on the device: their deferred writes go out now
+        self._deferred.flush_tasks([t for read in planned for t in read.producers])
+        self._reads.prefetch(planned)
 
     # ------------------------------------------------------------------ materialize
 
@@ -588,16 +573,16 @@ class OmniPrefixCacheManager:
         for req_id, per_key in record.hit_reads.items():
             if req_id not in wanted:
                 for read in per_key.values():
-                    read.cancel(self._unpin)
+                    self._reads.cancel(read)
         step_rows: dict[str, torch.Tensor] = {}
         for key, read in record.step_reads.items():
-            read.resolve(self.pool, timeout, self._unpin)
+            self._reads.resolve(read)
             step_rows[key] = read.out
-        for key, (host, transfer) in record.host_rows.items():
-            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} {key!r} rows")
-            step_rows[key] = host.view(host.shape[0], -1)
-        for transfer in record.leftover_transfers:
-            wait_event(transfer.event, timeout, lambda: f"step {record.step_id} leftover")
+        for key, copy in record.host_rows.items():
+            host = copy.result(timeout, f"step {record.step_id} {key!r} rows")
+            step_rows[key] = host.view(host.shape[0], math.prod(host.shape[1:]))
+        leftover = map_tensors(record.leftover, lambda copy: copy.result(
+            timeout, f"step {record.step_id} leftover"))
         hidden: dict[str, torch.Tensor] = {}
         mm: dict[str, dict[str, torch.Tensor]] = {k: {} for k in record.per_token
                                                    if k != HIDDEN_KEY}
@@ -609,7 +594,7 @@ class OmniPrefixCacheManager:
                 mine = step_rows[key][start:end]
                 read = hits.get(key)
                 if read is not None:
-                    read.resolve(self.pool, timeout, self._unpin)
+                    self._reads.resolve(read)
                     h = len(read.slots)
                     read.out[h:].copy_(mine)
                     mine = read.out
@@ -620,10 +605,13 @@ class OmniPrefixCacheManager:
                 else:
                     mm[key][req_id] = value
         self._stats.add(hit_bytes_gathered=hit_bytes)
-        return StageCacheOutputs(hidden if HIDDEN_KEY in record.per_token else None, mm,
-                                 record.leftover)
+        return StageCacheOutputs(hidden if self.policy.needs_full_hidden_states else None, mm,
+                                 leftover)
 
     def _release_step(self, record: _StepRecord) -> None:
+        """Cancel its unread reads, grow its slot's arena if it was short (off the engine
+        thread), then free the slot."""
         for read in record.reads():
-            read.cancel(self._unpin)
-        self.staging.release(record.staging_slot, "step")
+            self._reads.cancel(read)
+        self.staging.arenas[record.staging_slot].grow()
+        self.staging.release(record.staging_slot, ("step", record.step_id))

@@ -2,19 +2,22 @@
 
 A tensor whose first dimension is this step's token count (unpadded, or padded
 for CUDA graphs) is per-token: it is cached under its key, sliced to the
-unpadded rows. Everything else is leftover, returned unsplit. Nested mm dicts
-are flattened with dotted keys (`codes.audio`).
+unpadded rows. Everything else, and every key the policy names per-request, is
+leftover, returned unsplit. Nested mm dicts are flattened with dotted keys
+(`codes.audio`). Every tensor is detached: the pool never joins an autograd graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.errors import OmniPrefixCacheInputError
+from prefix_cache.host_copies import HostCopy
 
 
 @dataclass
@@ -36,15 +39,36 @@ class StepOutputs:
         return {k: tuple(v.shape[1:]) for k, v in self.per_token().items()}
 
 
+def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """`value` with each tensor (or HostCopy) in it, through dicts, lists and tuples, replaced
+    by `fn` of it; everything else as it is."""
+    if isinstance(value, (torch.Tensor, HostCopy)):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
 def flatten_mm(mm_outputs: Mapping[str, Any] | None, prefix: str = "") -> dict[str, Any]:
-    """`{"codes": {"audio": t}}` -> `{"codes.audio": t}`."""
+    """`{"codes": {"audio": t}}` -> `{"codes.audio": t}`; tensors detached."""
+    if mm_outputs is None:
+        return {}
+    if not isinstance(mm_outputs, Mapping):
+        raise OmniPrefixCacheInputError(
+            f"save_outputs: mm_outputs must be a mapping of key -> output or None, got "
+            f"{type(mm_outputs).__name__}")
     flat: dict[str, Any] = {}
-    for key, value in (mm_outputs or {}).items():
+    for key, value in mm_outputs.items():
+        if not isinstance(key, str):
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: mm output keys must be strings, got {key!r}")
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             flat.update(flatten_mm(value, f"{name}."))
         else:
-            flat[name] = value
+            flat[name] = value.detach() if isinstance(value, torch.Tensor) else value
     return flat
 
 
@@ -54,17 +78,24 @@ def split_outputs(hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, A
     """Sort a step's outputs into immediate, deferred and leftover (see the module docstring)."""
     out = StepOutputs()
     if policy.needs_full_hidden_states:
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1 \
+        if hidden_states is None and num_tokens == 0:
+            pass  # an empty step may come without a forward
+        elif not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1 \
                 or hidden_states.shape[0] < num_tokens:
-            shape = None if hidden_states is None else tuple(getattr(hidden_states, "shape", ()))
-            raise ValueError(f"save_outputs: hidden_states must be a tensor of at least "
-                             f"{num_tokens} rows, got {shape}")
-        out.immediate[HIDDEN_KEY] = hidden_states[:num_tokens]
+            what = (f"shape {tuple(hidden_states.shape)}"
+                    if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__)
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: hidden_states must be a tensor of at least {num_tokens} rows, got "
+                f"{what}")
+        else:
+            out.immediate[HIDDEN_KEY] = hidden_states.detach()[:num_tokens]
     for key, value in flatten_mm(mm_outputs).items():
         if key == HIDDEN_KEY:
-            raise ValueError(f"save_outputs: mm output key {HIDDEN_KEY!r} is reserved")
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: mm output key {HIDDEN_KEY!r} is reserved")
         per_token = (isinstance(value, torch.Tensor) and value.dim() >= 1
-                     and value.shape[0] in (num_tokens, num_tokens_padded))
+                     and value.shape[0] in (num_tokens, num_tokens_padded)
+                     and key not in policy.per_request_keys)
         if not per_token:
             out.leftover[key] = value
         elif key in policy.deferred_keys:

@@ -12,14 +12,14 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
 from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.errors import OmniPrefixCacheError
-from prefix_cache.tasks import WriteTask
+from prefix_cache.tasks import TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +152,91 @@ class Prefetcher:
         self._queue.put(None)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+class ReadPlanner:
+    """Reads planned on the engine thread against the pool's current claims.
+
+    Invariant: a slot's pin count in the pool equals the number of planned or
+    resolving reads covering it; a writer about to claim pinned slots first
+    resolves the reads pinning them (copy-on-write), so no read ever returns
+    another tenant's rows. Callers hold the cache's table lock where a method
+    says so.
+    """
+
+    def __init__(self, pool: PrefixBlockPool, tasks: TaskTable, lock: threading.Lock,
+                 timeout_s: float) -> None:
+        self._pool = pool
+        self._tasks = tasks
+        self._lock = lock
+        self._timeout_s = timeout_s
+        self._pinned: set[RowRead] = set()
+        self._prefetcher = Prefetcher(pool, timeout_s, self.unpin)
+        self.copy_on_write_reads = 0
+
+    def plan_step(self, step_id: int, keys: Iterable[str], slots: np.ndarray,
+                  task: WriteTask | None) -> dict[str, RowRead]:
+        """Reads of every row a step writes, bound to its write (caller holds the lock)."""
+        n = len(slots)
+        present = np.ones(n, dtype=bool)
+        return {key: self._pin(RowRead(
+                    f"step {step_id}", key, slots, present, [task] if task else [],
+                    torch.empty((n, self._pool.keys[key].row_width),
+                                dtype=self._pool.keys[key].dtype), 0))
+                for key in keys}
+
+    def plan_hit(self, what: str, key: str, hit_slots: np.ndarray, more_rows: int) -> RowRead:
+        """A read of `key`'s rows at `hit_slots` into a tensor with `more_rows` rows after them
+        (the step's own), bound to the writes producing them (caller holds the lock)."""
+        pool_key = self._pool.keys[key]
+        present = self._pool.present(key, hit_slots)
+        producers = self._tasks.live(self._pool.producer_ids(hit_slots, (key,)))
+        alloc = torch.empty if present.all() else torch.zeros  # absent mm rows read zeros
+        out = alloc((len(hit_slots) + more_rows, pool_key.row_width), dtype=pool_key.dtype)
+        return self._pin(RowRead(what, key, hit_slots, present, producers, out, 0))
+
+    def prefetch(self, reads: Iterable[RowRead]) -> None:
+        """Resolve the large ones ahead of their consumer, on the prefetch thread."""
+        for read in reads:
+            if read.nbytes >= PREFETCH_MIN_BYTES:
+                self._prefetcher.submit(read)
+
+    def resolve(self, read: RowRead) -> None:
+        read.resolve(self._pool, self._timeout_s, self.unpin)
+
+    def cancel(self, read: RowRead) -> None:
+        read.cancel(self.unpin)
+
+    def unpin(self, read: RowRead) -> None:
+        with self._lock:
+            if read in self._pinned:
+                self._pinned.discard(read)
+                self._pool.unpin(read.slots)
+
+    def resolve_conflicts(self, slots: np.ndarray) -> None:
+        """Before a new tenant claims `slots`, resolve every read still pinning them."""
+        with self._lock:
+            if not self._pool.any_pinned(slots):
+                return
+            claimed = np.zeros(self._pool.num_slots, dtype=bool)
+            claimed[slots] = True
+            conflicts = [r for r in self._pinned if claimed[r.slots].any()]
+        self.copy_on_write_reads += len(conflicts)
+        for read in conflicts:
+            try:
+                self.resolve(read)
+            except OmniPrefixCacheError:
+                pass  # the read keeps its error for its consumer
+
+    def close(self) -> None:
+        """Stop the prefetch thread and cancel every read still planned."""
+        self._prefetcher.close(self._timeout_s)
+        with self._lock:
+            reads = list(self._pinned)
+        for read in reads:
+            self.cancel(read)
+
+    def _pin(self, read: RowRead) -> RowRead:
+        self._pool.pin(read.slots)
+        self._pinned.add(read)
+        return read

@@ -10,36 +10,43 @@ import torch
 
 from prefix_cache.devices.base import DeviceBackend, HostBuffer
 from prefix_cache.errors import OmniPrefixCacheStagingTimeoutError
+from prefix_cache.host_copies import SlotArena
+
+
+#: Who holds a staging slot: `("step", step_id)` until the step is consumed, and
+#: `("write", task_id)` until the write passing through the slot has landed.
+Holder = tuple[str, int]
 
 
 class StagingPool:
     """`depth` slots; each is held by an unconsumed step and by the write that passes through it.
 
-    Invariant: a slot is free iff it has no holder. Staged backends get one
-    `[capacity, F]` host buffer per slot and key, allocated on first use.
+    Invariant: a slot is free iff it has no holder; a holder is released only
+    by its own owner, so a failed step can never free a slot another step or
+    write still holds. Staged backends get one `[capacity, F]` host buffer per
+    slot and key, allocated on first use.
     """
 
     def __init__(self, depth: int, capacity: int, backend: DeviceBackend) -> None:
         self.depth = depth
         self.capacity = capacity
         self._backend = backend
-        self._holders: list[set[str]] = [set() for _ in range(depth)]
-        self._step_of_slot: list[int | None] = [None] * depth
+        self._holders: list[set[Holder]] = [set() for _ in range(depth)]
         self._buffers: dict[tuple[int, str], HostBuffer] = {}
+        self.arenas = [SlotArena(backend) for _ in range(depth)]  # each slot's host copies
         self._cond = threading.Condition()
         self.waits = 0
         self.wait_time_s = 0.0
 
     def claim(self, step_id: int, timeout_s: float, pending_tasks: Callable[[], int]) -> int:
-        """A free slot for `step_id`, held by it and its write; waits at most `timeout_s`."""
+        """A free slot, held by `("step", step_id)`; waits at most `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         start = None
         with self._cond:
             while True:
                 for slot, holders in enumerate(self._holders):
                     if not holders:
-                        holders.update(("step", "write"))
-                        self._step_of_slot[slot] = step_id
+                        holders.add(("step", step_id))
                         if start is not None:
                             self.waits += 1
                             self.wait_time_s += time.monotonic() - start
@@ -47,19 +54,26 @@ class StagingPool:
                 start = start or time.monotonic()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    unused = sorted(s for s, h in zip(self._step_of_slot, self._holders)
-                                    if s is not None and "step" in h)
+                    unused = sorted(i for holders in self._holders
+                                    for kind, i in holders if kind == "step")
                     raise OmniPrefixCacheStagingTimeoutError(
                         f"step {step_id}: no staging slot free after {timeout_s:.1f}s; "
                         f"unused step ids {unused}, {pending_tasks()} write tasks pending "
                         f"(materialize or discard_step each step id)")
                 self._cond.wait(remaining)
 
-    def release(self, slot: int, holder: str) -> None:
+    def hold(self, slot: int, holder: Holder) -> None:
+        """Add a holder to a slot the caller already holds (a write passing through it)."""
+        with self._cond:
+            if not self._holders[slot]:
+                raise RuntimeError(f"staging slot {slot} is free: {holder} cannot join it")
+            self._holders[slot].add(holder)
+
+    def release(self, slot: int, holder: Holder) -> None:
+        """Drop `holder`'s hold; a holder that holds nothing there changes nothing."""
         with self._cond:
             self._holders[slot].discard(holder)
             if not self._holders[slot]:
-                self._step_of_slot[slot] = None
                 self._cond.notify_all()
 
     def buffer(self, slot: int, key: str, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,9 +85,11 @@ class StagingPool:
         return buf.tensor
 
     def nbytes(self) -> int:
-        return sum(buf.nbytes for buf in self._buffers.values())
+        return (sum(buf.nbytes for buf in self._buffers.values())
+                + sum(arena.nbytes for arena in self.arenas))
 
     def close(self) -> None:
         for buf in self._buffers.values():
             buf.close()
         self._buffers.clear()
+        self.arenas = []

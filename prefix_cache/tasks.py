@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +57,10 @@ class WriteTask:
     chunks: list[DeferredChunk] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
     budget_bytes: int = 0
+    #: raised while its copies were being issued; the issued ones still land first
+    launch_error: BaseException | None = None
+    #: False when the caller that launched it already got its error
+    report_failure: bool = True
     state: TaskState = TaskState.PENDING
     error: BaseException | None = None
     landed: threading.Event = field(default_factory=threading.Event)
@@ -90,3 +96,33 @@ class WriteTask:
             raise OmniPrefixCacheError(f"{self.describe()} did not land within {timeout_s:.1f}s")
         if self.state is TaskState.FAILED:
             raise OmniPrefixCacheError(f"{self.describe()} failed: {self.error}") from self.error
+
+
+class TaskTable:
+    """Write tasks from creation until their landing is accounted, by id (ids only grow).
+
+    Callers hold the cache's table lock around every call.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[int, WriteTask] = {}
+        self._ids = itertools.count(1)
+
+    def new(self, owner: str, *, staging_slot: int | None = None) -> WriteTask:
+        task = WriteTask(next(self._ids), owner, staging_slot=staging_slot)
+        self._tasks[task.task_id] = task
+        return task
+
+    def forget(self, task: WriteTask) -> None:
+        self._tasks.pop(task.task_id, None)
+
+    def live(self, ids: Iterable[int]) -> list[WriteTask]:
+        """The tasks among `ids` that have not landed, oldest first."""
+        return [self._tasks[i] for i in sorted(ids) if i in self._tasks]
+
+    def launched(self) -> list[WriteTask]:
+        """Tasks whose copies were issued and have not landed, oldest first."""
+        return [t for t in self._tasks.values() if t.state is not TaskState.PENDING]
+
+    def __len__(self) -> int:
+        return len(self._tasks)

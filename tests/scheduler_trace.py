@@ -372,11 +372,14 @@ class StepChecker:
         scheduled = so.num_scheduled_tokens
         slots = self.view.step_slots_cpu(batch, scheduled).numpy()
         self._count_hits(so)
-        if batch:  # else the runner skips the forward
+        if batch:
             spans = step_spans(so)
             refs = {r: self._reference(r, spans[r][2]) for r in batch}
             self._count_overwrites(batch, spans, slots)
             self.saved.append(self._save(batch, spans, refs))
+        elif self.manager is not None:  # no forward ran; the step is still saved, empty
+            self.manager.discard_step(self.manager.save_outputs(
+                None, None, num_tokens_unpadded=0, num_tokens_padded=0))
         self.drain(self.lag)
         return batch, slots
 

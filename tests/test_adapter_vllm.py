@@ -193,7 +193,8 @@ def test_namespace_with_pre_0_11_1_resumed_flags_and_copy_objects() -> None:
 
 def test_namespace_block_ids_for_a_missing_group_are_refused() -> None:
     out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="n", num_computed_tokens=0,
-                                                              block_ids=([1],))])
+                                                              block_ids=([1],))],
+                          num_scheduled_tokens={"n": 1})
 
     with pytest.raises(OmniPrefixCacheUnmatchError, match="group 1"):
         translate_step(out, group_id=1)
@@ -201,7 +202,8 @@ def test_namespace_block_ids_for_a_missing_group_are_refused() -> None:
 
 def test_negative_num_computed_tokens_is_refused() -> None:
     out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="n", num_computed_tokens=-1,
-                                                              block_ids=([1],))])
+                                                              block_ids=([1],))],
+                          num_scheduled_tokens={"n": 1})
 
     with pytest.raises(OmniPrefixCacheUnmatchError, match="negative"):
         translate_step(out)

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from prefix_cache import devices
-from prefix_cache.devices.base import Transfer
-from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
                           OmniPrefixCacheUnmatchError, PrefixCacheConfig, TaskState, WriteTask)
@@ -256,10 +253,11 @@ def test_staging_backpressure_times_out_naming_unused_step_ids(backend):
                            match=rf"unused step ids \[{sids[0]}, {sids[1]}\].*write tasks pending"):
             manager.save_outputs(d.outputs(2).to(backend.device), None, num_tokens_unpadded=4,
                                  num_tokens_padded=4)
-        manager.discard_step(sids[0])
-        manager.new_step_starts(d.step(new=[("late", [9] * 4, [5], 0, 4)]))
-        manager.discard_step(manager.save_outputs(d.outputs(2).to(backend.device), None,
-                                                  num_tokens_unpadded=4, num_tokens_padded=4))
+        manager.discard_step(sids[0])  # the timed-out save changed nothing: retry it as is
+        sid = manager.save_outputs(d.outputs(2).to(backend.device), None,
+                                   num_tokens_unpadded=4, num_tokens_padded=4)
+        assert torch.equal(manager.materialize(sid, ["late"]).hidden_states["late"],
+                           token_rows([9] * 4, 2))
         assert manager.stats()["staging_waits"] == 0
 
 
@@ -288,71 +286,6 @@ def test_task_states_move_one_step_at_a_time():
     assert failing.fail(RuntimeError("dma"))
     with pytest.raises(OmniPrefixCacheError, match="write task 8 .*FAILED.*dma"):
         failing.wait(1.0)
-
-
-# --------------------------------------------------------------------------- faults
-
-class _NeverDone:
-    """A device event that never completes: a stalled copy engine."""
-
-    def query(self) -> bool:
-        return False
-
-
-class FaultyBackend(CpuBackend):
-    """The CPU backend with an injected fault in its copy path (a test double: real copy
-    engines fail or stall only on hardware this machine does not have)."""
-
-    synchronous = False
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-
-    def scatter_rows(self, rows, slots, pool, *, ready, staging) -> Transfer:
-        if self.mode == "raise":
-            raise RuntimeError("injected copy failure")
-        if self.mode == "stall":
-            return Transfer(event=_NeverDone())
-
-        def finish() -> None:
-            raise RuntimeError("injected pool write failure")
-
-        return Transfer(finish=finish)
-
-
-@pytest.mark.parametrize("mode", ["raise", "finish"])
-def test_failed_write_is_raised_at_the_next_call_and_stays(mode):
-    manager, d = make(FaultyBackend(mode))
-    with manager:
-        manager.new_step_starts(d.step(new=[("a", list(range(4)), [1], 0, 4)]))
-        if mode == "raise":
-            with pytest.raises(RuntimeError, match="injected copy failure"):
-                manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=4,
-                                     num_tokens_padded=4)
-        else:
-            sid = manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=4,
-                                       num_tokens_padded=4)
-            deadline = time.monotonic() + 5
-            while manager.stats()["tasks_in_flight"] and time.monotonic() < deadline:
-                time.sleep(0.01)
-        for _ in range(2):  # sticky
-            with pytest.raises(OmniPrefixCacheError, match="write task .*step 1.*FAILED"):
-                manager.new_step_starts(d.step(cached={"a": 1}))
-        assert manager.staging._holders == [set()] * 4 or mode == "finish"
-        if mode == "finish":
-            with pytest.raises(OmniPrefixCacheError):
-                manager.materialize(sid, ["a"])
-
-
-def test_stalled_copy_raises_with_task_id_and_state_instead_of_hanging():
-    manager, d = make(FaultyBackend("stall"), staging_claim_timeout_s=0.3)
-    with manager:
-        manager.new_step_starts(d.step(new=[("a", list(range(4)), [1], 0, 4)]))
-        sid = manager.save_outputs(d.outputs(2), None, num_tokens_unpadded=4, num_tokens_padded=4)
-        start = time.monotonic()
-        with pytest.raises(OmniPrefixCacheError, match=r"write task 1 \(step 1, state"):
-            manager.materialize(sid, ["a"])
-        assert time.monotonic() - start < 3
 
 
 # --------------------------------------------------------------------------- threads

@@ -33,6 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 from prefix_cache import devices  # noqa: E402
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                           PrefixCacheConfig, StageCacheOutputs)
+from prefix_cache.errors import OmniPrefixCacheInputError  # noqa: E402
 from tests.sim import token_rows  # noqa: E402
 
 settings.register_profile(
@@ -47,6 +48,7 @@ settings.register_profile(
 #: (`{"codes": {"audio": ...}}`) and is the key a deferred policy defers.
 KEYS = {HIDDEN_KEY: (3, 0), "mm_feature": (5, 1), "codes.audio": (4, 2)}
 DEFERRED_KEY = "codes.audio"
+PER_REQUEST_KEY = "speaker"  # [num_reqs, 2]: in a decode step it looks per-token, it is not
 RESUME_FLAVORS = ("resumed_req_ids", "resumed_from_preemption", "new_reqs")
 CONSUME_MODES = ("now", "after_next_start", "after_next_save", "discard")
 
@@ -65,6 +67,8 @@ class StepOps:
     pad: int                   # garbage rows after the real ones (CUDA-graph padding)
     consume: str               # when this step is materialized (CONSUME_MODES)
     drop_mask: int             # bit i: batch row i's request is left out of materialize
+    reject: bool = False       # a save with bad input comes first, then the same save again
+    copy_hit: bool = False     # admitted hits get a copy of their last hit block (block copy)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ def workloads(draw: st.DrawFn) -> Workload:
         pad=st.integers(0, 3),
         consume=st.sampled_from(CONSUME_MODES),
         drop_mask=st.just(0) | st.integers(0, 15),  # half the steps materialize every row
+        reject=st.sampled_from([False] * 5 + [True]),
+        copy_hit=st.sampled_from([False] * 3 + [True]),
     )
     return Workload(
         block_size=bs,
@@ -268,6 +274,7 @@ class MiniScheduler:
         self.spans: dict[str, tuple[SimRequest, int, int]] = {}  # positions its rows cover
         self.batch: list[str] = []
         self.granted_hits: list[int] = []            # hit tokens of first admissions
+        self.block_copies: list[tuple[int, int]] = []  # (src, dst) of this step
 
     def add(self, arrival: Arrival) -> None:
         """Queue a request: a fresh id, or the id of the request that finished last."""
@@ -292,7 +299,7 @@ class MiniScheduler:
         """The step's SchedulerOutput (field names as vLLM's)."""
         chunks = iter(ops.chunks)
         budget = self.token_budget
-        self.scheduled, self.spans = {}, {}
+        self.scheduled, self.spans, self.block_copies = {}, {}, []
         preempted: list[str] = []
         i = 0
         while i < len(self.running) and budget:
@@ -328,7 +335,18 @@ class MiniScheduler:
                 event("same-step hit on blocks computed in this forward")
             self.waiting.pop(0)
             self.running.append(req)
-            req.blocks = self.allocator.take(hit, num_new)
+            if (ops.copy_hit and hit and hit[-1] not in self.allocator.published_this_step
+                    and self.allocator.can_take(hit, num_new + 1)):
+                # the KV of its last hit block is copied into a block of its own (vLLM's
+                # kv_cache_block_copies): that block's rows must be the source's
+                blocks = self.allocator.take(hit, num_new + 1)
+                src, dst = hit[-1], blocks[len(hit)]
+                self.allocator.release([src])
+                req.blocks = [*hit[:-1], *blocks[len(hit):]]
+                self.block_copies.append((src, dst))
+                event("block copy of a hit block")
+            else:
+                req.blocks = self.allocator.take(hit, num_new)
             req.computed, req.num_published = h, len(hit)
             if req.preempted:
                 req.preempted = False
@@ -365,8 +383,11 @@ class MiniScheduler:
                      for r in self.batch]
             return torch.cat([*parts, torch.full((pad, width), -7.0)]).to(device)
 
+        per_request = torch.arange(2.0 * len(self.batch)).view(-1, 2) + len(self.requests)
         return rows(HIDDEN_KEY), {"mm_feature": rows("mm_feature"),
-                                  "codes": {"audio": rows(DEFERRED_KEY)}}
+                                  "codes": {"audio": rows(DEFERRED_KEY)},
+                                  PER_REQUEST_KEY: per_request.to(device),
+                                  "ref": [len(self.batch), torch.ones(3, device=device)]}
 
     def finish_step(self) -> None:
         """After the forward: advance, sample when all known tokens are computed, finish."""
@@ -442,6 +463,7 @@ class MiniScheduler:
         return SimpleNamespace(
             finished_req_ids=finished,
             preempted_req_ids=set(preempted),
+            kv_cache_block_copies=list(self.block_copies),
             scheduled_new_reqs=[SimpleNamespace(req_id=r.req_id, num_computed_tokens=r.computed,
                                                 block_ids=(list(r.blocks),)) for r in new_reqs],
             scheduled_cached_reqs=cached,
@@ -458,6 +480,7 @@ class SavedStep:
     spans: dict[str, tuple[SimRequest, int, int]]
     req_ids: list[str]  # what materialize asks for
     consume: str        # CONSUME_MODES
+    leftover: dict[str, object]  # what it must hand back unsplit
 
 
 class Reference:
@@ -475,6 +498,9 @@ class Reference:
     def check(self, step: SavedStep, out: StageCacheOutputs) -> None:
         assert (out.hidden_states is None) == (HIDDEN_KEY not in self.keys)
         assert set(out.mm_outputs) == set(self.keys) - {HIDDEN_KEY}
+        assert torch.equal(out.leftover[PER_REQUEST_KEY], step.leftover[PER_REQUEST_KEY].cpu())
+        count, ones = out.leftover["ref"]
+        assert count == step.leftover["ref"][0] and torch.equal(ones, torch.ones(3))
         for req_id in step.req_ids:
             req, start, end = step.spans[req_id]
             base, upto, parts = self.streams.get(req, (start, start, {}))
@@ -518,7 +544,8 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
                                staging_capacity_tokens=w.token_budget,
                                staging_claim_timeout_s=5.0, gpu_budget_bytes=w.gpu_budget_bytes)
     policy = ModelCachePolicy(needs_full_hidden_states=w.hidden,
-                              deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()))
+                              deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()),
+                              per_request_keys={PER_REQUEST_KEY})
     reference = Reference([k for k in KEYS if k != HIDDEN_KEY or w.hidden])
     arrivals = iter(w.arrivals)
     late: SavedStep | None = None  # saved last step, consumed during this one
@@ -547,14 +574,22 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
                 consume(late)
                 late = None
             if not sched.scheduled:
-                continue  # vLLM runs no forward: new_step_starts only (finishes still count)
+                event("a step with no tokens (finishes only, or padding only)")
             n = sum(sched.scheduled.values())
             hidden, mm = sched.outputs(ops.pad, backend.device)
+            if ops.reject:  # a rejected save changes nothing: the same save then goes through
+                event("a rejected save, retried")
+                with pytest.raises(OmniPrefixCacheInputError):
+                    manager.save_outputs(hidden, mm, num_tokens_unpadded=n + ops.pad + 1,
+                                         num_tokens_padded=n + ops.pad)
+                with pytest.raises(OmniPrefixCacheInputError):
+                    manager.save_outputs(hidden, list(mm.values()), num_tokens_unpadded=n,
+                                         num_tokens_padded=n + ops.pad)
             step = SavedStep(manager.save_outputs(hidden, mm, num_tokens_unpadded=n,
                                                   num_tokens_padded=n + ops.pad),
                              dict(sched.spans),
                              [r for i, r in enumerate(sched.batch) if not ops.drop_mask >> i & 1],
-                             ops.consume)
+                             ops.consume, mm)
             saved_tokens += n
             if late is not None:
                 consume(late)

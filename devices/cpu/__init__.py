@@ -34,6 +34,8 @@ class CpuBackend(DeviceBackend):
         pool.tensor.index_copy_(0, slots, rows.to(pool.tensor.dtype))
         return Transfer()
 
-    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None
-                     ) -> tuple[torch.Tensor, Transfer]:
-        return tensor.detach().to("cpu", copy=True), Transfer()
+    def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+        if out is None:
+            return tensor.detach().to("cpu", copy=True), Transfer()
+        return out.copy_(tensor), Transfer()

@@ -23,6 +23,9 @@ from prefix_cache.devices.kernel_blocks import CUDA_KERNEL_BLOCK_SIZES, check_ke
 
 logger = logging.getLogger(__name__)
 
+#: How long `close()` waits for the copy stream before it leaves its pages registered.
+CLOSE_DRAIN_TIMEOUT_S = 30.0
+
 
 class CudaBackend(AcceleratorBackend):
     """torch.cuda streams and events; zero-copy scatter when the self-test passes."""
@@ -94,10 +97,15 @@ class CudaBackend(AcceleratorBackend):
         return Transfer(event=done, keepalive=(rows,))
 
     def close(self) -> None:
-        if self._slot_pages is not None:
-            self.copy_stream.synchronize()  # no copy may still read a page being unregistered
-            self._slot_pages.close()
-            self._slot_pages = None
+        if self._slot_pages is None:
+            return
+        # no copy may still read a page being unregistered: a copy that never ends keeps them
+        if not self.drain(CLOSE_DRAIN_TIMEOUT_S):
+            logger.error("cuda backend: copies still running after %.0fs; slot pages kept "
+                         "registered", CLOSE_DRAIN_TIMEOUT_S)
+            return
+        self._slot_pages.close()
+        self._slot_pages = None
 
     def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,
                           attention_backend: str | None = None) -> str | None:

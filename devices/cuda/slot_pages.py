@@ -19,11 +19,15 @@ from prefix_cache.devices.cuda.host_memory import register_host
 class SlotPages:
     """int64 pages mapped into the device; a page in use is paired with the event that frees it.
 
+    Every scatter in flight holds a page: a step's write and each retiring request's
+    deferred write. 16 pages (1 MiB) cover a batch of retirements while the copy
+    stream is behind; a burst beyond them registers a page more, kept from then on.
+
     Invariant: a page is in exactly one of `_free` and `_busy`, and a page in
     `_busy` is only rewritten after its event has completed.
     """
 
-    def __init__(self, device: torch.device, *, pages: int = 4, capacity: int = 8192) -> None:
+    def __init__(self, device: torch.device, *, pages: int = 16, capacity: int = 8192) -> None:
         self._device = device
         self._free: list[HostBuffer] = [register_host((capacity,), torch.int64, device)
                                         for _ in range(pages)]

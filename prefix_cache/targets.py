@@ -1,0 +1,65 @@
+"""The bench's metrics: what each one measures, in one line, and the target it must reach.
+
+Plain data with no torch import, so `python -m prefix_cache bench --help` can list it. A new
+row of the bench table (M8, say) is one entry in `METRICS` plus its measurement in `bench.run`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+_COMPARE = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
+
+
+@dataclass(frozen=True)
+class Target:
+    """`value <op> bound`; a GPU-only target is judged on CUDA only, elsewhere it is shown."""
+
+    op: str
+    bound: float
+    unit: str = ""
+    gpu_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in _COMPARE:
+            raise ValueError(f"Target.op must be one of {sorted(_COMPARE)}, got {self.op!r}")
+
+    @property
+    def text(self) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{self.op} {self.bound:g}{unit}" + (" (GPU)" if self.gpu_only else "")
+
+    def applies_to(self, device: str) -> bool:
+        return not self.gpu_only or device == "cuda"
+
+    def met_by(self, value: float) -> bool:
+        return _COMPARE[self.op](value, self.bound)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of the bench: a one-line summary of what it measures, and its target."""
+
+    summary: str
+    target: Target
+
+
+#: In table order; a gpu_only target is set for an NVIDIA GPU (measured on an H200).
+METRICS: dict[str, MetricSpec] = {
+    "M1": MetricSpec("save: rows written into pool slots per s / one contiguous D2H",
+                     Target(">=", 0.85, gpu_only=True)),
+    "M2": MetricSpec("engine-thread time of a 64-request decode step (new_step_starts + save)",
+                     Target("<=", 100, "µs", gpu_only=True)),
+    "M2p": MetricSpec("engine-thread time of a 2048-token prefill step",
+                      Target("<=", 150, "µs", gpu_only=True)),
+    "M3": MetricSpec("hit: hit rows delivered per s / host memcpy of the same bytes",
+                     Target(">=", 0.7)),
+    "M4": MetricSpec("engine-thread stalls after warm-up (pinned allocs, registrations, syncs)",
+                     Target("==", 0)),
+    "M5": MetricSpec("0%-hit overhead: engine steps per s with the cache / without",
+                     Target(">=", 0.99)),
+    "M6": MetricSpec("host memory: bytes resident / logical pool bytes", Target("<=", 1.05)),
+    "M7": MetricSpec("interference: GEMM loop time with concurrent saves / alone",
+                     Target("<=", 1.03, gpu_only=True)),
+}
