@@ -103,8 +103,8 @@ def test_demo_command_runs_both_stages_multiprocess_and_prints_only_the_report()
     assert proc.stderr == ""
     out = proc.stdout
     assert "max|diff|" in out and "margin" in out and "aborted mid-prefill" in out
-    assert "end to end (engines up): prefix caching on" in out
-    assert out.rstrip().splitlines()[-1].startswith("OK:")
+    assert "end to end, engines up: prefix caching on" in out
+    assert out.rstrip().splitlines()[-2].startswith("OK:")  # the verdict ends the report
     for noise in ("Traceback", "WARNING", "INFO", "Warning"):
         assert noise not in out
     log = Path(next(line.split(": ", 1)[1] for line in out.splitlines()
