@@ -1,4 +1,4 @@
-"""What the next stage receives: each request's rows by position, assembled across steps, published on finish.
+"""What the next stage receives: a request's rows by position, assembled, published on finish.
 
 A step hands over a request's rows from some position on: 0 for a prefix hit
 (hit rows, then the step's), the request's computed-token count otherwise. A
@@ -35,7 +35,7 @@ class StageSink(Protocol):
 
 @dataclass(frozen=True)
 class FinishedRequest:
-    """A request the scheduler retired: its runner id, its external id, its prompt length if known."""
+    """A request the scheduler retired: runner id, external id, prompt length (None: unknown)."""
 
     req_id: str
     external_id: str

@@ -1,4 +1,4 @@
-"""The main job: a two-stage omni pipeline on vLLM's engine, run with stage 1's prefix caching on and off.
+"""The main job: a two-stage omni pipeline on vLLM, with stage 1's prefix caching on, then off.
 
 Stage 1 (the "thinker") is vLLM's engine with the stage-output cache: a tiny
 random Qwen2, requests sharing prefixes, chunked prefill, a long prompt aborted
@@ -102,9 +102,9 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]
-    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
     rule = "  ".join("-" * w for w in widths)
-    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join([line, rule, *body])
 
 
@@ -167,43 +167,45 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
     noise = torch.randn(rows.shape, generator=generator) * rows.pow(2).mean().sqrt()
     out = pl.talk(talker, {f"noise-{level:g}": rows + level * noise for level in PERTURBATIONS},
                   TALKER_TOKENS)
-    return {level: sum(a != b for a, b in zip(out[f"noise-{level:g}"][0], result.tokens))
+    return {level: sum(a != b for a, b in zip(out[f"noise-{level:g}"][0], result.tokens,
+                                              strict=True))
             for level in PERTURBATIONS}
 
 
 def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
+    from prefix_cache import engines
     from prefix_cache import pipeline as pl
     from prefix_cache.channel import open_channel
 
     requests = make_workload()
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-demo-") as tmp, \
             open_channel("shm") as channel:
-        progress("writing two random Qwen2 models (hidden 256, 2 layers, "
-                 "initializer_range=1.0; nothing is downloaded) ...")
-        thinker_dir = pl.write_random_qwen2(Path(tmp) / "thinker", seed=0)
-        talker_dir = pl.write_random_qwen2(Path(tmp) / "talker", seed=1)
+        progress("writing two random Qwen2 models (hidden 256, 2 layers, init range 1.0; "
+                 "nothing downloaded)")
+        thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
+        talker_dir = engines.write_random_qwen2(Path(tmp) / "talker", seed=1)
         progress("starting stage 2, the talker engine (prompt_embeds, greedy) ...")
         start = time.perf_counter()
-        talker = pl.start_talker(talker_dir)
+        talker = engines.start_talker(talker_dir)
         progress(f"talker ready in {time.perf_counter() - start:.0f}s")
         runs = {}
         for caching in (True, False):
             label = "on" if caching else "off"
             progress(f"starting stage 1, the thinker engine (prefix caching {label}) ...")
             start = time.perf_counter()
-            thinker = pl.start_thinker(thinker_dir, channel, prefix_caching=caching)
+            thinker = engines.start_thinker(thinker_dir, channel, prefix_caching=caching)
             progress(f"thinker ready in {time.perf_counter() - start:.0f}s; warming up, then "
-                f"{len(requests)} requests through thinker -> channel -> talker ...")
+                     f"{len(requests)} requests through thinker -> channel -> talker ...")
             pl.warm_up(thinker, channel, talker)
             runs[label] = pl.run_pipeline(thinker, channel, requests, talker=talker,
                                           talker_tokens=TALKER_TOKENS)
             stats = thinker.stats()
             thinker.close()
             talker.engine.reset_prefix_cache()
-            progress(f"prefix caching {label}: {runs[label].seconds:.2f}s end to end "
-                f"(stage 1 done after {runs[label].thinker_seconds:.2f}s); "
-                f"{stats.get('hit_tokens', 0)} prompt tokens served from the cache")
+            progress(f"caching {label}: {runs[label].seconds:.2f}s end to end (stage 1: "
+                     f"{runs[label].thinker_seconds:.2f}s); {stats.get('hit_tokens', 0)} "
+                     f"prompt tokens from the cache")
         on, off = runs["on"], runs["off"]
         checks = compare(on, off)
         probe = max((c for c in checks if not c.aborted), key=lambda c: c.rows_on)
@@ -222,12 +224,15 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
     say(COLUMNS)
     say("")
     distinct = len({tuple(r.tokens) for r in on.results.values() if not r.aborted})
-    say(f"stage 2 depends on its input: its {len(checks) - sum(c.aborted for c in checks)} "
-        f"requests gave {distinct} distinct token sequences; noise on {probe.req_id}'s rows "
-        f"of " + ", ".join(f"{level:g} x RMS changes {n}/{TALKER_TOKENS}"
-                           for level, n in changed.items()) + " tokens")
-    say(f"end to end (engines up): prefix caching on {on.seconds:.2f}s, off {off.seconds:.2f}s "
-        f"(on/off {on.seconds / off.seconds:.2f})")
+    finished = len(checks) - sum(c.aborted for c in checks)
+    say(f"stage 2 depends on its input: {finished} requests, {distinct} distinct token "
+        f"sequences; noise on {probe.req_id}'s rows\n  of " + " / ".join(
+            f"{level:g}" for level in changed) + " x their RMS changes " + " / ".join(
+            str(n) for n in changed.values()) + f" of its {TALKER_TOKENS} tokens")
+    say(f"end to end, engines up: prefix caching on {on.seconds:.2f}s, off {off.seconds:.2f}s "
+        f"(on/off {on.seconds / off.seconds:.2f})\n  this tiny model computes little per "
+        f"step, so per-step overhead rules; M8\n  (python -m prefix_cache.pipeline_bench) "
+        f"measures the saving on a prefill-dominated model")
     say(f"vLLM's logs and warnings: {LOG_PATH}")
     say("")
     wrong = [c.req_id for c in checks if not c.ok]
@@ -238,8 +243,8 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
     if problems:
         say("FAILED: " + "; ".join(problems))
         return 1
-    say(f"OK: {len(checks)} requests, {hits} with prefix hits; stage 2's tokens are identical "
-        f"with stage 1's prefix caching on and off, and every row matches within "
+    say(f"OK: {len(checks)} requests, {hits} with prefix hits. Stage 2's tokens are identical "
+        f"with stage 1's\n    prefix caching on and off; every row matches within "
         f"{TOLERANCE:g} (float32).")
     return 0
 

@@ -1,4 +1,4 @@
-"""What a stage's forward returns, read the way omni runners do: its hidden rows and per-token mm outputs.
+"""What a stage's forward returns, read as omni runners do: hidden rows and per-token mm outputs.
 
 Three forms are understood:
 

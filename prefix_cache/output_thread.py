@@ -1,4 +1,4 @@
-"""The runner's output thread: the stage's row work (materialize, publish) in step order, off the engine thread.
+"""The runner's output thread: row work (materialize, publish) in step order, off the engine thread.
 
 The engine thread only submits jobs; it never waits for rows. The queue is
 bounded: a submit waits at most `timeout_s` for room (the manager's staging

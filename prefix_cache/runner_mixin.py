@@ -1,4 +1,4 @@
-"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner (GPU, CPU, NPU) through the cache.
+"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner (GPU, CPU, NPU) via the cache.
 
 Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`). It
 snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
@@ -102,14 +102,14 @@ class PrefixCacheRunnerMixin:
                 manager.preallocate(HIDDEN_KEY, (hidden_size,), dtype)
             logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
                         config.num_blocks, config.block_size)
-        spec = channel_spec(self.vllm_config)
+        channel = open_channel(channel_spec(self.vllm_config))
         self._omni_stage = StageOutputDriver(
-            StageDelivery(open_channel(spec)), backend, cache=manager,
+            StageDelivery(channel), backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
             timeout_s=30.0 if config is None else config.staging_claim_timeout_s)
         self.omni_prefix_cache = manager
-        logger.info("stage outputs go to channel %r", spec)
+        logger.info("stage outputs go to channel %s", channel.spec)
         return manager
 
     def shutdown(self) -> None:

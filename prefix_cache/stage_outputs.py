@@ -41,7 +41,7 @@ MAX_PENDING_JOBS = 16
 
 @dataclass(frozen=True)
 class StepBatch:
-    """A step's rows in batch order: request i has rows `ends[i-1]:ends[i]`, positions from `starts[i]`."""
+    """A step's rows in batch order: request i has rows `ends[i-1]:ends[i]`, from `starts[i]` on."""
 
     req_ids: Sequence[str]
     starts: Sequence[int]
@@ -54,7 +54,7 @@ class StepBatch:
     def spans(self) -> list[tuple[str, int, int, int]]:
         """(request, first row, end row, position of the first row) per request."""
         firsts = [0, *self.ends[:-1]]
-        return list(zip(self.req_ids, firsts, self.ends, self.starts))
+        return list(zip(self.req_ids, firsts, self.ends, self.starts, strict=True))
 
 
 @dataclass
@@ -65,7 +65,7 @@ class _SavedStep:
 
 
 class StageOutputDriver:
-    """Owns one stage's output path; the engine thread calls it, its output thread does the row work."""
+    """One stage's output path: the engine thread calls it, its output thread does the row work."""
 
     def __init__(self, delivery: StageDelivery, backend: DeviceBackend, *,
                  cache: OmniPrefixCacheManager | None, policy: ModelCachePolicy,
@@ -107,10 +107,11 @@ class StageOutputDriver:
             return
         with torch.inference_mode(False):
             per_token = split_outputs(hidden, mm, n, num_tokens_padded, self.policy).per_token()
+            if not self.backend.synchronous:  # the next forward may overwrite the originals
+                per_token = {key: self.backend.snapshot(rows) for key, rows in per_token.items()}
             ready = self.backend.record_event()
-            host_rows = {key: self.backend.copy_to_host(
-                rows if self.backend.synchronous else self.backend.snapshot(rows), ready=ready)
-                for key, rows in per_token.items()}
+            host_rows = {key: self.backend.copy_to_host(rows, ready=ready)
+                         for key, rows in per_token.items()}
         self._step = _SavedStep(batch, host_rows=host_rows)
 
     @property
@@ -123,7 +124,7 @@ class StageOutputDriver:
         self._off, self._in_step, self._step = True, False, None
 
     def end_step(self) -> None:
-        """The step's output is built: queue its rows for delivery (a step without rows ends here)."""
+        """The step's output is built: queue its rows (a step without rows ends here)."""
         if not self._in_step:
             return
         step, self._step, self._in_step = self._step, None, False
@@ -152,7 +153,7 @@ class StageOutputDriver:
             return
         host: dict[str, torch.Tensor] = {}
         for key, (rows, transfer) in step.host_rows.items():
-            wait_event(transfer.event, self._timeout_s, lambda: f"step rows {key!r}")
+            wait_event(transfer.event, self._timeout_s, lambda key=key: f"step rows {key!r}")
             if transfer.finish is not None:
                 transfer.finish()
             host[key] = rows

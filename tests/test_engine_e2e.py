@@ -36,7 +36,7 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeStore
 def talker(talker_model_dir: Path) -> Iterator[Any]:
     """Stage 2, shared by every run; in a process of its own, since in-process thinkers tear
     down this process's torch.distributed state when they close."""
-    from prefix_cache.pipeline import multiprocessing_mode, start_talker
+    from prefix_cache.engines import multiprocessing_mode, start_talker
     with multiprocessing_mode(True):
         engine = start_talker(talker_model_dir)
     yield engine
@@ -45,7 +45,8 @@ def talker(talker_model_dir: Path) -> Iterator[Any]:
 
 def run_once(thinker_model_dir: Path, talker: Any, spec: str, *, prefix_caching: bool,
              multiprocessing: bool) -> tuple[Any, dict[str, int | float]]:
-    from prefix_cache.pipeline import multiprocessing_mode, run_pipeline, start_thinker
+    from prefix_cache.engines import multiprocessing_mode, start_thinker
+    from prefix_cache.pipeline import run_pipeline
     with multiprocessing_mode(multiprocessing), open_channel(spec) as channel:
         thinker = start_thinker(thinker_model_dir, channel, prefix_caching=prefix_caching)
         try:
@@ -102,8 +103,8 @@ def test_demo_command_runs_both_stages_multiprocess_and_prints_only_the_report()
     assert proc.stderr == ""
     out = proc.stdout
     assert "max|diff|" in out and "margin" in out and "aborted mid-prefill" in out
-    assert "end to end (engines up): prefix caching on" in out
-    assert out.rstrip().splitlines()[-1].startswith("OK:")
+    assert "end to end, engines up: prefix caching on" in out
+    assert out.rstrip().splitlines()[-2].startswith("OK:")  # the verdict ends the report
     for noise in ("Traceback", "WARNING", "INFO", "Warning"):
         assert noise not in out
     log = Path(next(line.split(": ", 1)[1] for line in out.splitlines()

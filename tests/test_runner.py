@@ -19,8 +19,8 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channel  # noqa: E402
-from prefix_cache.pipeline import (StageRequest, multiprocessing_mode, run_pipeline,  # noqa: E402
-                                   start_thinker)
+from prefix_cache.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker, PrefixCacheGPUWorker  # noqa: E402
 from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
@@ -80,7 +80,7 @@ def test_steps_return_before_their_rows_are_materialized(
 
     materialized = {e[1]: e for e in events if e[0] == "materialized"}
     assert len(materialized) >= len(requests)
-    for i, (what, step_id, saved_at, engine_thread) in enumerate(events):
+    for i, (what, step_id, _, engine_thread) in enumerate(events):
         if what != "saved" or step_id not in materialized:
             continue
         sampled_at = next(e[2] for e in events[i:] if e[0] == "sampled")
@@ -88,7 +88,7 @@ def test_steps_return_before_their_rows_are_materialized(
         assert sampled_at < done_at, f"step {step_id}: sample_tokens waited for its rows"
         assert output_thread != engine_thread
     first_steps = [e for e in events if e[0] == "saved"][:3]  # before any backpressure
-    for _, step_id, saved_at, _ in first_steps:
+    for _, _, saved_at, _ in first_steps:
         sampled_at = next(e[2] for e in events if e[0] == "sampled" and e[2] > saved_at)
         assert sampled_at - saved_at < SLOW_S / 2
     for request in requests:  # the rows still all arrive, from position 0
@@ -200,7 +200,7 @@ def test_an_unreadable_forward_output_turns_the_cache_off_with_one_warning(
     assert len(warnings) == 1
     assert "cannot read" in warnings[0].getMessage()
     assert "dict" in warnings[0].getMessage()
-    assert all(len(t) == r.max_tokens for t, r in zip(tokens.values(), requests))
+    assert all(len(tokens[r.req_id]) == r.max_tokens for r in requests)  # the engine ran on
 
 
 def _greedy(max_tokens: int) -> Any:

@@ -203,7 +203,7 @@ def ensure_cpu_slot_mapping_kernel() -> None:
 def thinker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen2 (hidden 256, 2 layers, initializer_range=1.0) for stage 1."""
     pytest.importorskip("transformers")
-    from prefix_cache.pipeline import write_random_qwen2
+    from prefix_cache.engines import write_random_qwen2
     return write_random_qwen2(tmp_path_factory.mktemp("thinker"), seed=0)
 
 
@@ -211,7 +211,7 @@ def thinker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def talker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second random Qwen2 of the same hidden size, for stage 2."""
     pytest.importorskip("transformers")
-    from prefix_cache.pipeline import write_random_qwen2
+    from prefix_cache.engines import write_random_qwen2
     return write_random_qwen2(tmp_path_factory.mktemp("talker"), seed=1)
 
 

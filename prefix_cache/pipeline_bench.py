@@ -1,0 +1,195 @@
+"""Pipeline figures on vLLM's real engine: M8 (what stage 1's prefix caching saves, and the
+two-stage end to end) and the engine step time with the cache against vLLM's plain worker.
+
+    python -m prefix_cache.pipeline_bench [--runs N] [--json PATH]
+
+Each figure is the median of `runs` runs made back to back, on and off interleaved, with the
+smallest and largest beside it. Engines are started once and warmed up; between runs their
+prefix caches are emptied, so every run starts cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefix_cache.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
+                                  start_thinker, write_random_qwen2)
+from prefix_cache.pipeline import StageRequest, run_pipeline, warm_up
+
+#: A prefill-dominated stage 1 (about 100 M parameters) and a light stage 2 of its width.
+M8_THINKER = dict(hidden_size=1024, num_layers=8, intermediate_size=2816, num_heads=16,
+                  num_kv_heads=4)
+M8_TALKER = dict(M8_THINKER, num_layers=2)
+M8_SHAPE = EngineShape(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
+                       long_prefill_token_threshold=0, num_blocks=129)
+#: The no-recompute limit: stage 1's time with caching on / off <= SLACK x (1 - hit fraction).
+SLACK = 1.15
+TALKER_TOKENS = 8
+
+
+def m8_workload(*, families: int = 2, per_family: int = 8, prefix: int = 192, suffix: int = 64,
+                seed: int = 0) -> list[StageRequest]:
+    """Prompts of `prefix + suffix` tokens, the prefix shared within a family (75% by default);
+    one token generated each, all arriving at once."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 1000) for _ in range(prefix)] for _ in range(families)]
+    return [StageRequest(f"m8-{f}-{i}", heads[f] + [rng.randrange(1, 1000)
+                                                    for _ in range(suffix)], 1)
+            for i in range(per_family) for f in range(families)]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
+def _cold(*engines: Engine | None) -> None:
+    for engine in engines:
+        if engine is not None:
+            engine.engine.reset_prefix_cache()
+
+
+def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
+               progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """M8 on the real CPU engine: stage 1 with its prefix caching on / off, and the two-stage
+    pipeline on / off; `multiprocessing` None is vLLM's default (an engine-core process each)."""
+    from prefix_cache.channel import open_channel
+    requests = m8_workload()
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m8-") as tmp, \
+            multiprocessing_mode(multiprocessing), open_channel() as channel:
+        progress("writing the M8 models (hidden 1024; thinker 8 layers, talker 2) ...")
+        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **M8_THINKER)
+        talker_dir = write_random_qwen2(Path(tmp) / "talker", seed=1, **M8_TALKER)
+        progress("starting three engines (thinker with caching on and off, talker) ...")
+        engines = {caching: start_thinker(thinker_dir, channel, prefix_caching=caching,
+                                          shape=M8_SHAPE) for caching in (True, False)}
+        talker = start_talker(talker_dir, M8_SHAPE)
+        try:
+            for engine in engines.values():
+                warm_up(engine, channel, talker)
+            times: dict[str, list[float]] = {k: [] for k in ("on", "off", "e2e_on", "e2e_off")}
+            hit_tokens = []
+            for i in range(runs):
+                progress(f"run {i + 1}/{runs} ...")
+                order = list(engines.items())  # on first, then off first: drift cancels
+                for caching, engine in order if i % 2 == 0 else order[::-1]:
+                    label = "on" if caching else "off"
+                    _cold(engine)
+                    run = run_pipeline(engine, channel, requests)
+                    times[label].append(run.seconds)
+                    if caching:
+                        hit_tokens.append(sum(r.cached_tokens for r in run.results.values()))
+                    _cold(engine, talker)
+                    run = run_pipeline(engine, channel, requests, talker=talker,
+                                       talker_tokens=TALKER_TOKENS)
+                    times[f"e2e_{label}"].append(run.seconds)
+        finally:
+            for engine in (*engines.values(), talker):
+                engine.close()
+    hit_fraction = statistics.median(hit_tokens) / prompt_tokens
+    ratios = [a / b for a, b in zip(times["on"], times["off"], strict=True)]
+    e2e_ratios = [a / b for a, b in zip(times["e2e_on"], times["e2e_off"], strict=True)]
+    target = SLACK * (1 - hit_fraction)
+    ratio = statistics.median(times["on"]) / statistics.median(times["off"])
+    return {
+        "workload": f"{len(requests)} requests of {len(requests[0].prompt)} tokens, 75% in "
+                    f"shared prefixes; stage 1 hidden 1024 x 8 layers, stage 2 x 2 layers "
+                    f"({TALKER_TOKENS} tokens each)",
+        "runs": runs, "hit_fraction": hit_fraction,
+        "stage1_on_s": spread(times["on"]), "stage1_off_s": spread(times["off"]),
+        "ratio": ratio, "ratio_per_run": spread(ratios), "target": target,
+        "pass": ratio <= target,
+        "e2e_on_s": spread(times["e2e_on"]), "e2e_off_s": spread(times["e2e_off"]),
+        "e2e_ratio": statistics.median(times["e2e_on"]) / statistics.median(times["e2e_off"]),
+        "e2e_ratio_per_run": spread(e2e_ratios),
+    }
+
+
+def _timed_steps(engine: Engine, requests: list[StageRequest]) -> list[float]:
+    from vllm import SamplingParams
+    for request in requests:
+        engine.engine.add_request(request.req_id, {"prompt_token_ids": request.prompt},
+                                  SamplingParams(max_tokens=request.max_tokens, temperature=0.0,
+                                                 ignore_eos=True, detokenize=False))
+    steps = []
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
+def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
+                      progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Engine step time (in-process engines, so a step is the engine's own work) with the
+    cache's worker against vLLM's plain CPU worker, both with prefix caching on, on the M8
+    stage-1 model and workload with `decode_tokens` generated per request."""
+    from prefix_cache.channel import open_channel
+    requests = [StageRequest(r.req_id, r.prompt, decode_tokens) for r in m8_workload()]
+    with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-steps-") as tmp, \
+            multiprocessing_mode(False), open_channel() as channel:
+        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **M8_THINKER)
+        progress("starting vLLM's plain CPU worker and the cache's worker (in-process) ...")
+        engines = {"plain": start_thinker(thinker_dir, channel, prefix_caching=True,
+                                          shape=M8_SHAPE,
+                                          worker_cls="vllm.v1.worker.cpu_worker.CPUWorker"),
+                   "cache": start_thinker(thinker_dir, channel, prefix_caching=True,
+                                          shape=M8_SHAPE)}
+        try:
+            warm_up(engines["cache"], channel)
+            _timed_steps(engines["plain"], requests[:1])
+            steps: dict[str, list[float]] = {"plain": [], "cache": []}
+            for i in range(runs):
+                progress(f"run {i + 1}/{runs} ...")
+                order = list(engines.items())
+                for name, engine in order if i % 2 == 0 else order[::-1]:
+                    _cold(engine)
+                    steps[name] += _timed_steps(engine, requests)
+                    if name == "cache":  # take the published rows off the channel
+                        engine.flush()
+                        for request in requests:
+                            channel.get(request.req_id)
+            stats = engines["cache"].stats()
+        finally:
+            for engine in engines.values():
+                engine.close()
+    calls = stats["calls.save_outputs"]
+    library = (stats["time_s.new_step_starts"] + stats["time_s.save_outputs"]) / calls
+    return {
+        "workload": f"M8 stage 1 (hidden 1024 x 8 layers), {len(requests)} requests of "
+                    f"{len(requests[0].prompt)} tokens, {decode_tokens} generated each",
+        "runs": runs, "steps_per_run": len(steps["cache"]) // runs,
+        "step_s_plain": spread(steps["plain"]), "step_s_cache": spread(steps["cache"]),
+        "step_ratio": statistics.median(steps["cache"]) / statistics.median(steps["plain"]),
+        "total_ratio": sum(steps["cache"]) / sum(steps["plain"]),
+        "engine_thread_library_s_per_step": library,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prefix_cache.pipeline_bench")
+    parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    say = lambda msg: print(f"[pipeline bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    results = {"m8": measure_m8(runs=args.runs, progress=say),
+               "step_time": measure_step_time(runs=args.runs, progress=say)}
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if results["m8"]["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
