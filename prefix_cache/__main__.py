@@ -36,7 +36,8 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m prefix_cache")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("demo", help="vLLM's CPU engine end to end, checked against a cache-off run")
+    sub.add_parser("demo", help="the two-stage pipeline (thinker -> channel -> talker) on vLLM's "
+                                "CPU engine, stage 1's prefix caching on vs off")
     bench = sub.add_parser(
         "bench", help="measure the cache's metrics (M1-M8) beside their references",
         description="Measure each metric beside its reference, in this process, and print one\n"
