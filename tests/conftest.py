@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from prefix_cache import devices  # noqa: E402
+from tests.mooncake_store import MooncakeStoreProcesses, mooncake_missing_reason  # noqa: E402
 
 
 def _vllm_reason() -> str | None:
@@ -48,3 +50,14 @@ def backend(request: pytest.FixtureRequest) -> devices.DeviceBackend:
     b = devices.get_backend(request.param)
     yield b
     b.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeStoreProcesses]:
+    """A Mooncake master, metadata server and segment holder on loopback for the module;
+    skipped, with the reason, only where the Mooncake package cannot be imported."""
+    reason = mooncake_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with MooncakeStoreProcesses(tmp_path_factory.mktemp("mooncake")) as store:
+        yield store

@@ -27,9 +27,9 @@ from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheCh
                                   StageChannel, open_channel)
 from prefix_cache.channel.mooncake import MooncakeChannel
 from prefix_cache.channel.shm import ShmChannel
-from tests.mooncake_store import MooncakeStoreProcesses, free_port, mooncake_missing_reason
+from tests.mooncake_store import MooncakeStoreProcesses, free_port
 
-MOONCAKE_MISSING = mooncake_missing_reason()
+
 BIG_ELEMENTS = 16 << 20  # 64 MiB of float32
 IsPublished = Callable[[StageChannel, str], bool]
 
@@ -76,15 +76,6 @@ def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.Proces
     proc = multiprocessing.get_context("spawn").Process(target=target, args=args)
     proc.start()
     return proc
-
-
-@pytest.fixture(scope="module")
-def mooncake_store(
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeStoreProcesses]:
-    if MOONCAKE_MISSING:
-        pytest.skip(MOONCAKE_MISSING)
-    with MooncakeStoreProcesses(tmp_path_factory.mktemp("mooncake")) as store:
-        yield store
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,11 @@ import pytest
 
 from prefix_cache import demo
 from prefix_cache.channel import open_channel
-from tests.mooncake_store import MooncakeStoreProcesses, mooncake_missing_reason
 from tests.vllm_fixtures import talker_model_dir, thinker_model_dir  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeStoreProcesses]:
-    reason = mooncake_missing_reason()
-    if reason:
-        pytest.skip(reason)
-    with MooncakeStoreProcesses(tmp_path_factory.mktemp("mooncake")) as store:
-        yield store
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +67,7 @@ def cache_off_run(thinker_model_dir: Path, talker: Any) -> Any:
 def test_stage_two_tokens_match_with_stage_one_prefix_caching_on_and_off(
         thinker_model_dir: Path, talker: Any, cache_off_run: Any, backend: str,
         multiprocessing: bool, request: pytest.FixtureRequest) -> None:
-    spec = "shm" if backend == "shm" else request.getfixturevalue("mooncake").spec
+    spec = "shm" if backend == "shm" else request.getfixturevalue("mooncake_store").spec
     run, stats = run_once(thinker_model_dir, talker, spec, prefix_caching=True,
                           multiprocessing=multiprocessing)
     checks = demo.compare(run, cache_off_run)
