@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 NUM_BATCHES = 8
 BATCH = 250  # 2,000 requests in all
-#: Growth allowed from the third batch to the last (1,250 requests): 20 bytes a request.
-#: Measured: about 15 KiB, all in caches that stop growing (numpy, json).
-MAX_PYTHON_GROWTH = 24 << 10
+#: Growth allowed from the third batch to the last (1,250 requests): under 40 bytes a request,
+#: so one leaked object per request (a tensor object is about 70 B) exceeds it. Measured: 15-25
+#: KiB, in caches that stop growing (numpy, json) and the last batch's entries still in flight.
+MAX_PYTHON_GROWTH = 48 << 10
 #: One request's rows (~40 x 1 KiB) kept every 40 requests would exceed it.
 MAX_TENSOR_GROWTH = 1 << 20
 
