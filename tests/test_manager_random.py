@@ -33,7 +33,8 @@ from hypothesis import strategies as st  # noqa: E402
 from prefix_cache import devices  # noqa: E402
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                           PrefixCacheConfig, StageCacheOutputs)
-from prefix_cache.errors import OmniPrefixCacheInputError  # noqa: E402
+from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheInputError  # noqa: E402
+from tests.faults import COMMITTER_POINTS, ENGINE_POINTS, FaultyBackend, InjectedFault  # noqa
 from tests.sim import token_rows  # noqa: E402
 
 settings.register_profile(
@@ -94,6 +95,7 @@ class Workload:
     resume_flavor: str         # how a resumed request shows up (RESUME_FLAVORS)
     arrivals: tuple[Arrival, ...]
     steps: tuple[StepOps, ...]
+    fault: tuple[str, int] | None = None  # (injection point, step it is armed at)
 
 
 #: a step where nothing arrives and every request is offered as much as fits
@@ -149,6 +151,9 @@ def workloads(draw: st.DrawFn) -> Workload:
         resume_flavor=draw(st.sampled_from(RESUME_FLAVORS)),
         arrivals=tuple(arrivals),
         steps=tuple(draw(st.lists(steps, min_size=num_steps, max_size=num_steps))),
+        fault=draw(st.sampled_from([None] * 3) | st.tuples(
+            st.sampled_from([p for p in ENGINE_POINTS + COMMITTER_POINTS if p != "stall"]),
+            st.integers(0, num_steps))),
     )
 
 
@@ -537,8 +542,38 @@ def wait_for_writes(manager: OmniPrefixCacheManager, timeout_s: float = 1.0
     return stats
 
 
+class FaultTolerantCalls:
+    """Manager calls as a runner makes them once a fault was injected: an earlier failure
+    reported by a call is taken and the call made again; a save whose rows cannot be had, or
+    a step whose rows were lost, is a step not delivered. Without a fault, every error raises."""
+
+    def __init__(self, armed: bool) -> None:
+        self.armed = armed
+        self.errors: list[BaseException] = []
+
+    def __call__(self, call, *, may_lose: bool = False):
+        for _ in range(3):
+            try:
+                return call()
+            except OmniPrefixCacheInputError:
+                raise  # the caller's own mistake, fault or no fault
+            except (InjectedFault, OmniPrefixCacheError) as exc:
+                if not self.armed:
+                    raise
+                self.errors.append(exc)
+                retry = isinstance(exc, InjectedFault) or "earlier write failed" in str(exc)
+                if not retry:
+                    if may_lose:
+                        return None  # never wrong rows: this step is simply not delivered
+                    raise
+        return call()
+
+
 def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
     """Drive the manager through `w` the way a runner does, checking every materialized step."""
+    faulty = FaultyBackend(backend) if w.fault is not None else None
+    backend = faulty or backend
+    calls = FaultTolerantCalls(faulty is not None)
     sched = MiniScheduler(w)
     config = PrefixCacheConfig(w.num_blocks, w.block_size, staging_depth=w.staging_depth,
                                staging_capacity_tokens=w.token_budget,
@@ -553,13 +588,19 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
     with OmniPrefixCacheManager(config, sched, backend=backend) as manager:
         manager.register_policy(policy)
 
-        def consume(step: SavedStep) -> None:
+        def consume(step: SavedStep | None) -> None:
+            if step is None:
+                return
             if step.consume == "discard":
-                manager.discard_step(step.step_id)
-            else:
-                reference.check(step, manager.materialize(step.step_id, step.req_ids))
+                calls(lambda: manager.discard_step(step.step_id))
+                return
+            out = calls(lambda: manager.materialize(step.step_id, step.req_ids), may_lose=True)
+            if out is not None:
+                reference.check(step, out)
 
-        for ops in (*w.steps, None):
+        for index, ops in enumerate((*w.steps, None)):
+            if faulty is not None and index == w.fault[1]:
+                faulty.arm(w.fault[0])
             if ops is None:  # drain: every request retires, so all its writes must land
                 for req_id in sched.live_ids():
                     sched.abort(req_id)
@@ -569,7 +610,8 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
             live = sched.live_ids()
             if ops.abort is not None and live:
                 sched.abort(live[ops.abort % len(live)])
-            manager.new_step_starts(sched.schedule(ops))
+            so = sched.schedule(ops)
+            calls(lambda: manager.new_step_starts(so))
             if late is not None and (late.consume == "after_next_start" or not sched.scheduled):
                 consume(late)
                 late = None
@@ -580,26 +622,38 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
             if ops.reject:  # a rejected save changes nothing: the same save then goes through
                 event("a rejected save, retried")
                 with pytest.raises(OmniPrefixCacheInputError):
-                    manager.save_outputs(hidden, mm, num_tokens_unpadded=n + ops.pad + 1,
-                                         num_tokens_padded=n + ops.pad)
+                    calls(lambda: manager.save_outputs(hidden, mm, num_tokens_unpadded=n + ops.pad
+                                                       + 1, num_tokens_padded=n + ops.pad))
                 with pytest.raises(OmniPrefixCacheInputError):
-                    manager.save_outputs(hidden, list(mm.values()), num_tokens_unpadded=n,
-                                         num_tokens_padded=n + ops.pad)
-            step = SavedStep(manager.save_outputs(hidden, mm, num_tokens_unpadded=n,
-                                                  num_tokens_padded=n + ops.pad),
-                             dict(sched.spans),
-                             [r for i, r in enumerate(sched.batch) if not ops.drop_mask >> i & 1],
-                             ops.consume, mm)
+                    calls(lambda: manager.save_outputs(hidden, list(mm.values()),
+                                                       num_tokens_unpadded=n,
+                                                       num_tokens_padded=n + ops.pad))
+            step_id = calls(lambda: manager.save_outputs(hidden, mm, num_tokens_unpadded=n,
+                                                         num_tokens_padded=n + ops.pad),
+                            may_lose=True)
+            step = None if step_id is None else SavedStep(
+                step_id, dict(sched.spans),
+                [r for i, r in enumerate(sched.batch) if not ops.drop_mask >> i & 1],
+                ops.consume, mm)
             saved_tokens += n
             if late is not None:
                 consume(late)
-            late = step if step.consume.startswith("after_next") else None
+            late = step if step is not None and step.consume.startswith("after_next") else None
             if late is None:
                 consume(step)
             sched.finish_step()
         stats = wait_for_writes(manager)
         if stats.get("copy_on_write_reads"):
             event("a planned read kept its rows while a new tenant took its slots")
+        if faulty is not None and faulty.fired:
+            event(f"an injected {w.fault[0]} fault")
+            so = sched.schedule(IDLE)  # one more step: a failure is raised by the next call
+            calls(lambda: manager.new_step_starts(so))
+            calls(lambda: manager.discard_step(manager.save_outputs(
+                None, None, num_tokens_unpadded=0, num_tokens_padded=0)))
+            assert calls.errors, f"an injected {w.fault[0]} fault went unreported"
+            assert (stats["tasks_in_flight"], stats["deferred_device_bytes"]) == (0, 0)
+            return  # lost steps make the hit counts differ from the sim's; rows were checked
         assert stats["steps_unconsumed"] == 0
         assert (stats["tasks_in_flight"], stats["deferred_device_bytes"]) == (0, 0), \
             "writes still held after every request retired"
