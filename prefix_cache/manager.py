@@ -10,8 +10,9 @@ resolves reads ahead of `materialize`. `_lock` covers tables only and is never
 held while waiting.
 
 A call rejected for its input changes nothing (the same step may be saved
-again). A write that fails after its rows left fails alone: its rows read as
-absent from then on, and its error is raised once, by the next public call.
+again). A write that fails after its rows left fails alone: its rows are lost
+(a hit on them is refused by name), and its error is raised once, by the next
+public call.
 """
 
 from __future__ import annotations
@@ -339,10 +340,7 @@ class OmniPrefixCacheManager:
                 f"{self.config.staging_capacity_tokens}")
         new_keys = {}
         for key, rows in outputs.per_token().items():
-            try:
-                self.backend.check_rows(f"save_outputs: {key!r} rows", rows)
-            except ValueError as exc:
-                raise OmniPrefixCacheInputError(str(exc)) from None
+            self._check_device(f"save_outputs: {key!r} rows", rows)
             feat, dtype = tuple(rows.shape[1:]), rows.dtype
             pool_key = self.pool.keys.get(key)
             if pool_key is None:
@@ -352,15 +350,19 @@ class OmniPrefixCacheManager:
                     f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
                     f"{pool_key.feat_shape} {pool_key.dtype}")
         for key, value in outputs.leftover.items():
-            map_tensors(value, lambda t, key=key: self._check_leftover(key, t))
+            map_tensors(value, lambda t, key=key: self._check_device(
+                f"save_outputs: leftover {key!r}", t, host_ok=True))
         return new_keys
 
-    def _check_leftover(self, key: str, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu":
-            try:
-                self.backend.check_rows(f"save_outputs: leftover {key!r}", tensor)
-            except ValueError as exc:
-                raise OmniPrefixCacheInputError(str(exc)) from None
+    def _check_device(self, what: str, tensor: torch.Tensor, *, host_ok: bool = False) -> None:
+        """The backend's device check, refusing as bad input; `host_ok`: a host tensor passes
+        (a leftover is copied in the call)."""
+        if host_ok and tensor.device.type == "cpu":
+            return
+        try:
+            self.backend.check_rows(what, tensor)
+        except ValueError as exc:
+            raise OmniPrefixCacheInputError(str(exc)) from None
 
     def _install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Allocate pools for keys seen for the first time (unlocked), then install them all."""
@@ -484,7 +486,7 @@ class OmniPrefixCacheManager:
 
     def _on_landed(self, task: WriteTask) -> None:
         """Committer callback: forget the task, return its budget and staging hold; a failed
-        task's rows read as absent from now on, and its error waits for the next call."""
+        task's rows are lost from now on, and its error waits for the next call."""
         with self._lock:
             self._tasks.forget(task)
             self._deferred.landed(task)
