@@ -8,6 +8,7 @@ differs (CUDA: mapped pinned pools and a scatter kernel; NPU: table rules).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,10 +46,13 @@ class _StreamScope:
 
 
 class AcceleratorBackend(DeviceBackend):
-    """Staged device→host transfers on one copy stream, ordered after the compute stream.
+    """Staged device→host transfers on one copy stream, ordered after the compute stream,
+    or in stream order on the compute stream itself (`in_stream`).
 
-    Invariant: every copy issued here runs on `copy_stream`, after the event
-    its caller recorded on the compute stream, so launch order is write order.
+    Invariant: every copy issued here runs either on `copy_stream`, after the
+    event its caller recorded on the compute stream, or on the caller's stream;
+    on each stream launch order is write order, and `_in_stream_tail` is the
+    done event of the latest in-stream move.
     """
 
     def __init__(self, device_index: int | None = None) -> None:
@@ -56,6 +60,7 @@ class AcceleratorBackend(DeviceBackend):
         index = self.module.current_device() if device_index is None else device_index
         self._device = torch.device(self.name, index)
         self.copy_stream = self.module.Stream(device=self._device)
+        self._in_stream_tail: DeviceEvent | None = None
 
     @property
     def device(self) -> torch.device:
@@ -74,6 +79,7 @@ class AcceleratorBackend(DeviceBackend):
         done.record(self.copy_stream)
         try:
             wait_event(done, timeout_s, lambda: f"{self.name} copy stream")
+            wait_event(self._in_stream_tail, timeout_s, lambda: f"{self.name} in-stream copies")
         except TimeoutError:
             return False
         return True
@@ -84,30 +90,37 @@ class AcceleratorBackend(DeviceBackend):
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         return HostBuffer(torch.empty(tuple(shape), dtype=dtype, pin_memory=True), pinned=True)
 
-    def _on_copy_stream(self, ready: DeviceEvent | None) -> _StreamScope:
-        """Make the copy stream current (after `ready`) for a `with` block."""
+    def _issue_scope(self, ready: DeviceEvent | None,
+                     in_stream: bool) -> _StreamScope | contextlib.nullcontext[None]:
+        """Where a move is issued: the copy stream after `ready`, or the caller's own stream."""
+        if in_stream:
+            return contextlib.nullcontext()
         if ready is not None:
             self.copy_stream.wait_event(ready)
         return _StreamScope(self.module, self.copy_stream, self._device)
 
-    def _record_copy_done(self) -> DeviceEvent:
+    def _record_done(self, in_stream: bool) -> DeviceEvent:
+        """An event on the current stream, inside an `_issue_scope` block."""
         # blocking: a thread waiting on it sleeps in the driver instead of spinning there,
         # where a spin contends with the engine thread's launches
         done = self.module.Event(blocking=True)
-        done.record(self.copy_stream)
+        done.record()
+        if in_stream:
+            self._in_stream_tail = done
         return done
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
-                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+                     ready: DeviceEvent | None, staging: torch.Tensor | None,
+                     in_stream: bool = False) -> Transfer:
         if staging is None:  # a one-off write (deferred keys): a pinned page of its own
             staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         if staging.shape[0] < rows.shape[0]:
             raise ValueError(f"{self.name}: staged scatter of {rows.shape[0]} rows into a staging "
                              f"buffer of {staging.shape[0]} rows")
         host = staging[: rows.shape[0]]
-        with self._on_copy_stream(ready):
+        with self._issue_scope(ready, in_stream):
             host.copy_(rows, non_blocking=True)
-            done = self._record_copy_done()
+            done = self._record_done(in_stream)
         target = pool.tensor
 
         def finish() -> None:
@@ -120,13 +133,14 @@ class AcceleratorBackend(DeviceBackend):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+                     out: torch.Tensor | None = None,
+                     in_stream: bool = False) -> tuple[torch.Tensor, Transfer]:
         if tensor.device.type != self.name:
             host = tensor.detach().to("cpu", copy=True)
             return (host if out is None else out.copy_(host)), Transfer()
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if out is None \
             else out
-        with self._on_copy_stream(ready):
+        with self._issue_scope(ready, in_stream):
             host.copy_(tensor, non_blocking=True)
-            done = self._record_copy_done()
+            done = self._record_done(in_stream)
         return host, Transfer(event=done, keepalive=(tensor,))

@@ -109,7 +109,10 @@ class DeviceBackend(ABC):
     """One device type's streams, events, host memory and row transfers.
 
     Rows handed to `scatter_rows` / `copy_to_host` must stay unchanged until the
-    returned transfer completes; `snapshot` makes such a private copy.
+    returned transfer completes; `snapshot` makes such a private copy. With
+    `in_stream=True` the move is issued on the caller's current stream instead of
+    the copy stream: stream order then keeps the caller's later work off the
+    rows until the move has read them, so they need no private copy.
     """
 
     name: ClassVar[str]
@@ -117,6 +120,8 @@ class DeviceBackend(ABC):
     zero_copy: bool = False
     #: True when every transfer completes inside the call that starts it.
     synchronous: bool = False
+    #: True when an in-stream `scatter_rows` may read its slots from a device tensor.
+    device_slots: bool = False
 
     @classmethod
     @abstractmethod
@@ -163,20 +168,23 @@ class DeviceBackend(ABC):
     # transfers
     @abstractmethod
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
-                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
-        """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready`.
+                     ready: DeviceEvent | None, staging: torch.Tensor | None,
+                     in_stream: bool = False) -> Transfer:
+        """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready` (or in stream order).
 
         `rows` is `[n, F]` on the device, `slots` an int64 CPU tensor of n
         distinct slots (except slot 0, of vLLM's never-read null block, which
         may take any number of discarded rows), `pool.tensor` a `[num_slots, F]`
-        host tensor. `staging`
-        is a host `[>= n, F]` buffer for backends that stage (`needs_staging`);
-        None lets them take a page of their own.
+        host tensor. Where `device_slots` is True, an in-stream write also takes
+        `slots` on the device (the runner's slot mapping). `staging` is a host
+        `[>= n, F]` buffer for backends that stage (`needs_staging`); None lets
+        them take a page of their own.
         """
 
     @abstractmethod
     def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+                     out: torch.Tensor | None = None,
+                     in_stream: bool = False) -> tuple[torch.Tensor, Transfer]:
         """A host copy of `tensor`, valid once the transfer completes.
 
         `out`, a host tensor of `tensor`'s shape and dtype (from `alloc_arena`),

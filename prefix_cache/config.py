@@ -14,6 +14,10 @@ from prefix_cache.devices import backend_classes, parse_device
 HIDDEN_KEY = "__hidden_states__"
 
 _DEFAULT_STAGING_CAPACITY = 8192
+#: Where a step's writes are issued: on the caller's (compute) stream right after the
+#: forward, reading its rows in place; or on the cache's copy stream, after a private copy.
+WRITE_STREAMS = ("compute", "copy")
+
 #: Host bytes every slot costs whatever the model: its claim, read pins, and the hidden key's
 #: version and producer; a pool the host cannot even index is refused up front.
 _MIN_HOST_BYTES_PER_SLOT = 8 + 4 + 8 + 8
@@ -37,6 +41,7 @@ class PrefixCacheConfig:
     staging_claim_timeout_s: float = 30.0
     gpu_budget_bytes: int = 512 << 20
     device: str | None = None
+    write_stream: str = "compute"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens"):
@@ -52,6 +57,9 @@ class PrefixCacheConfig:
                 or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"PrefixCacheConfig.staging_claim_timeout_s must be a finite "
                              f"positive number of seconds, got {timeout!r}")
+        if self.write_stream not in WRITE_STREAMS:
+            raise ValueError(f"PrefixCacheConfig.write_stream must be one of {WRITE_STREAMS}, "
+                             f"got {self.write_stream!r}")
         host = _host_memory_bytes()
         if host is not None and self.num_slots * _MIN_HOST_BYTES_PER_SLOT > host:
             raise ValueError(

@@ -1,8 +1,10 @@
 """FullAttentionGroupView: the step's row order and slots, read from the runner's persistent batch.
 
 It reads the CPU block table and `num_computed_tokens_cpu`, never the device
-`slot_mapping`, so it costs no device synchronisation. The device backend
-decides at the first step whether the runner's table layout can be mirrored.
+`slot_mapping`, so it costs no device synchronisation; it hands that device
+`slot_mapping` on, untouched, for writes that read it in stream order. The
+device backend decides at the first step whether the runner's table layout can
+be mirrored.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ class FullAttentionGroupView:
         except (IndexError, KeyError, TypeError) as exc:
             raise OmniPrefixCacheUnmatchError(
                 f"runner has no block table for KV-cache group {self.group_id}") from exc
+
+    def device_slot_mapping(self) -> torch.Tensor | None:
+        """The runner's slot mapping of this group for the current step, where it keeps one:
+        the KV-cache write's, the same slot numbers as `step_slots_cpu` (first rows only)."""
+        return getattr(getattr(self._table(), "slot_mapping", None), "gpu", None)
 
     def check(self) -> None:
         """Refuse a table layout the cache cannot mirror (done once, at the first step)."""

@@ -77,15 +77,18 @@ class HostCopy:
 
     @classmethod
     def start(cls, backend: DeviceBackend, arena: SlotArena, tensor: torch.Tensor,
-              ready: DeviceEvent | None) -> HostCopy:
-        """Issue the copy of `tensor`, a private copy of the cache's that nobody else writes,
-        after `ready`."""
+              ready: DeviceEvent | None, *, in_stream: bool) -> HostCopy:
+        """Issue the copy of `tensor`: in the caller's stream order (`in_stream`, reading the
+        caller's tensor in place), or after `ready` from a private copy nobody else writes."""
         if backend.synchronous or tensor.device.type == "cpu":
             return cls(*backend.copy_to_host(tensor, ready=ready))
         out = arena.carve(tensor.shape, tensor.dtype)
         if out is None:
+            if in_stream:  # kept past the call: the caller may overwrite its own tensor
+                tensor, ready = backend.snapshot(tensor), backend.record_event()
             return cls(None, Transfer(keepalive=(tensor,)), pending=tensor, ready=ready)
-        return cls(*backend.copy_to_host(tensor, ready=ready, out=out), in_arena=True)
+        return cls(*backend.copy_to_host(tensor, ready=ready, out=out, in_stream=in_stream),
+                   in_arena=True)
 
     def result(self, timeout_s: float, what: str) -> torch.Tensor:
         """The copy as a CPU tensor the caller owns; waits (bounded) for the device."""

@@ -193,11 +193,15 @@ class OmniPrefixCacheManager:
         return (blocks[:, None] * bs + np.arange(bs)).ravel()
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
-                     *, num_tokens_unpadded: int, num_tokens_padded: int) -> int:
+                     *, num_tokens_unpadded: int, num_tokens_padded: int,
+                     slot_mapping: torch.Tensor | None = None) -> int:
         """Save this step's rows; returns the step id to materialize or discard.
 
-        Everything it is handed is read or privately copied, ordered on the caller's
-        stream, before it returns: the caller may overwrite every tensor right away.
+        Everything it is handed is read, or copied, in order on the caller's
+        stream: the caller may overwrite every tensor right away (in its stream
+        order). `slot_mapping`, the runner's device slot mapping of the step
+        (the KV-cache write's), lets a zero-copy CUDA write read each row's slot
+        on the device instead of uploading the host's.
         """
         # tensors the cache keeps are written later by its own threads: never inference tensors
         with self._stats.timed("save_outputs"), torch.inference_mode(False):
@@ -221,7 +225,8 @@ class OmniPrefixCacheManager:
             slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
                                       lambda: len(self._tasks))
             try:
-                record = self._save(step_id, slot, outputs, layout, pending.hit_spans)
+                record = self._save(step_id, slot, outputs, layout, pending.hit_spans,
+                                    self._device_slots(slot_mapping, n))
             except BaseException:
                 self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
                 raise
@@ -404,19 +409,38 @@ class OmniPrefixCacheManager:
 
     # ------------------------------------------------------------------ writes
 
-    def _private(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of `tensors` the caller cannot change, ordered on its stream."""
-        return {k: self._private_tensor(v) for k, v in tensors.items()}
+    def _device_slots(self, slot_mapping: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The runner's slot mapping where the write can read it in stream order, checked."""
+        if slot_mapping is None:
+            return None
+        if not isinstance(slot_mapping, torch.Tensor):
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: slot_mapping must be a tensor, got {type(slot_mapping).__name__}")
+        if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
+                or slot_mapping.shape[0] < n:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
+                f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
+        if self._in_stream and self.backend.device_slots and slot_mapping.device.type != "cpu":
+            return slot_mapping[:n]
+        return None
 
-    def _private_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+    @property
+    def _in_stream(self) -> bool:
+        """Whether writes go out on the caller's stream, reading its tensors in place."""
+        return self.config.write_stream == "compute" or self.backend.synchronous
+
+    def _private(self, tensor: torch.Tensor) -> torch.Tensor:
         """A device tensor's private copy, ordered on the caller's stream; none is needed
-        where every transfer completes inside the call, nor for host tensors (copied now)."""
-        if self.backend.synchronous or tensor.device.type == "cpu":
+        where the copies that read it are issued in stream order, nor for host tensors."""
+        if self._in_stream or tensor.device.type == "cpu":
             return tensor
         return self.backend.snapshot(tensor)
 
     def _save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
-              spans: dict[str, tuple[int, np.ndarray]]) -> _StepRecord:
+              spans: dict[str, tuple[int, np.ndarray]],
+              device_slots: torch.Tensor | None) -> _StepRecord:
         """Copy what outlives the call, then claim the step's slots and launch its write.
 
         Everything that can fail for want of memory runs before the claim, so a
@@ -424,17 +448,19 @@ class OmniPrefixCacheManager:
         """
         slots = layout.slots
         n = len(slots)
-        immediate = self._private(outputs.immediate)
-        deferred = self._private(outputs.deferred)
+        in_stream = self._in_stream
+        immediate = {k: self._private(v) for k, v in outputs.immediate.items()}
+        deferred = {k: self._private(v) for k, v in outputs.deferred.items()}
         chunks = self._deferred.snapshot(outputs.deferred, layout)
-        leftover = map_tensors(outputs.leftover, self._private_tensor)
-        ready = self.backend.record_event()  # after every private copy: the copies read them
+        leftover = map_tensors(outputs.leftover, self._private)
+        # copy-stream moves start after every private copy: they read them
+        ready = None if in_stream else self.backend.record_event()
         arena = self.staging.arenas[slot]
         arena.reset()
-        host_rows = {key: HostCopy.start(self.backend, arena, rows, ready)
+        host_rows = {key: HostCopy.start(self.backend, arena, rows, ready, in_stream=in_stream)
                      for key, rows in deferred.items()}
-        leftover = map_tensors(leftover,
-                                lambda t: HostCopy.start(self.backend, arena, t, ready))
+        leftover = map_tensors(leftover, lambda t: HostCopy.start(
+            self.backend, arena, t, ready, in_stream=in_stream))
         self._reads.resolve_conflicts(slots)
         task = None
         with self._lock:
@@ -444,13 +470,14 @@ class OmniPrefixCacheManager:
                 self.pool.record_write(immediate, slots, claim, task.task_id)
         if task is not None:
             self.staging.hold(slot, ("write", task.task_id))
-            slots_t = torch.from_numpy(slots)
+            write_slots = torch.from_numpy(slots) if device_slots is None else device_slots
             self._launch(task, (
                 self.backend.scatter_rows(
-                    rows.reshape(n, -1), slots_t, self.pool.keys[key].storage, ready=ready,
+                    rows.reshape(n, -1), write_slots, self.pool.keys[key].storage, ready=ready,
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
                                                  rows.dtype)
-                             if self.backend.needs_staging else None))
+                             if self.backend.needs_staging else None),
+                    in_stream=in_stream)
                 for key, rows in immediate.items()), False)
         self._deferred.append(chunks, slots, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
@@ -550,7 +577,10 @@ class OmniPrefixCacheManager:
         planned = list(record.reads())
         # a hit on rows still held on the device: their deferred writes go out now
         self._deferred.flush_tasks([t for read in planned for t in read.producers])
-        self._reads.prefetch(planned)
+        # hit gathers (random blocks, the large ones) start ahead of materialize; the step's
+        # own rows are gathered by their consumer, off the engine thread either way
+        self._reads.prefetch(read for per_key in record.hit_reads.values()
+                             for read in per_key.values())
 
     # ------------------------------------------------------------------ materialize
 

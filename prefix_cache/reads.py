@@ -37,21 +37,24 @@ class ReadState(enum.Enum):
 
 
 class RowRead:
-    """`out[offset : offset + len(slots)]` = rows of `key` at `slots`, absent rows left zero.
+    """`out[:len(slots)]` = rows of `key` at `slots`, absent rows zero; `out` has `num_rows`
+    rows of `width` and is allocated by the thread that resolves the read.
 
     Invariant: while PLANNED or RESOLVING its slots are pinned in the pool, so
     no write claims them and the rows it gathers are the ones it was planned on.
     """
 
     def __init__(self, what: str, key: str, slots: np.ndarray, present: np.ndarray,
-                 producers: list[WriteTask], out: torch.Tensor, offset: int) -> None:
+                 producers: list[WriteTask], num_rows: int, width: int,
+                 dtype: torch.dtype) -> None:
         self.what = what
         self.key = key
         self.slots = slots
         self.present = present
         self.producers = producers
-        self.out = out
-        self.offset = offset
+        self.out_shape = (num_rows, width)
+        self.dtype = dtype
+        self.out: torch.Tensor | None = None  # set once DONE
         self.state = ReadState.PLANNED
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -59,7 +62,7 @@ class RowRead:
 
     @property
     def nbytes(self) -> int:
-        return len(self.slots) * self.out.shape[1] * self.out.element_size()
+        return len(self.slots) * self.out_shape[1] * self.dtype.itemsize
 
     def describe(self) -> str:
         return f"read of {self.key!r} for {self.what} ({self.state.value})"
@@ -113,14 +116,17 @@ class RowRead:
 
     def _gather(self, pool: PrefixBlockPool) -> None:
         n = len(self.slots)
-        target = self.out[self.offset: self.offset + n]
-        if self.present.all():
+        complete = bool(self.present.all())
+        out = (torch.empty if complete else torch.zeros)(self.out_shape, dtype=self.dtype)
+        target = out[:n]
+        if complete:
             pool.gather(self.key, self.slots, target)
         elif self.present.any():
             rows = np.flatnonzero(self.present)
             part = torch.empty((len(rows), target.shape[1]), dtype=target.dtype)
             pool.gather(self.key, self.slots[rows], part)
             target.index_copy_(0, torch.from_numpy(rows), part)
+        self.out = out
 
 
 class Prefetcher:
@@ -180,20 +186,18 @@ class ReadPlanner:
         n = len(slots)
         present = np.ones(n, dtype=bool)
         return {key: self._pin(RowRead(
-                    f"step {step_id}", key, slots, present, [task] if task else [],
-                    torch.empty((n, self._pool.keys[key].row_width),
-                                dtype=self._pool.keys[key].dtype), 0))
+                    f"step {step_id}", key, slots, present, [task] if task else [], n,
+                    self._pool.keys[key].row_width, self._pool.keys[key].dtype))
                 for key in keys}
 
     def plan_hit(self, what: str, key: str, hit_slots: np.ndarray, more_rows: int) -> RowRead:
         """A read of `key`'s rows at `hit_slots` into a tensor with `more_rows` rows after them
         (the step's own), bound to the writes producing them (caller holds the lock)."""
         pool_key = self._pool.keys[key]
-        present = self._pool.present(key, hit_slots)
+        present = self._pool.present(key, hit_slots)  # absent mm rows read zeros
         producers = self._tasks.live(self._pool.producer_ids(hit_slots, (key,)))
-        alloc = torch.empty if present.all() else torch.zeros  # absent mm rows read zeros
-        out = alloc((len(hit_slots) + more_rows, pool_key.row_width), dtype=pool_key.dtype)
-        return self._pin(RowRead(what, key, hit_slots, present, producers, out, 0))
+        return self._pin(RowRead(what, key, hit_slots, present, producers,
+                                 len(hit_slots) + more_rows, pool_key.row_width, pool_key.dtype))
 
     def prefetch(self, reads: Iterable[RowRead]) -> None:
         """Resolve the large ones ahead of their consumer, on the prefetch thread."""

@@ -162,8 +162,12 @@ class PrefixCacheRunnerMixin:
         batch = StepBatch(list(self.input_batch.req_ids[:num_reqs]),
                           self.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
                           self.query_start_loc.np[1: num_reqs + 1].tolist())
-        self._omni_stage.save_step(read.hidden, self.omni_mm_outputs(output), batch,
-                                   num_tokens_padded=read.hidden.shape[0])
+        view = getattr(self.omni_prefix_cache, "view", None)
+        self._omni_stage.save_step(
+            read.hidden, self.omni_mm_outputs(output), batch,
+            num_tokens_padded=read.hidden.shape[0],
+            slot_mapping=view.device_slot_mapping()
+            if isinstance(view, FullAttentionGroupView) else None)
 
     def omni_mm_outputs(self, model_output: Any) -> Mapping[str, Any] | None:
         """Per-token multimodal outputs of an omni model's forward (None for plain LMs).

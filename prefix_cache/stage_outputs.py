@@ -97,12 +97,14 @@ class StageOutputDriver:
                                 lambda: self._publish(requests))
 
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
-                  num_tokens_padded: int) -> None:
-        """Take this step's rows (the cache copies them; nothing here waits for a copy)."""
+                  num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
+        """Take this step's rows (the cache copies them; nothing here waits for a copy);
+        `slot_mapping`: the runner's device slot mapping, for the cache's write."""
         n = batch.num_rows
         if self.cache is not None:
             step_id = self.cache.save_outputs(hidden, mm, num_tokens_unpadded=n,
-                                              num_tokens_padded=num_tokens_padded)
+                                              num_tokens_padded=num_tokens_padded,
+                                              slot_mapping=slot_mapping)
             self._step = _SavedStep(batch, step_id=step_id)
             return
         with torch.inference_mode(False):

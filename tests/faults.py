@@ -107,16 +107,18 @@ class FaultyBackend(DeviceBackend):
         return self.inner.alloc_host(shape, dtype)
 
     def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+                     out: torch.Tensor | None = None,
+                     in_stream: bool = False) -> tuple[torch.Tensor, Transfer]:
         self._maybe_raise("copy_to_host")
-        return self.inner.copy_to_host(tensor, ready=ready, out=out)
+        return self.inner.copy_to_host(tensor, ready=ready, out=out, in_stream=in_stream)
 
     def alloc_arena(self, nbytes: int) -> torch.Tensor:
         self._maybe_raise("alloc_host")
         return self.inner.alloc_arena(nbytes)
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
-                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+                     ready: DeviceEvent | None, staging: torch.Tensor | None,
+                     in_stream: bool = False) -> Transfer:
         self._maybe_raise("scatter_rows")
         if self.delay_writes is not None:  # the write itself runs late, as a slow DMA would
             gate, host_rows = self.delay_writes, rows.to("cpu", copy=True)
@@ -125,7 +127,8 @@ class FaultyBackend(DeviceBackend):
                 pool.tensor.index_copy_(0, slots, host_rows.to(pool.tensor.dtype))
 
             return Transfer(event=GatedEvent(None, gate), finish=late)
-        transfer = self.inner.scatter_rows(rows, slots, pool, ready=ready, staging=staging)
+        transfer = self.inner.scatter_rows(rows, slots, pool, ready=ready, staging=staging,
+                                           in_stream=in_stream)
         return self._committer_fault(transfer)
 
     def _committer_fault(self, transfer: Transfer) -> Transfer:

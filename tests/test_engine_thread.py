@@ -19,13 +19,17 @@ def test_a_warm_mixed_run_allocates_no_pinned_memory_on_the_engine_thread(backen
 
 
 @pytest.mark.cuda
-def test_engine_calls_make_no_device_sync_while_the_forward_still_runs():
+@pytest.mark.parametrize("write_stream,device_slots",
+                         [("compute", True), ("compute", False), ("copy", False)])
+def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_stream, device_slots):
     """Under set_sync_debug_mode("error"), with the forward busy on a non-default stream and
     every buffer overwritten after the call, past the first steps (leftover and deferred keys
-    on every step, requests finishing so their deferred writes go out)."""
+    on every step, requests finishing so their deferred writes go out); writes on either
+    stream, with the runner's device slot mapping or the host's slots."""
     from prefix_cache import devices
     backend = devices.get_backend("cuda")
-    manager, d = make(backend, num_blocks=64, block_size=16, staging_depth=4)
+    manager, d = make(backend, num_blocks=64, block_size=16, staging_depth=4,
+                      write_stream=write_stream)
     manager.register_policy(ModelCachePolicy(deferred_keys={"codes"}))
     compute = torch.cuda.Stream()
     with manager:
@@ -38,16 +42,19 @@ def test_engine_calls_make_no_device_sync_while_the_forward_still_runs():
                 hidden = d.outputs(2).to(backend.device, non_blocking=True)
                 codes = d.outputs(3, salt=2).to(backend.device, non_blocking=True)
                 logits = torch.ones(1, 1000, device=backend.device)
+                slot_mapping = d.step_slots_cpu(d.batch_req_ids(), d.scheduled).to(
+                    backend.device, non_blocking=True) if device_slots else None
                 warm = i >= 2  # first sight sizes the arenas; from then on nothing stalls
                 torch.cuda.set_sync_debug_mode("error" if warm else "default")
                 try:
                     manager.new_step_starts(so)
                     sid = manager.save_outputs(hidden, {"codes": codes, "logits": logits},
-                                               num_tokens_unpadded=16, num_tokens_padded=16)
+                                               num_tokens_unpadded=16, num_tokens_padded=16,
+                                               slot_mapping=slot_mapping)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                for buf in (hidden, codes, logits):
-                    buf.fill_(-1.0)
+                for buf in (hidden, codes, logits) + ((slot_mapping,) if device_slots else ()):
+                    buf.fill_(-1)
             out = manager.materialize(sid, [f"r{i}"])
             assert torch.equal(out.hidden_states[f"r{i}"], token_rows(tokens, 2))
             assert torch.equal(out.mm_outputs["codes"][f"r{i}"], token_rows(tokens, 3, salt=2))

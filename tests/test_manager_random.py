@@ -34,6 +34,7 @@ from prefix_cache import devices  # noqa: E402
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                           PrefixCacheConfig, StageCacheOutputs)
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheInputError  # noqa: E402
+from prefix_cache.config import WRITE_STREAMS  # noqa: E402
 from tests.faults import COMMITTER_POINTS, ENGINE_POINTS, FaultyBackend, InjectedFault  # noqa
 from tests.sim import token_rows  # noqa: E402
 
@@ -96,6 +97,7 @@ class Workload:
     arrivals: tuple[Arrival, ...]
     steps: tuple[StepOps, ...]
     fault: tuple[str, int] | None = None  # (injection point, step it is armed at)
+    write_stream: str = "compute"         # PrefixCacheConfig.write_stream
 
 
 #: a step where nothing arrives and every request is offered as much as fits
@@ -154,6 +156,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         fault=draw(st.sampled_from([None] * 3) | st.tuples(
             st.sampled_from([p for p in ENGINE_POINTS + COMMITTER_POINTS if p != "stall"]),
             st.integers(0, num_steps))),
+        write_stream=draw(st.sampled_from(WRITE_STREAMS)),
     )
 
 
@@ -577,7 +580,8 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
     sched = MiniScheduler(w)
     config = PrefixCacheConfig(w.num_blocks, w.block_size, staging_depth=w.staging_depth,
                                staging_capacity_tokens=w.token_budget,
-                               staging_claim_timeout_s=5.0, gpu_budget_bytes=w.gpu_budget_bytes)
+                               staging_claim_timeout_s=5.0, gpu_budget_bytes=w.gpu_budget_bytes,
+                               write_stream=w.write_stream)
     policy = ModelCachePolicy(needs_full_hidden_states=w.hidden,
                               deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()),
                               per_request_keys={PER_REQUEST_KEY})

@@ -66,12 +66,15 @@ def policy() -> ModelCachePolicy:
 
 # --------------------------------------------------------------------------- live buffers
 
-def test_everything_saved_comes_back_as_it_was_when_the_caller_overwrites_it_at_once(backend):
+@pytest.mark.parametrize("write_stream", ["compute", "copy"])
+def test_everything_saved_comes_back_as_it_was_when_the_caller_overwrites_it_at_once(
+        backend, write_stream):
     """The forward runs on a non-default stream and is still busy when save_outputs returns;
-    the caller overwrites every tensor it passed right after; steps repeat past first-time
-    allocations. Leftover and deferred copies are where this used to break."""
+    the caller overwrites every tensor it passed right after (the device slot mapping too);
+    steps repeat past first-time allocations. Leftover and deferred copies are where this
+    used to break."""
     manager, d = make(backend, num_blocks=64, block_size=16, gpu_budget_bytes=1 << 30,
-                      staging_depth=8)
+                      staging_depth=8, write_stream=write_stream)
     manager.register_policy(policy())
     cuda = backend.device.type == "cuda"
     compute = torch.cuda.Stream(backend.device) if cuda else None
@@ -88,11 +91,12 @@ def test_everything_saved_comes_back_as_it_was_when_the_caller_overwrites_it_at_
             if cuda:
                 with torch.cuda.stream(compute):
                     torch.cuda._sleep(50_000_000)  # the forward, still running at save time
+                    slot_mapping = d.step_slots_cpu(d.batch_req_ids(), d.scheduled)
                     bufs = [t.to(backend.device, non_blocking=True)
-                            for t in (hidden, mm_feature, codes, leftover)]
+                            for t in (hidden, mm_feature, codes, leftover, slot_mapping)]
                     sid = manager.save_outputs(
                         bufs[0], {"mm_feature": bufs[1], DEFERRED: bufs[2], "big": bufs[3]},
-                        num_tokens_unpadded=32, num_tokens_padded=32)
+                        num_tokens_unpadded=32, num_tokens_padded=32, slot_mapping=bufs[4])
                     for buf in bufs:  # the next forward / a CUDA graph replay reuses them
                         buf.fill_(-1.0)
             else:
@@ -154,11 +158,14 @@ def step_or_error(manager: OmniPrefixCacheManager, d: StepDriver, so: SimpleName
     return None
 
 
-@pytest.mark.parametrize("point", ENGINE_POINTS + COMMITTER_POINTS)
+@pytest.mark.parametrize("write_stream,point", [
+    (stream, point) for stream in ("compute", "copy") for point in ENGINE_POINTS + COMMITTER_POINTS
+    if (stream, point) != ("compute", "record_event")])  # in-stream saves record no ready event
 def test_an_injected_fault_fails_its_own_step_only_and_later_steps_and_hits_stay_exact(
-        backend, point):
+        backend, write_stream, point):
     faulty = FaultyBackend(backend)
-    manager, d = make(faulty, num_blocks=32, staging_claim_timeout_s=0.5)
+    manager, d = make(faulty, num_blocks=32, staging_claim_timeout_s=0.5,
+                      write_stream=write_stream)
     manager.register_policy(policy())
     a = list(range(100, 108))
     b = a[:4] + [9, 9, 9, 9]

@@ -30,12 +30,14 @@ class CpuBackend(DeviceBackend):
         return HostBuffer(torch.empty(tuple(shape), dtype=dtype), pinned=False)
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
-                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+                     ready: DeviceEvent | None, staging: torch.Tensor | None,
+                     in_stream: bool = False) -> Transfer:
         pool.tensor.index_copy_(0, slots, rows.to(pool.tensor.dtype))
         return Transfer()
 
     def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, Transfer]:
+                     out: torch.Tensor | None = None,
+                     in_stream: bool = False) -> tuple[torch.Tensor, Transfer]:
         if out is None:
             return tensor.detach().to("cpu", copy=True), Transfer()
         return out.copy_(tensor), Transfer()

@@ -45,20 +45,24 @@ class CudaBackend(AcceleratorBackend):
         if not self.zero_copy and self._slot_pages is not None:
             self._slot_pages.close()
             self._slot_pages = None
+        self.device_slots = self.zero_copy
 
     def _self_test(self) -> bool:
-        """Scatter a few rows of each word width into a mapped buffer and read them back."""
+        """Scatter rows of each word width into a mapped buffer, through the first launch and
+        through the compiled launcher the later ones take, and read them back."""
         try:
             self._slot_pages = SlotPages(self.device)
             for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.uint8):
                 pool = register_host((8, 4), dtype, self.device)
                 try:
                     pool.tensor.zero_()
-                    rows = torch.arange(8, device=self.device).to(dtype).view(2, 4)
-                    slots = torch.tensor([5, 2], dtype=torch.int64)
-                    transfer = self._scatter_mapped(rows, slots, pool, ready=self.record_event())
+                    rows = torch.arange(16, device=self.device).to(dtype).view(4, 4)
+                    for part, slots in ((rows[:2], [5, 2]), (rows[2:], [1, 6])):
+                        transfer = self._scatter_mapped(
+                            part, torch.tensor(slots), pool, ready=self.record_event(),
+                            in_stream=False)
                     transfer.event.synchronize()
-                    if not torch.equal(pool.tensor[[5, 2]], rows.cpu()):
+                    if not torch.equal(pool.tensor[[5, 2, 1, 6]], rows.cpu()):
                         raise RuntimeError("rows read back differ from rows written")
                 finally:
                     pool.close()
@@ -75,25 +79,33 @@ class CudaBackend(AcceleratorBackend):
             return super().alloc_host(shape, dtype)
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
-                     ready: DeviceEvent | None, staging: torch.Tensor | None) -> Transfer:
+                     ready: DeviceEvent | None, staging: torch.Tensor | None,
+                     in_stream: bool = False) -> Transfer:
         if self.zero_copy and pool.device_view is not None:
-            return self._scatter_mapped(rows, slots, pool, ready=ready)
-        return super().scatter_rows(rows, slots, pool, ready=ready, staging=staging)
+            return self._scatter_mapped(rows, slots, pool, ready=ready, in_stream=in_stream)
+        return super().scatter_rows(rows, slots, pool, ready=ready, staging=staging,
+                                    in_stream=in_stream)
 
     def _scatter_mapped(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
-                        ready: DeviceEvent | None) -> Transfer:
+                        ready: DeviceEvent | None, in_stream: bool) -> Transfer:
         if rows.dtype != pool.tensor.dtype:
             raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
         if self._slot_pages is None:
             raise RuntimeError("cuda backend: scatter_rows after close()")
-        page, device_slots = self._slot_pages.take(slots)
-        with self._on_copy_stream(ready):
+        if slots.device.type == "cpu":
+            page, device_slots = self._slot_pages.take(slots)
+        elif in_stream:  # the runner's slot mapping, read in stream order
+            page, device_slots = None, slots[: rows.shape[0]]
+        else:
+            raise ValueError("cuda backend: device slots are read in stream order only")
+        with self._issue_scope(ready, in_stream):
             if self.use_kernel:
                 scatter.scatter_rows(rows, device_slots, pool.device_view)
             else:
                 pool.device_view.index_copy_(0, device_slots, rows)
-            done = self._record_copy_done()
-        self._slot_pages.release_after(page, done)
+            done = self._record_done(in_stream)
+        if page is not None:
+            self._slot_pages.release_after(page, done)
         return Transfer(event=done, keepalive=(rows,))
 
     def close(self) -> None:

