@@ -156,7 +156,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     """µs per step in new_step_starts + save_outputs (median and first step), and host bytes.
 
     The pool has `num_blocks` blocks, by default just enough for the requests' positions.
-    On a device, each step passes the slot mapping a runner keeps there.
+    On a device, each step passes the slot mapping a runner keeps there, and its writes land
+    (untimed) before the next step.
     """
     view = _DecodeView(num_reqs, tokens_per_req)
     needed = num_reqs * (tokens_per_req // BLOCK + 1) + 2
@@ -188,6 +189,9 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                                      slot_mapping=slot_mapping)
             times.append(time.perf_counter() - start)
             cache.discard_step(sid)
+            # untimed: the step's writes land before the next step, as a forward's length lets
+            # them in an engine; back to back, large steps would time PCIe, not the host
+            backend.drain(config.staging_claim_timeout_s)
         stats = cache.stats()
     host = stats["staging_bytes"] + sum(v for k, v in stats.items() if k.startswith("pool_bytes."))
     return EngineTiming(statistics.median(times[1:]) * 1e6, times[0] * 1e6, int(host))
