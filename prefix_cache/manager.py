@@ -213,6 +213,7 @@ class OmniPrefixCacheManager:
             n, padded = self._token_counts(num_tokens_unpadded, num_tokens_padded)
             outputs = split_outputs(hidden_states, mm_outputs, n, padded, self.policy)
             new_keys = self._check_outputs(outputs)
+            device_slots = self._device_slots(slot_mapping, n)
             layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
                                         self.config.block_size, self.pool.num_slots)
             try:
@@ -226,7 +227,7 @@ class OmniPrefixCacheManager:
                                       lambda: len(self._tasks))
             try:
                 record = self._save(step_id, slot, outputs, layout, pending.hit_spans,
-                                    self._device_slots(slot_mapping, n))
+                                    device_slots)
             except BaseException:
                 self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
                 raise
@@ -410,7 +411,8 @@ class OmniPrefixCacheManager:
     # ------------------------------------------------------------------ writes
 
     def _device_slots(self, slot_mapping: torch.Tensor | None, n: int) -> torch.Tensor | None:
-        """The runner's slot mapping where the write can read it in stream order, checked."""
+        """The runner's slot mapping, checked, where the write can read it in stream order
+        (an int64 device tensor: the scatter's offsets are slot x row width); else None."""
         if slot_mapping is None:
             return None
         if not isinstance(slot_mapping, torch.Tensor):
@@ -422,7 +424,8 @@ class OmniPrefixCacheManager:
                 f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
                 f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
         self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
-        if self._in_stream and self.backend.device_slots and slot_mapping.device.type != "cpu":
+        if self._in_stream and self.backend.device_slots and slot_mapping.dtype == torch.int64 \
+                and slot_mapping.device.type != "cpu":
             return slot_mapping[:n]
         return None
 

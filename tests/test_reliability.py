@@ -312,6 +312,13 @@ def _rejections(d: StepDriver, device: torch.device):
                            mm_outputs={"mm_feature": d.outputs(16, salt=1).to(device).half()})
     yield "not a tensor", dict(hidden_states=hidden.tolist(), mm_outputs=None)
     yield "mm not a mapping", dict(hidden_states=hidden, mm_outputs=[1, 2])
+    slots = torch.arange(16, 20, device=device)
+    yield "slot mapping too short", dict(hidden_states=hidden, mm_outputs=None,
+                                         slot_mapping=slots[:3])
+    yield "slot mapping of floats", dict(hidden_states=hidden, mm_outputs=None,
+                                         slot_mapping=slots.float())
+    yield "slot mapping not a tensor", dict(hidden_states=hidden, mm_outputs=None,
+                                            slot_mapping=[16, 17, 18, 19])
     if device.type != "cpu":
         yield "wrong device", dict(hidden_states=hidden.cpu(), mm_outputs=None)
 
