@@ -11,27 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 
 import torch
 
 from prefix_cache import devices
-from prefix_cache.bench import engine_thread_us, gemm_interference, step_loop
+from prefix_cache.bench import engine_figures, gemm_interference
 from prefix_cache.config import WRITE_STREAMS
 
 
-def one_run(backend: devices.DeviceBackend, order: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    dtype = torch.bfloat16
-    out: dict[str, dict[str, float]] = {w: {} for w in order}
-    for w in order:
-        out[w]["M2 µs"] = engine_thread_us(backend, 64, 1, dtype, 200, write_stream=w).median_us
-        out[w]["M2p µs"] = engine_thread_us(backend, 1, 2048, dtype, 100,
-                                            write_stream=w).median_us
-    off = step_loop(backend, 256, dtype, 50, with_cache=False)
-    for w in order:
-        out[w]["M5"] = step_loop(backend, 256, dtype, 50, with_cache=True, write_stream=w) / off
-    inter = gemm_interference(backend, dtype, 30)
-    out["compute"]["M7"], out["copy"]["M7"] = inter["in_stream"], inter["kernel"]
-    return out
+def one_run(backend: devices.DeviceBackend, order: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The bench's full-run M2, M2p and M5 workloads for both streams, in `order`, and M7."""
+    figures, _ = engine_figures(backend, torch.bfloat16, False, order)
+    inter = gemm_interference(backend, torch.bfloat16, 30)
+    return {w: {"M2 µs": figures[w]["M2"], "M2p µs": figures[w]["M2p"], "M5": figures[w]["M5"],
+                "M7": inter[w]} for w in order}
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -165,23 +165,22 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     config = PrefixCacheConfig(blocks, BLOCK, write_stream=write_stream,
                                staging_capacity_tokens=max(num_reqs * tokens_per_req, 1))
     hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
-    per_block = max(BLOCK // tokens_per_req, 1)
-    slot_mappings = []  # the runner's device slot mapping of each position in the block
+    # decode steps walk through each request's block; larger steps rewrite it
+    positions = [i * tokens_per_req for i in range(max(BLOCK // tokens_per_req, 1))]
+    slot_mappings = []  # the runner's device slot mapping at each of those positions
     if backend.name != "cpu":
-        for step in range(per_block):
-            view.position = step * tokens_per_req if per_block > 1 else 0
+        for view.position in positions:
             slot_mappings.append(view.step_slots_cpu(view.req_ids, {}).to(backend.device))
-    so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
-                         "scheduled_cached_reqs": None,
-                         "num_scheduled_tokens": {r: tokens_per_req for r in view.req_ids}})()
+    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
+                         scheduled_cached_reqs=None,
+                         num_scheduled_tokens=dict.fromkeys(view.req_ids, tokens_per_req))
     times = []
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         if preallocate:
             cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
         for step in range(steps):
-            # decode steps walk through each request's block; larger steps rewrite it
-            view.position = (step % per_block) * tokens_per_req if per_block > 1 else 0
-            slot_mapping = slot_mappings[step % per_block] if slot_mappings else None
+            view.position = positions[step % len(positions)]
+            slot_mapping = slot_mappings[step % len(positions)] if slot_mappings else None
             start = time.perf_counter()
             cache.new_step_starts(so)
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
@@ -247,8 +246,8 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
             hidden = (hidden @ w_in).relu_() @ w_out
         return hidden @ w_head
 
-    so = type("SO", (), {"finished_req_ids": set(), "scheduled_new_reqs": [],
-                         "scheduled_cached_reqs": None, "num_scheduled_tokens": {"r0": tokens}})()
+    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
+                         scheduled_cached_reqs=None, num_scheduled_tokens={"r0": tokens})
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
 
@@ -272,8 +271,9 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
 
 
 def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
-    """GEMM-loop time with a 2048-token save per iteration ÷ without (CUDA only): on the copy
-    stream, concurrent with the GEMMs; in stream, between them."""
+    """GEMM-loop time with a 2048-token save per iteration ÷ without (CUDA only), by where the
+    save runs: `copy` (the copy stream, concurrent with the GEMMs), `compute` (in stream,
+    between them), and `full_grid` (torch `index_copy_` on the copy stream)."""
     a = torch.randn(8192, 8192, device=backend.device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=backend.device, dtype=torch.bfloat16)
     pool = backend.alloc_host((4096 * BLOCK, WIDTH), dtype)
@@ -307,8 +307,8 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
                                     in_stream=True)
 
     alone = _timeit(lambda: loop(None), 3)
-    out = {"kernel": _timeit(lambda: loop(kernel_save), 3) / alone,
-           "in_stream": _timeit(lambda: loop(in_stream_save), 3) / alone}
+    out = {"copy": _timeit(lambda: loop(kernel_save), 3) / alone,
+           "compute": _timeit(lambda: loop(in_stream_save), 3) / alone}
     if pool.device_view is not None:
         with torch.cuda.stream(backend.copy_stream):
             out["full_grid"] = _timeit(lambda: loop(full_grid_save), 3) / alone
@@ -509,18 +509,17 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                            + (f", staged design {save['staged']:.1f} GB/s "
                               f"({save['staged'] / save['contiguous']:.2f})"
                               if "staged" in save else ""))
-    # each engine-thread figure for writes on the compute stream (the default) and on the
-    # copy stream, measured side by side
     streams = WRITE_STREAMS if backend.name != "cpu" else ("compute",)
-    decode = {w: engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200,
-                                  write_stream=w).median_us for w in streams}
-    prefill = {w: engine_thread_us(backend, 1, 2048, dtype, 20 if quick else 100,
-                                   write_stream=w).median_us for w in streams}
-    metrics["M2"] = Metric(decode["compute"], "64-request decode step, µs per step",
-                           "new_step_starts + save_outputs" + _other_stream(decode, "{:.0f} µs"))
-    metrics["M2p"] = Metric(prefill["compute"], "one 2048-token prefill step, µs per step",
-                            "new_step_starts + save_outputs" + _other_stream(prefill,
-                                                                             "{:.0f} µs"))
+    figures, off = engine_figures(backend, dtype, quick, streams)
+    metrics["M2"] = Metric(figures["compute"]["M2"], "64-request decode step, µs per step",
+                           "new_step_starts + save_outputs"
+                           + _other_stream(figures, "M2", "{:.0f} µs"))
+    metrics["M2p"] = Metric(figures["compute"]["M2p"], "one 2048-token prefill step, µs per step",
+                            "new_step_starts + save_outputs"
+                            + _other_stream(figures, "M2p", "{:.0f} µs"))
+    metrics["M5"] = Metric(figures["compute"]["M5"], f"cache off {off:.0f} steps/s",
+                           "256-token steps of an MLP-stack forward, 0% hits"
+                           + _other_stream(figures, "M5", "{:.3f}"))
     hit_gbs, memcpy_gbs = measure_hit(2048 if quick else 8192, dtype, repeat)
     metrics["M3"] = Metric(hit_gbs / memcpy_gbs,
                            f"memcpy of the pool's rows into a new tensor {memcpy_gbs:.1f} GB/s",
@@ -533,22 +532,15 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                               else "syncs not observable on this device"),
                            "deferred key and leftover on every step; batches finish and "
                            "new tenants take their blocks")
-    steps = 10 if quick else 50
-    off = step_loop(backend, 256, dtype, steps, with_cache=False)
-    on = {w: step_loop(backend, 256, dtype, steps, with_cache=True, write_stream=w) / off
-          for w in streams}
-    metrics["M5"] = Metric(on["compute"], f"cache off {off:.0f} steps/s",
-                           "256-token steps of an MLP-stack forward, 0% hits"
-                           + _other_stream(on, "{:.3f}"))
     metrics["M6"] = Metric(resident_ratio(backend.name, 1000 if quick else 15092),
                            "pool, staging and arena bytes the cache holds",
                            "resident-set growth of a new process (pinned pages are "
                            "resident)")
     if backend.name == "cuda":
         inter = gemm_interference(backend, dtype, 10 if quick else 30)
-        metrics["M7"] = Metric(inter["in_stream"], "GEMM loop alone",
+        metrics["M7"] = Metric(inter["compute"], "GEMM loop alone",
                                f"saves between the GEMMs; on the copy stream "
-                               f"{inter['kernel']:.3f}, full-grid index_copy_ there "
+                               f"{inter['copy']:.3f}, full-grid index_copy_ there "
                                f"{inter.get('full_grid', float('nan')):.3f}")
     else:
         metrics["M7"] = Metric(None, "needs a device whose compute the save could slow",
@@ -561,11 +553,29 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
             "metrics": {k: _metric_json(k, m, backend.name) for k, m in metrics.items()}}
 
 
-def _other_stream(figures: dict[str, float], fmt: str) -> str:
+def engine_figures(backend: DeviceBackend, dtype: torch.dtype, quick: bool,
+                   streams: Sequence[str]) -> tuple[dict[str, dict[str, float]], float]:
+    """M2 and M2p (µs per step) and M5 for each write stream of `streams`, measured in that
+    order, and M5's cache-off steps per second."""
+    figures: dict[str, dict[str, float]] = {w: {} for w in streams}
+    for w in streams:
+        figures[w]["M2"] = engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200,
+                                            write_stream=w).median_us
+        figures[w]["M2p"] = engine_thread_us(backend, 1, 2048, dtype, 20 if quick else 100,
+                                             write_stream=w).median_us
+    steps = 10 if quick else 50
+    off = step_loop(backend, 256, dtype, steps, with_cache=False)
+    for w in streams:
+        figures[w]["M5"] = step_loop(backend, 256, dtype, steps, with_cache=True,
+                                     write_stream=w) / off
+    return figures, off
+
+
+def _other_stream(figures: dict[str, dict[str, float]], name: str, fmt: str) -> str:
     """The copy-stream figure beside the default's, where both were measured."""
     if "copy" not in figures:
         return ""
-    return "; writes on the copy stream: " + fmt.format(figures["copy"])
+    return "; writes on the copy stream: " + fmt.format(figures["copy"][name])
 
 
 def pipeline_m8(quick: bool) -> Metric:
