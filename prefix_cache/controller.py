@@ -1,17 +1,27 @@
-"""The committer: one thread that lands launched writes in launch order.
+"""The committer: lands launched writes in launch order, by sweeps rather than a wake-up per write.
 
-It waits on each task's device copies, runs their host half (the scatter out
-of staging on staged backends) and marks the task WRITTEN. It only ever waits
-on device events, never on another thread or a table lock, and every wait is
-bounded: a copy engine that never finishes fails its task with the task's id
-and state after the timeout, and the writes behind it land as usual.
+Landing a task means: its device copies completed, its host half (the scatter out of
+staging on staged backends) ran, it is WRITTEN (FAILED on error) and `on_landed`
+ran. A write with no host half (a zero-copy scatter) is landed by whichever thread
+next sweeps: the engine thread at each save (the copies of the steps before have
+long completed by then, so it only queries their events), or a thread waiting on
+one of its rows. No thread wakes per write, so no landing competes for the
+interpreter with the engine thread's own step. The committer's thread lands what
+has a host half (moving bytes on the host is its job) and, every
+`_BACKSTOP_S`, whatever nobody swept.
+
+Nothing here waits while holding a lock: one lander at a time holds the landing
+token, and takes a task off the queue only once its copies completed. A copy that
+never completes fails its task once it is `timeout_s` old, and the writes behind
+it land as usual.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 
 from prefix_cache.devices.base import wait_event
@@ -20,26 +30,74 @@ from prefix_cache.tasks import TaskState, WriteTask
 
 logger = logging.getLogger(__name__)
 
-#: Longest pause between two queries of a copy's event: the committer polls (bounded waits
-#: only), and a landing this much late is invisible next to a step.
+#: Longest pause between two sweeps of a thread waiting on a write (a landing this late is
+#: invisible next to a step), and between two sweeps of the committer's own thread.
 _POLL_PAUSE_S = 2e-4
+_BACKSTOP_S = 0.05
 
 
 class Committer:
-    """Lands QUEUED tasks in FIFO order on its own thread; `on_landed` runs after each."""
+    """Lands QUEUED tasks in FIFO order; `on_landed` runs after each, on the landing thread.
+
+    Invariant: `_queue` holds the launched, unlanded tasks in launch order; only
+    the holder of the landing token (`_landing`) takes tasks off it, and only from
+    its head, so tasks land in launch order.
+    """
 
     def __init__(self, timeout_s: float, on_landed: Callable[[WriteTask], None],
                  bind_thread: Callable[[], None]) -> None:
         self._timeout_s = timeout_s
         self._on_landed = on_landed
         self._bind_thread = bind_thread
-        self._queue: queue.SimpleQueue[WriteTask | None] = queue.SimpleQueue()
+        self._queue: deque[WriteTask] = deque()
+        self._launched_at: dict[int, float] = {}  # task id -> when it was submitted
+        self._cond = threading.Condition()  # the queue, the token and the thread's wake-ups
+        self._landing = False
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="omni-prefix-cache-committer",
                                         daemon=True)
         self._thread.start()
 
     def submit(self, task: WriteTask) -> None:
-        self._queue.put(task)
+        """Queue a task whose copies were issued; a host half wakes the committer's thread."""
+        task.lander = self.wait
+        with self._cond:
+            self._queue.append(task)
+            self._launched_at[task.task_id] = time.monotonic()
+            if any(t.finish is not None for t in task.transfers):
+                self._cond.notify()
+
+    def sweep(self, *, host_halves: bool = False) -> None:
+        """Land every task at the head of the queue whose copies completed; never waits.
+
+        `host_halves=False` (the engine thread) stops at the first task with a host half.
+        """
+        if not self._queue:
+            return
+        with self._cond:
+            if self._landing:
+                return  # another thread is landing: it lands in order, this one need not
+            self._landing = True
+        try:
+            while (task := self._take_ready(host_halves)) is not None:
+                self.land(task)
+        finally:
+            with self._cond:
+                self._landing = False
+
+    def wait(self, task: WriteTask, timeout_s: float) -> None:
+        """Sweep until `task` landed; raise naming it if it stayed live for `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-5
+        while not task.landed.is_set():
+            self.sweep(host_halves=True)
+            if task.landed.is_set():
+                break
+            if time.monotonic() > deadline:
+                raise OmniPrefixCacheError(
+                    f"{task.describe()} did not land within {timeout_s:.1f}s")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_PAUSE_S)
 
     def land(self, task: WriteTask) -> None:
         """Wait for the task's copies, run their host half, mark it WRITTEN (FAILED on error)."""
@@ -62,16 +120,54 @@ class Committer:
             task.chunks.clear()
             self._on_landed(task)
 
-    def _run(self) -> None:
-        self._bind_thread()
-        while (task := self._queue.get()) is not None:
-            try:
-                self.land(task)
-            except BaseException:  # on_landed must never kill the thread
-                logger.exception("prefix cache committer: landing %s", task.describe())
-
     def close(self, timeout_s: float) -> bool:
-        """Stop after the queued tasks; False if the thread is still busy after `timeout_s`."""
-        self._queue.put(None)
+        """Land every queued task, then stop; False if that took longer than `timeout_s`."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def _take_ready(self, host_halves: bool) -> WriteTask | None:
+        """The head task if it can land now: its copies completed (or a query failed: it fails
+        when landed), or it is `timeout_s` old (it fails, naming its state)."""
+        with self._cond:
+            if not self._queue:
+                return None
+            task = self._queue[0]
+            if not host_halves and self._staged_head():
+                return None
+            try:
+                ready = all(t.event is None or t.event.query() for t in task.transfers)
+            except Exception:  # a failed query fails the task when it lands
+                ready = True
+            if not ready:
+                age = time.monotonic() - self._launched_at[task.task_id]
+                if age < self._timeout_s:
+                    return None
+                task.launch_error = task.launch_error or OmniPrefixCacheError(
+                    f"{task.describe()}: device copy not complete after {self._timeout_s:.1f}s")
+                task.transfers.clear()  # never wait on it again
+            self._queue.popleft()
+            del self._launched_at[task.task_id]
+            return task
+
+    def _run(self) -> None:
+        self._bind_thread()
+        while True:
+            with self._cond:
+                if self._closing and not self._queue:
+                    return
+                if not (self._closing or self._staged_head()):
+                    self._cond.wait(_BACKSTOP_S)
+            try:
+                self.sweep(host_halves=True)
+            except BaseException:  # on_landed must never kill the thread
+                logger.exception("prefix cache committer: landing failed")
+            with self._cond:
+                if self._queue and (self._closing or self._staged_head()):
+                    self._cond.wait(_POLL_PAUSE_S)  # the head's copies are still running
+
+    def _staged_head(self) -> bool:
+        """Whether the head task has a host half (caller holds `_cond`)."""
+        return bool(self._queue) and any(t.finish is not None for t in self._queue[0].transfers)

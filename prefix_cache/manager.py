@@ -206,6 +206,7 @@ class OmniPrefixCacheManager:
         # tensors the cache keeps are written later by its own threads: never inference tensors
         with self._stats.timed("save_outputs"), torch.inference_mode(False):
             self._check_usable("save_outputs")
+            self._committer.sweep()  # the earlier steps' writes (complete by now) land here
             if self._pending is None:
                 raise OmniPrefixCacheUnmatchError(
                     "save_outputs called without new_step_starts for this step")
@@ -257,6 +258,7 @@ class OmniPrefixCacheManager:
 
     def stats(self) -> dict[str, int | float]:
         """Counters since start: tokens, rows, bytes, staging waits, time per public call, pool bytes."""
+        self._committer.sweep()  # count writes that completed as landed
         out = self._stats.snapshot()
         out["staging_waits"] = self.staging.waits
         out["staging_wait_s"] = self.staging.wait_time_s
@@ -469,10 +471,12 @@ class OmniPrefixCacheManager:
         with self._lock:
             claim = self.pool.claim(slots)
             if immediate and n:
-                task = self._tasks.new(f"step {step_id}", staging_slot=slot)
+                staged = self.backend.needs_staging  # the write passes through the slot's pages
+                task = self._tasks.new(f"step {step_id}", staging_slot=slot if staged else None)
                 self.pool.record_write(immediate, slots, claim, task.task_id)
         if task is not None:
-            self.staging.hold(slot, ("write", task.task_id))
+            if task.staging_slot is not None:
+                self.staging.hold(slot, ("write", task.task_id))
             write_slots = torch.from_numpy(slots) if device_slots is None else device_slots
             self._launch(task, (
                 self.backend.scatter_rows(

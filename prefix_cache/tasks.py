@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +64,8 @@ class WriteTask:
     state: TaskState = TaskState.PENDING
     error: BaseException | None = None
     landed: threading.Event = field(default_factory=threading.Event)
+    #: set by the committer that queued it: lands tasks in order while someone waits on this one
+    lander: Callable[[WriteTask, float], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def describe(self) -> str:
@@ -92,7 +94,9 @@ class WriteTask:
 
     def wait(self, timeout_s: float) -> None:
         """Block until landed; raise naming the task if it failed or stayed live for `timeout_s`."""
-        if not self.landed.wait(timeout_s):
+        if self.lander is not None:
+            self.lander(self, timeout_s)
+        elif not self.landed.wait(timeout_s):
             raise OmniPrefixCacheError(f"{self.describe()} did not land within {timeout_s:.1f}s")
         if self.state is TaskState.FAILED:
             raise OmniPrefixCacheError(f"{self.describe()} failed: {self.error}") from self.error
