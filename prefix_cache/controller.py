@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prefix_cache.devices.base import wait_event
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.tasks import TaskState, WriteTask
 
@@ -50,7 +49,6 @@ class Committer:
         self._on_landed = on_landed
         self._bind_thread = bind_thread
         self._queue: deque[WriteTask] = deque()
-        self._launched_at: dict[int, float] = {}  # task id -> when it was submitted
         self._cond = threading.Condition()  # the queue, the token and the thread's wake-ups
         self._landing = False
         self._closing = False
@@ -61,9 +59,9 @@ class Committer:
     def submit(self, task: WriteTask) -> None:
         """Queue a task whose copies were issued; a host half wakes the committer's thread."""
         task.lander = self.wait
+        task.launched_at = time.monotonic()
         with self._cond:
             self._queue.append(task)
-            self._launched_at[task.task_id] = time.monotonic()
             if any(t.finish is not None for t in task.transfers):
                 self._cond.notify()
 
@@ -79,8 +77,8 @@ class Committer:
                 return  # another thread is landing: it lands in order, this one need not
             self._landing = True
         try:
-            while (task := self._take_ready(host_halves)) is not None:
-                self.land(task)
+            while (head := self._take_ready(host_halves)) is not None:
+                self.land(*head)
         finally:
             with self._cond:
                 self._landing = False
@@ -99,13 +97,13 @@ class Committer:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_PAUSE_S)
 
-    def land(self, task: WriteTask) -> None:
-        """Wait for the task's copies, run their host half, mark it WRITTEN (FAILED on error)."""
+    def land(self, task: WriteTask, error: BaseException | None = None) -> None:
+        """Land a task whose copies completed: run their host half, mark it WRITTEN; FAILED
+        with `error` (its copies failed or never completed) or with what fails here."""
         try:
             task.transition(TaskState.COPYING)
-            for transfer in task.transfers:
-                wait_event(transfer.event, self._timeout_s, task.describe,
-                           error=OmniPrefixCacheError, max_pause_s=_POLL_PAUSE_S)
+            if error is not None:
+                raise error
             if task.launch_error is not None:  # its issued copies are done: now it may fail
                 raise task.launch_error
             task.transition(TaskState.HOST_READY)
@@ -128,29 +126,27 @@ class Committer:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def _take_ready(self, host_halves: bool) -> WriteTask | None:
-        """The head task if it can land now: its copies completed (or a query failed: it fails
-        when landed), or it is `timeout_s` old (it fails, naming its state)."""
+    def _take_ready(self, host_halves: bool) -> tuple[WriteTask, BaseException | None] | None:
+        """The head task if it can land now, with the error it fails with: its copies completed,
+        or a query of them failed, or it is `timeout_s` old (the error names its state)."""
         with self._cond:
             if not self._queue:
                 return None
             task = self._queue[0]
             if not host_halves and self._staged_head():
                 return None
+            error = None
             try:
                 ready = all(t.event is None or t.event.query() for t in task.transfers)
-            except Exception:  # a failed query fails the task when it lands
-                ready = True
+            except Exception as exc:  # a driver error: the copy failed
+                ready, error = True, exc
             if not ready:
-                age = time.monotonic() - self._launched_at[task.task_id]
-                if age < self._timeout_s:
+                if time.monotonic() - task.launched_at < self._timeout_s:
                     return None
-                task.launch_error = task.launch_error or OmniPrefixCacheError(
+                error = OmniPrefixCacheError(
                     f"{task.describe()}: device copy not complete after {self._timeout_s:.1f}s")
-                task.transfers.clear()  # never wait on it again
             self._queue.popleft()
-            del self._launched_at[task.task_id]
-            return task
+            return task, error
 
     def _run(self) -> None:
         self._bind_thread()

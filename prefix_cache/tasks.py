@@ -64,7 +64,8 @@ class WriteTask:
     state: TaskState = TaskState.PENDING
     error: BaseException | None = None
     landed: threading.Event = field(default_factory=threading.Event)
-    #: set by the committer that queued it: lands tasks in order while someone waits on this one
+    #: set by the committer that queued it (when, and how to land tasks up to this one)
+    launched_at: float = 0.0
     lander: Callable[[WriteTask, float], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
