@@ -623,24 +623,29 @@ def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
     return merged
 
 
-def scaling(device: str | None) -> dict[str, list[tuple[int, float, int]]]:
+def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, float, int]]]:
     """(x, engine-thread µs per step, host bytes) against requests per step (decode) and
     tokens per step (one request), both on a SCALING_POOL_BLOCKS pool, and against pool
-    blocks (a 64-request decode step)."""
+    blocks (a 64-request decode step); each µs the median of `passes` sweeps made back to
+    back, each sweep's point the median of its steps."""
     backend = devices.get_backend(device)
     dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
-
-    def point(x: int, timing: EngineTiming) -> tuple[int, float, int]:
-        return x, timing.median_us, timing.host_bytes
-
     pool = SCALING_POOL_BLOCKS
-    out = {"requests": [point(n, engine_thread_us(backend, n, 1, dtype, 30, num_blocks=pool))
-                        for n in (1, 4, 16, 64, 256)],
-           "tokens": [point(t, engine_thread_us(backend, 1, t, dtype, 10, num_blocks=pool))
-                      for t in (1, 64, 1024, 4096, 16384)],
-           "pool blocks": [point(b, engine_thread_us(backend, 64, 1, dtype, 30, num_blocks=b))
-                           for b in (256, 1024, 4096, 16384)]}
+    # (sweep, x, requests, tokens per request, pool blocks)
+    points = ([("requests", n, n, 1, pool) for n in (1, 4, 16, 64, 256)]
+              + [("tokens", t, 1, t, pool) for t in (1, 64, 1024, 4096, 16384)]
+              + [("pool blocks", b, 64, 1, b) for b in (256, 1024, 4096, 16384)])
+    engine_thread_us(backend, 64, 1, dtype, 30, num_blocks=pool)  # warm-up: kernels, first pools
+    timings: dict[tuple[str, int], list[EngineTiming]] = {}
+    for _ in range(passes):
+        for sweep, x, reqs, tokens, blocks in points:
+            timings.setdefault((sweep, x), []).append(
+                engine_thread_us(backend, reqs, tokens, dtype, 40, num_blocks=blocks))
     backend.close()
+    out: dict[str, list[tuple[int, float, int]]] = {}
+    for (sweep, x), runs in timings.items():
+        out.setdefault(sweep, []).append(
+            (x, statistics.median(t.median_us for t in runs), runs[-1].host_bytes))
     return out
 
 
@@ -739,7 +744,7 @@ def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 
     result = run_many(device, quick, runs)
     print(report(result), flush=True)
     if not quick:
-        result["scaling"] = scaling(device)
+        result["scaling"] = scaling(device, runs)
         print(f"\n{scaling_report(result['scaling'])}")
     if json_path:
         with open(json_path, "w") as fh:
