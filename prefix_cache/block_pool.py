@@ -86,6 +86,10 @@ class PrefixBlockPool:
             key.version[slots] = claim
             key.producer[slots] = producer
 
+    def claims_at(self, slots: np.ndarray) -> np.ndarray:
+        """The claim each of `slots` carries (0: never claimed)."""
+        return self._slot_claim[slots]
+
     def still_claimed(self, slots: np.ndarray, claims: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose tenant is still the one that held `claims`."""
         return self._slot_claim[slots] == claims

@@ -489,7 +489,7 @@ class OmniPrefixCacheManager:
         self._deferred.append(chunks, slots, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                              {}, host_rows, {}, leftover)
-        self._plan_reads(record, immediate.keys(), slots, task, spans)
+        self._plan_reads(record, immediate.keys(), slots, claim, task, spans)
         self._stats.add(rows_saved=n, bytes_saved=sum(
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
@@ -567,10 +567,13 @@ class OmniPrefixCacheManager:
     # ------------------------------------------------------------------ reads
 
     def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], slots: np.ndarray,
-                    task: WriteTask | None, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
-        """Bind this step's and its hits' reads to the writes producing them, and pin their slots."""
+                    claim: int, task: WriteTask | None,
+                    spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
+        """Bind this step's and its hits' reads to the writes producing them; they hold their
+        rows until resolved (see ReadPlanner)."""
         with self._lock:
-            record.step_reads = self._reads.plan_step(record.step_id, immediate, slots, task)
+            record.step_reads = self._reads.plan_step(record.step_id, immediate, slots, claim,
+                                                      task)
             for req_id, (h, hit_slots) in spans.items():
                 if req_id not in record.layout:
                     continue

@@ -40,17 +40,18 @@ class RowRead:
     """`out[:len(slots)]` = rows of `key` at `slots`, absent rows zero; `out` has `num_rows`
     rows of `width` and is allocated by the thread that resolves the read.
 
-    Invariant: while PLANNED or RESOLVING its slots are pinned in the pool, so
-    no write claims them and the rows it gathers are the ones it was planned on.
+    Invariant: while PLANNED or RESOLVING it holds its rows (see ReadPlanner), so no
+    write claims its slots and the rows it gathers are the ones it was planned on.
     """
 
-    def __init__(self, what: str, key: str, slots: np.ndarray, present: np.ndarray,
+    def __init__(self, what: str, key: str, slots: np.ndarray, present: np.ndarray | None,
                  producers: list[WriteTask], num_rows: int, width: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, claim: int | None = None) -> None:
         self.what = what
         self.key = key
         self.slots = slots
-        self.present = present
+        self.present = present  # None: every row is present
+        self.claim = claim  # a step's read: the claim its step wrote the rows under
         self.producers = producers
         self.out_shape = (num_rows, width)
         self.dtype = dtype
@@ -68,8 +69,9 @@ class RowRead:
         return f"read of {self.key!r} for {self.what} ({self.state.value})"
 
     def resolve(self, pool: PrefixBlockPool, timeout_s: float,
-                unpin: Callable[[RowRead], None]) -> None:
-        """Gather the rows (or wait for the thread doing it); raise if they cannot be had."""
+                release: Callable[[RowRead], None]) -> None:
+        """Gather the rows (or wait for the thread doing it), then `release` them; raise if
+        they cannot be had."""
         with self._lock:
             mine = self.state is ReadState.PLANNED
             if mine:
@@ -87,18 +89,18 @@ class RowRead:
             self.state = ReadState.FAILED
         finally:
             self.producers = []
-            unpin(self)
+            release(self)
             self.done.set()
         self._raise_if_failed()
 
-    def cancel(self, unpin: Callable[[RowRead], None]) -> None:
+    def cancel(self, release: Callable[[RowRead], None]) -> None:
         """Drop a read nobody will consume; a read already being resolved finishes on its own."""
         with self._lock:
             if self.state is not ReadState.PLANNED:
                 return
             self.state = ReadState.CANCELLED
         self.producers = []
-        unpin(self)
+        release(self)
         self.done.set()
 
     def _wait(self, timeout_s: float) -> None:
@@ -116,7 +118,7 @@ class RowRead:
 
     def _gather(self, pool: PrefixBlockPool) -> None:
         n = len(self.slots)
-        complete = bool(self.present.all())
+        complete = self.present is None or bool(self.present.all())
         out = (torch.empty if complete else torch.zeros)(self.out_shape, dtype=self.dtype)
         target = out[:n]
         if complete:
@@ -133,10 +135,10 @@ class Prefetcher:
     """A thread that resolves reads in the order they were planned, ahead of `materialize`."""
 
     def __init__(self, pool: PrefixBlockPool, timeout_s: float,
-                 unpin: Callable[[RowRead], None]) -> None:
+                 release: Callable[[RowRead], None]) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
-        self._unpin = unpin
+        self._release = release
         self._queue: queue.SimpleQueue[RowRead | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="omni-prefix-cache-prefetch",
                                         daemon=True)
@@ -148,7 +150,7 @@ class Prefetcher:
     def _run(self) -> None:
         while (read := self._queue.get()) is not None:
             try:
-                read.resolve(self._pool, self._timeout_s, self._unpin)
+                read.resolve(self._pool, self._timeout_s, self._release)
             except OmniPrefixCacheError:
                 pass  # kept on the read; its consumer raises it
             except BaseException:
@@ -163,11 +165,12 @@ class Prefetcher:
 class ReadPlanner:
     """Reads planned on the engine thread against the pool's current claims.
 
-    Invariant: a slot's pin count in the pool equals the number of planned or
-    resolving reads covering it; a writer about to claim pinned slots first
-    resolves the reads pinning them (copy-on-write), so no read ever returns
-    another tenant's rows. Callers hold the cache's table lock where a method
-    says so.
+    Invariant: an unresolved read holds its rows. A hit read pins its slots (a
+    slot's pin count equals the hit reads covering it); a step's reads are held
+    under the claim the step wrote its rows with, which their slots keep until a
+    later write claims them. A writer about to claim slots first resolves every
+    read holding rows there (copy-on-write), so no read ever returns another
+    tenant's rows. Callers hold the cache's table lock where a method says so.
     """
 
     def __init__(self, pool: PrefixBlockPool, tasks: TaskTable, lock: threading.Lock,
@@ -176,19 +179,23 @@ class ReadPlanner:
         self._tasks = tasks
         self._lock = lock
         self._timeout_s = timeout_s
-        self._pinned: set[RowRead] = set()
-        self._prefetcher = Prefetcher(pool, timeout_s, self.unpin)
+        self._pinned: set[RowRead] = set()  # hit reads
+        self._by_claim: dict[int, list[RowRead]] = {}  # a step's claim -> its unresolved reads
+        self._prefetcher = Prefetcher(pool, timeout_s, self.release)
         self.copy_on_write_reads = 0
 
-    def plan_step(self, step_id: int, keys: Iterable[str], slots: np.ndarray,
+    def plan_step(self, step_id: int, keys: Iterable[str], slots: np.ndarray, claim: int,
                   task: WriteTask | None) -> dict[str, RowRead]:
-        """Reads of every row a step writes, bound to its write (caller holds the lock)."""
+        """Reads of every row a step writes under `claim`, bound to its write (caller holds
+        the lock); O(keys), whatever the step's size."""
         n = len(slots)
-        present = np.ones(n, dtype=bool)
-        return {key: self._pin(RowRead(
-                    f"step {step_id}", key, slots, present, [task] if task else [], n,
-                    self._pool.keys[key].row_width, self._pool.keys[key].dtype))
-                for key in keys}
+        reads = {key: RowRead(f"step {step_id}", key, slots, None, [task] if task else [], n,
+                              self._pool.keys[key].row_width, self._pool.keys[key].dtype,
+                              claim=claim)
+                 for key in keys}
+        if reads:
+            self._by_claim[claim] = list(reads.values())
+        return reads
 
     def plan_hit(self, what: str, key: str, hit_slots: np.ndarray, more_rows: int) -> RowRead:
         """A read of `key`'s rows at `hit_slots` into a tensor with `more_rows` rows after them
@@ -206,25 +213,32 @@ class ReadPlanner:
                 self._prefetcher.submit(read)
 
     def resolve(self, read: RowRead) -> None:
-        read.resolve(self._pool, self._timeout_s, self.unpin)
+        read.resolve(self._pool, self._timeout_s, self.release)
 
     def cancel(self, read: RowRead) -> None:
-        read.cancel(self.unpin)
+        read.cancel(self.release)
 
-    def unpin(self, read: RowRead) -> None:
+    def release(self, read: RowRead) -> None:
+        """A resolved or cancelled read no longer holds its rows."""
         with self._lock:
             if read in self._pinned:
                 self._pinned.discard(read)
                 self._pool.unpin(read.slots)
+            elif (held := self._by_claim.get(read.claim)) is not None and read in held:
+                held.remove(read)
+                if not held:
+                    del self._by_claim[read.claim]
 
     def resolve_conflicts(self, slots: np.ndarray) -> None:
-        """Before a new tenant claims `slots`, resolve every read still pinning them."""
+        """Before a write claims `slots`, resolve every read still holding rows there."""
         with self._lock:
-            if not self._pool.any_pinned(slots):
-                return
-            claimed = np.zeros(self._pool.num_slots, dtype=bool)
-            claimed[slots] = True
-            conflicts = [r for r in self._pinned if claimed[r.slots].any()]
+            conflicts = self._step_reads_at(slots)
+            if self._pool.any_pinned(slots):
+                claimed = np.zeros(self._pool.num_slots, dtype=bool)
+                claimed[slots] = True
+                conflicts += [r for r in self._pinned if claimed[r.slots].any()]
+        if not conflicts:
+            return
         self.copy_on_write_reads += len(conflicts)
         for read in conflicts:
             try:
@@ -236,9 +250,21 @@ class ReadPlanner:
         """Stop the prefetch thread and cancel every read still planned."""
         self._prefetcher.close(self._timeout_s)
         with self._lock:
-            reads = list(self._pinned)
+            reads = [*self._pinned, *(r for held in self._by_claim.values() for r in held)]
         for read in reads:
             self.cancel(read)
+
+    def _step_reads_at(self, slots: np.ndarray) -> list[RowRead]:
+        """The unresolved step reads whose rows sit at some of `slots`: those held under a
+        claim the slots still carry (caller holds the lock); one gather when there are none."""
+        if not self._by_claim or not len(slots):
+            return []
+        claims = self._pool.claims_at(slots)
+        oldest = min(self._by_claim)
+        if claims.max() < oldest:
+            return []
+        held = np.unique(claims[claims >= oldest]).tolist()
+        return [read for claim in held for read in self._by_claim.get(claim, ())]
 
     def _pin(self, read: RowRead) -> RowRead:
         self._pool.pin(read.slots)

@@ -3,13 +3,99 @@ no pinned allocation, no host registration and no device synchronization."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
-from prefix_cache import ModelCachePolicy
+from prefix_cache import ModelCachePolicy, controller
 from prefix_cache.bench import engine_thread_stalls
+from prefix_cache.devices.base import DeviceBackend, Transfer
+from prefix_cache.devices.cpu import CpuBackend
 from tests.sim import token_rows
 from tests.test_manager import make
+
+
+class _Completed:
+    """A device event whose copy has completed."""
+
+    def query(self) -> bool:
+        return True
+
+
+class _EventedCpu(CpuBackend):
+    """The CPU backend with writes that report a completed event, as a device's do: they go
+    through the committer's queue instead of landing in the call."""
+
+    synchronous = False  # type: ignore[assignment]
+
+    def scatter_rows(self, *args, **kwargs) -> Transfer:
+        super().scatter_rows(*args, **kwargs)
+        return Transfer(event=_Completed())
+
+
+def _evented(backend: DeviceBackend) -> DeviceBackend:
+    return _EventedCpu() if backend.name == "cpu" else backend
+
+
+def _record_landings(manager) -> list[tuple[int, str]]:
+    """(task id, thread name) of each write the manager lands, from now on."""
+    landed: list[tuple[int, str]] = []
+    on_landed = manager._committer._on_landed
+
+    def record(task) -> None:
+        landed.append((task.task_id, threading.current_thread().name))
+        on_landed(task)
+
+    manager._committer._on_landed = record
+    return landed
+
+
+def _save_one(manager, d, i: int, device: torch.device) -> int:
+    manager.new_step_starts(d.step(new=[(f"r{i}", list(range(10 * i, 10 * i + 4)), [i + 1], 0, 4)]))
+    sid = manager.save_outputs(d.outputs(2).to(device), None, num_tokens_unpadded=4,
+                               num_tokens_padded=4)
+    d.advance()
+    return sid
+
+
+def test_writes_land_in_the_next_save_or_in_their_reader_and_no_thread_wakes_for_them(
+        backend, monkeypatch: pytest.MonkeyPatch):
+    """With the committer's own thread asleep, each save lands the writes of the steps before
+    it on the engine thread, and a reader on another thread lands the write it reads."""
+    monkeypatch.setattr(controller, "_BACKSTOP_S", 3600.0)
+    manager, d = make(_evented(backend))
+    engine = threading.current_thread().name
+    with manager:
+        landed = _record_landings(manager)
+        for i in range(4):
+            if backend.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the earlier steps' copies completed
+            sid = _save_one(manager, d, i, backend.device)
+            assert landed == [(t, engine) for t in range(1, i + 1)]
+            if i < 3:
+                manager.discard_step(sid)
+        out = []
+        reader = threading.Thread(target=lambda: out.append(manager.materialize(sid, ["r3"])),
+                                  name="reader")
+        reader.start()
+        reader.join(10)
+        assert landed[-1] == (4, "reader")
+        assert torch.equal(out[0].hidden_states["r3"], token_rows(list(range(30, 34)), 2))
+
+
+def test_a_write_nobody_sweeps_lands_by_the_committers_backstop(backend, monkeypatch):
+    monkeypatch.setattr(controller, "_BACKSTOP_S", 0.02)
+    manager, d = make(_evented(backend))
+    with manager:
+        landed = _record_landings(manager)
+        sid = _save_one(manager, d, 0, backend.device)
+        deadline = time.monotonic() + 5
+        while not landed and time.monotonic() < deadline:
+            time.sleep(0.005)  # no call into the cache meanwhile
+        assert landed == [(1, "omni-prefix-cache-committer")]
+        manager.discard_step(sid)
 
 
 def test_a_warm_mixed_run_allocates_no_pinned_memory_on_the_engine_thread(backend):
