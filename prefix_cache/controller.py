@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 #: Longest pause between two sweeps of a thread waiting on a write (a landing this late is
 #: invisible next to a step), and between two sweeps of the committer's own thread.
 _POLL_PAUSE_S = 2e-4
+#: How often the committer's thread lands what nobody swept (an engine gone idle).
 _BACKSTOP_S = 0.05
 
 
