@@ -283,6 +283,22 @@ def test_a_stalled_copy_raises_a_library_error_naming_the_task_instead_of_hangin
         assert time.monotonic() - start < 3
 
 
+def test_a_stalled_copy_fails_alone_and_the_write_behind_it_lands(backend):
+    faulty = FaultyBackend(backend)
+    manager, d = make(faulty, staging_claim_timeout_s=0.3)
+    a, b = list(range(4)), list(range(10, 14))
+    with manager:
+        faulty.arm("stall")  # step 1's copy never completes
+        sid_a = run_step(manager, d, d.step(new=[("a", a, [1], 0, 4)]), backend.device,
+                         materialize=False)
+        sid_b = run_step(manager, d, d.step(new=[("b", b, [2], 0, 4)]), backend.device,
+                         materialize=False)
+        out = manager.materialize(sid_b, ["b"])  # lands write 2 once write 1 timed out
+        assert torch.equal(out.hidden_states["b"], token_rows(b, 2))
+        with pytest.raises(OmniPrefixCacheError, match=r"write task 1 \(step 1, state"):
+            manager.materialize(sid_a, ["a"])
+
+
 def test_block_copy_waits_for_a_write_still_landing_on_its_destination(backend):
     """A discarded step's slow write to block 5, then vLLM copies block 1 into block 5: the
     late write must not land over the copy."""
