@@ -186,6 +186,21 @@ def test_absent_hidden_rows_on_a_hit_are_fatal_but_absent_mm_rows_read_zeros(bac
         assert torch.equal(mm[4:], token_rows(b, 16, salt=1)[4:])
 
 
+def test_a_step_without_an_mm_key_leaves_zeros_on_a_hit_and_the_rows_around_them(backend):
+    manager, d = make(backend)
+    tokens = list(range(8))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", tokens, [1, 2], 0, 2)]), backend.device)
+        run_step(manager, d, d.step(cached={"a": 1}), backend.device, mm_width=None)
+        run_step(manager, d, d.step(cached={"a": 5}), backend.device)
+        b = tokens[:4] + [9]
+        out = run_step(manager, d, d.step(new=[("b", b, [1, 3], 4, 1)]), backend.device)
+        expected = token_rows(b, 16, salt=1)
+        expected[2] = 0
+        assert torch.equal(out.mm_outputs["mm_feature"]["b"], expected)
+        assert torch.equal(out.hidden_states["b"], token_rows(b, 2))
+
+
 def test_delayed_read_keeps_its_rows_when_the_next_step_reuses_the_slots(backend):
     manager, d = make(backend)
     a = list(range(30, 38))
