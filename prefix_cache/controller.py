@@ -63,7 +63,7 @@ class Committer:
         task.launched_at = time.monotonic()
         with self._cond:
             self._queue.append(task)
-            if any(t.finish is not None for t in task.transfers):
+            if _has_host_half(task):
                 self._cond.notify()
 
     def sweep(self, *, host_halves: bool = False) -> None:
@@ -167,4 +167,9 @@ class Committer:
 
     def _staged_head(self) -> bool:
         """Whether the head task has a host half (caller holds `_cond`)."""
-        return bool(self._queue) and any(t.finish is not None for t in self._queue[0].transfers)
+        return bool(self._queue) and _has_host_half(self._queue[0])
+
+
+def _has_host_half(task: WriteTask) -> bool:
+    """Whether landing `task` moves bytes on the host (a staged write's scatter)."""
+    return any(t.finish is not None for t in task.transfers)

@@ -483,7 +483,7 @@ class OmniPrefixCacheManager:
                     rows.reshape(n, -1), write_slots, self.pool.keys[key].storage, ready=ready,
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
                                                  rows.dtype)
-                             if self.backend.needs_staging else None),
+                             if task.staging_slot is not None else None),
                     in_stream=in_stream)
                 for key, rows in immediate.items()), False)
         self._deferred.append(chunks, slots, claim)

@@ -8,25 +8,16 @@ import threading
 from prefix_cache.controller import Committer
 from prefix_cache.devices.base import Transfer
 from prefix_cache.tasks import TaskState, WriteTask
-
-
-class _Copy:
-    """A device copy's event, completed when the test says so."""
-
-    def __init__(self) -> None:
-        self.complete = False
-
-    def query(self) -> bool:
-        return self.complete
+from tests.faults import GatedEvent
 
 
 def test_concurrent_sweeps_and_waiters_land_every_write_once_in_launch_order() -> None:
     landed: list[int] = []
     committer = Committer(10.0, lambda task: landed.append(task.task_id), lambda: None)
-    copies = [_Copy() for _ in range(200)]
+    copies = [threading.Event() for _ in range(200)]  # set: that write's copy completed
     tasks = []
     for i, copy in enumerate(copies):
-        task = WriteTask(i + 1, f"step {i + 1}", transfers=[Transfer(event=copy)])
+        task = WriteTask(i + 1, f"step {i + 1}", transfers=[Transfer(event=GatedEvent(None, copy))])
         task.transition(TaskState.QUEUED)
         committer.submit(task)
         tasks.append(task)
@@ -47,7 +38,7 @@ def test_concurrent_sweeps_and_waiters_land_every_write_once_in_launch_order() -
     order = list(range(len(copies)))
     random.Random(7).shuffle(order)
     for i in order:  # copies complete out of order; the engine thread sweeps after each
-        copies[i].complete = True
+        copies[i].set()
         committer.sweep()
     for thread in readers:
         thread.join(10.0)

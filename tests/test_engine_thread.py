@@ -13,15 +13,12 @@ from prefix_cache import ModelCachePolicy, controller
 from prefix_cache.bench import engine_thread_stalls
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.devices.cpu import CpuBackend
+from tests.faults import GatedEvent
 from tests.sim import token_rows
 from tests.test_manager import make
 
-
-class _Completed:
-    """A device event whose copy has completed."""
-
-    def query(self) -> bool:
-        return True
+_COMPLETED = threading.Event()  # the gate of copies that have completed
+_COMPLETED.set()
 
 
 class _EventedCpu(CpuBackend):
@@ -32,7 +29,7 @@ class _EventedCpu(CpuBackend):
 
     def scatter_rows(self, *args, **kwargs) -> Transfer:
         super().scatter_rows(*args, **kwargs)
-        return Transfer(event=_Completed())
+        return Transfer(event=GatedEvent(None, _COMPLETED))
 
 
 def _evented(backend: DeviceBackend) -> DeviceBackend:

@@ -95,7 +95,7 @@ class CudaBackend(AcceleratorBackend):
         if slots.device.type == "cpu":
             page, device_slots = self._slot_pages.take(slots)
         elif in_stream:  # the runner's slot mapping, read in stream order
-            page, device_slots = None, slots[: rows.shape[0]]
+            page, device_slots = None, slots
         else:
             raise ValueError("cuda backend: device slots are read in stream order only")
         with self._issue_scope(ready, in_stream):
