@@ -45,13 +45,15 @@ class HostBuffer:
         self._release = (weakref.finalize(self, _in_process, os.getpid(), release)
                          if release is not None else None)
         self.device_view: torch.Tensor | None = None  # set by zero-copy backends
+        #: `device_view` as the widest integer words its rows allow (kept by zero-copy scatters)
+        self.device_words: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
     def close(self) -> None:
-        self.device_view = None
+        self.device_view = self.device_words = None
         if self._release is not None:
             self._release()  # a finalizer runs at most once: close() stays idempotent
 

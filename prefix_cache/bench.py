@@ -31,6 +31,7 @@ from prefix_cache import devices
 from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
 from prefix_cache.config import HIDDEN_KEY, WRITE_STREAMS, ModelCachePolicy, PrefixCacheConfig
+from prefix_cache.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.reads import RowRead
 from prefix_cache.targets import METRICS
@@ -125,20 +126,20 @@ def measure_save(backend: DeviceBackend, tokens: int, num_blocks: int, dtype: to
     return out
 
 
-class _DecodeView:
-    """View protocol for a synthetic batch: request i owns block i + 1."""
+class _RunnerBatch:
+    """A runner's persistent batch as FullAttentionGroupView reads it: request i sits in row i
+    with its own `tokens_per_req // BLOCK + 1` blocks, all requests at one position."""
 
     def __init__(self, num_reqs: int, tokens_per_req: int) -> None:
+        per_req = tokens_per_req // BLOCK + 1
         self.req_ids = [f"r{i}" for i in range(num_reqs)]
-        self.tokens = tokens_per_req
-        self.position = 0
+        self.req_id_to_index = {r: i for i, r in enumerate(self.req_ids)}
+        self.num_computed_tokens_cpu = np.zeros(num_reqs, dtype=np.int32)
+        ids = (np.arange(num_reqs)[:, None] * per_req + 1 + np.arange(per_req)).astype(np.int32)
+        self.block_table = [SimpleNamespace(block_size=BLOCK, get_numpy_array=lambda: ids)]
 
-    def batch_req_ids(self) -> list[str]:
-        return self.req_ids
-
-    def step_slots_cpu(self, req_ids: Any, num_scheduled_tokens: Any) -> torch.Tensor:
-        base = (np.arange(len(req_ids)) * (self.tokens // BLOCK + 1) + 1) * BLOCK
-        return torch.from_numpy((base[:, None] + self.position + np.arange(self.tokens)).ravel())
+    def move_to(self, position: int) -> None:
+        self.num_computed_tokens_cpu[:] = position
 
 
 @dataclass
@@ -159,7 +160,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     On a device, each step passes the slot mapping a runner keeps there, and its writes land
     (untimed) before the next step.
     """
-    view = _DecodeView(num_reqs, tokens_per_req)
+    batch = _RunnerBatch(num_reqs, tokens_per_req)
+    view = FullAttentionGroupView(batch, BLOCK, backend=backend)
     needed = num_reqs * (tokens_per_req // BLOCK + 1) + 2
     blocks = needed if num_blocks is None else max(num_blocks, needed)
     config = PrefixCacheConfig(blocks, BLOCK, write_stream=write_stream,
@@ -167,25 +169,29 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
     # decode steps walk through each request's block; larger steps rewrite it
     positions = [i * tokens_per_req for i in range(max(BLOCK // tokens_per_req, 1))]
-    slot_mappings = []  # the runner's device slot mapping at each of those positions
-    if backend.name != "cpu":
-        for view.position in positions:
-            slot_mappings.append(view.step_slots_cpu(view.req_ids, {}).to(backend.device))
     so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
                          scheduled_cached_reqs=None,
-                         num_scheduled_tokens=dict.fromkeys(view.req_ids, tokens_per_req))
+                         num_scheduled_tokens=dict.fromkeys(batch.req_ids, tokens_per_req))
+    slot_mappings = []  # the runner's device slot mapping at each of those positions
+    if backend.name != "cpu":
+        for position in positions:
+            batch.move_to(position)
+            slot_mappings.append(view.step_slots_cpu(batch.req_ids, so.num_scheduled_tokens)
+                                 .to(backend.device))
+    slot_buffer = torch.empty_like(slot_mappings[0]) if slot_mappings else None
     times = []
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         if preallocate:
             cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
         for step in range(steps):
-            view.position = positions[step % len(positions)]
-            slot_mapping = slot_mappings[step % len(positions)] if slot_mappings else None
+            batch.move_to(positions[step % len(positions)])
+            if slot_buffer is not None:  # untimed: the runner's buffer, rewritten each step
+                slot_buffer.copy_(slot_mappings[step % len(positions)])
             start = time.perf_counter()
             cache.new_step_starts(so)
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
                                      num_tokens_padded=hidden.shape[0],
-                                     slot_mapping=slot_mapping)
+                                     slot_mapping=slot_buffer)
             times.append(time.perf_counter() - start)
             cache.discard_step(sid)
             # untimed: the step's writes land before the next step, as a forward's length lets
@@ -227,10 +233,13 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
     The forward is an MLP stack whose last projection gives the WIDTH-wide rows the cache
     saves: on a device, an 8B-class model's MLPs (32 layers of 4096 -> 14336 -> 4096,
     ~3.4 ms a step for 256 tokens on an H200); on CPU one small layer, run by the host itself.
+    Each step is the next chunk of one long prompt, walking through four chunks' blocks.
     """
-    view = _DecodeView(1, tokens)
-    config = PrefixCacheConfig(tokens // BLOCK + 3, BLOCK, staging_capacity_tokens=tokens,
-                               write_stream=write_stream)
+    chunks = 4  # more than the steps unconsumed at once: a step never rewrites a held one's slots
+    batch = _RunnerBatch(1, chunks * tokens)
+    view = FullAttentionGroupView(batch, BLOCK, backend=backend)
+    config = PrefixCacheConfig(chunks * tokens // BLOCK + 3, BLOCK,
+                               staging_capacity_tokens=tokens, write_stream=write_stream)
     layers, model_dim, inner = (1, 512, 512) if backend.name == "cpu" else (32, 4096, 14336)
 
     def weight(rows: int, cols: int) -> torch.Tensor:
@@ -253,7 +262,8 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
 
         def run() -> None:
             pending = None
-            for _ in range(steps):
+            for step in range(steps):
+                batch.move_to(step % chunks * tokens)
                 if with_cache:
                     cache.new_step_starts(so)
                 hidden = forward()
@@ -464,11 +474,12 @@ def _resident_ratio(device: str, num_blocks: int) -> float:
     """
     backend = devices.get_backend(device)
     dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
-    view = _DecodeView(64, 1)
+    batch = _RunnerBatch(64, 1)
+    view = FullAttentionGroupView(batch, BLOCK, backend=backend)
     hidden = torch.randn(64, WIDTH, device=backend.device).to(dtype)
     so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
                          scheduled_cached_reqs=None, num_scheduled_tokens=dict.fromkeys(
-                             view.req_ids, 1))
+                             batch.req_ids, 1))
 
     def measure(blocks: int) -> float:
         config = PrefixCacheConfig(blocks, BLOCK, staging_capacity_tokens=64)
@@ -481,14 +492,14 @@ def _resident_ratio(device: str, num_blocks: int) -> float:
                 cache.new_step_starts(so)
                 cache.materialize(cache.save_outputs(hidden, {"logits": torch.randn(
                     64, 1000, device=backend.device)[:8]}, num_tokens_unpadded=64,
-                    num_tokens_padded=64), view.req_ids)
+                    num_tokens_padded=64), batch.req_ids)
             gc.collect()
             resident = _rss_bytes() - before
             stats = cache.stats()
         return resident / (stats["staging_bytes"] + sum(
             v for k, v in stats.items() if k.startswith("pool_bytes.")))
 
-    measure(view.tokens + len(view.req_ids) + 2)
+    measure(len(batch.req_ids) + 3)
     ratio = measure(num_blocks)
     backend.close()
     return ratio

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prefix_cache import _core
 from prefix_cache.devices.base import DeviceBackend, HostBuffer
 
 #: Gathers at least this large are split across GATHER_THREADS (torch copies release the GIL):
@@ -72,19 +73,20 @@ class PrefixBlockPool:
 
     # ------------------------------------------------------------------ tenancy
 
-    def claim(self, slots: np.ndarray) -> int:
-        """A new tenant takes `slots`: every older row there stops counting. Returns its claim."""
+    def claim(self, runs: np.ndarray) -> int:
+        """A new tenant takes the slots of `runs` (see `slot_runs`): every older row there
+        stops counting. Returns its claim."""
         claim = next(self._claims)
-        self._slot_claim[slots] = claim
+        _core.fill_runs(runs, self._slot_claim, claim)
         return claim
 
-    def record_write(self, keys: Iterable[str], slots: np.ndarray, claim: int,
+    def record_write(self, keys: Iterable[str], runs: np.ndarray, claim: int,
                      producer: int) -> None:
-        """`producer` will land the rows of `keys` at `slots`, written under `claim`."""
+        """`producer` will land the rows of `keys` at the slots of `runs`, written under
+        `claim`."""
         for name in keys:
             key = self.keys[name]
-            key.version[slots] = claim
-            key.producer[slots] = producer
+            _core.fill_runs(runs, key.version, claim, key.producer, producer)
 
     def claims_at(self, slots: np.ndarray) -> np.ndarray:
         """The claim each of `slots` carries (0: never claimed)."""
@@ -112,6 +114,12 @@ class PrefixBlockPool:
 
     def any_pinned(self, slots: np.ndarray) -> bool:
         return bool(self._read_pins[slots].any())
+
+    def any_held(self, runs: np.ndarray, held_from: int, *, pins: bool = True) -> bool:
+        """Whether some slot of `runs` carries a claim >= `held_from` or (`pins`: some read
+        may pin slots) is pinned."""
+        return _core.any_held(self._slot_claim, self._read_pins if pins else None, runs,
+                              held_from)
 
     def allocate(self, name: str, feat_shape: tuple[int, ...], dtype: torch.dtype) -> PoolKey:
         """Host storage for a new key; does not touch shared tables, so it may run unlocked."""
@@ -183,7 +191,7 @@ class PrefixBlockPool:
         bs = self.block_size
         src = np.arange(src_block * bs, (src_block + 1) * bs)
         dst = src - src_block * bs + dst_block * bs
-        claim = self.claim(dst)
+        claim = self.claim(np.array([[dst[0], dst[-1] + 1]]))
         for key in self.keys.values():
             keep, lost = self.present(key.name, src), self.lost(key.name, src)
             key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]

@@ -21,6 +21,7 @@ from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.layout import StepLayout
+from prefix_cache.runs import slot_runs
 from prefix_cache.tasks import DeferredChunk, TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class DeferredWriter:
                 task.chunks.append(chunk)
                 task.budget_bytes += nbytes
                 self.held_bytes += nbytes
-                self._pool.record_write(rows, chunk.slots, claim, task.task_id)
+                self._pool.record_write(rows, slot_runs(chunk.slots)[0], claim, task.task_id)
         self._enforce_budget()
 
     def retire(self, req_id: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefix_cache import devices
+from prefix_cache import _core, devices
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
@@ -70,18 +70,15 @@ class FullAttentionGroupView:
         if not self._checked:
             self.check()
         table = self._table()
-        unit = int(table.block_size)
         ids = table.get_numpy_array() if hasattr(table, "get_numpy_array") \
             else table.get_cpu_tensor().numpy()
-        index_of = self.input_batch.req_id_to_index
-        rows = np.fromiter(map(index_of.__getitem__, req_ids), dtype=np.int64,
-                           count=len(req_ids))
-        counts = np.fromiter(map(num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64,
-                             count=len(req_ids))
-        computed = np.asarray(self.input_batch.num_computed_tokens_cpu)[rows].astype(np.int64)
-        total = int(counts.sum())
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        positions = np.repeat(computed, counts) + np.arange(total) - starts
-        row_of = np.repeat(rows, counts)
-        blocks = ids[row_of, positions // unit].astype(np.int64)
-        return torch.from_numpy(blocks * unit + positions % unit)
+        slots = np.empty(sum(map(num_scheduled_tokens.__getitem__, req_ids)), dtype=np.int64)
+        try:
+            _core.request_slots(req_ids, num_scheduled_tokens,
+                                self.input_batch.req_id_to_index,
+                                np.asarray(self.input_batch.num_computed_tokens_cpu), ids,
+                                int(table.block_size), slots)
+        except (IndexError, KeyError) as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"the runner's batch does not hold the scheduled positions: {exc}") from None
+        return torch.from_numpy(slots)

@@ -13,7 +13,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from prefix_cache import _core
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
+from prefix_cache.runs import slot_runs
 
 
 class GroupView(Protocol):
@@ -28,39 +30,36 @@ class GroupView(Protocol):
 class StepLayout:
     """Rows `ends[i-1]:ends[i]` of the step belong to `order[i]`; row r was computed into `slots[r]`."""
 
-    def __init__(self, order: list[str], ends: np.ndarray, slots: np.ndarray) -> None:
+    def __init__(self, order: list[str], ends: np.ndarray, slots: np.ndarray,
+                 runs: np.ndarray) -> None:
         self.order = order
         self.ends = ends
         self.slots = slots
+        self.runs = runs  # the slots as runs (see prefix_cache.runs)
         self._index: dict[str, int] | None = None
 
     @classmethod
     def of_step(cls, view: GroupView, scheduled: Mapping[str, int], num_rows: int,
                 block_size: int, num_slots: int) -> StepLayout:
         """The layout of a step's `num_rows` rows, checked against the scheduler's counts."""
-        batch = view.batch_req_ids()
-        if len(batch) == len(scheduled) and all(map(scheduled.__contains__, batch)):
-            order = list(batch)  # vLLM's runner batch holds exactly the scheduled requests
-        else:
-            order = [r for r in batch if scheduled.get(r, 0) > 0]
-        counts = np.fromiter(map(scheduled.__getitem__, order), dtype=np.int64, count=len(order))
-        ends = np.cumsum(counts)
-        total = int(ends[-1]) if len(ends) else 0
+        order, ends, total, smallest = _scheduled_rows(list(view.batch_req_ids()), scheduled)
         left_out = len(scheduled) - len(order)  # only requests scheduled for 0 tokens may be
-        if total != num_rows or (counts <= 0).any() or (
+        if total != num_rows or smallest <= 0 < len(order) or (
                 left_out and left_out != sum(1 for c in scheduled.values() if c <= 0)):
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: {num_rows} rows but the batch {order} schedules {total} tokens "
                 f"for {len(order)} of {len(scheduled)} scheduled requests")
-        slots = view.step_slots_cpu(order, scheduled).numpy().astype(np.int64, copy=False)
+        slots = np.ascontiguousarray(view.step_slots_cpu(order, scheduled).numpy(),
+                                     dtype=np.int64)
         if len(slots) != num_rows:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: the view gave {len(slots)} slots for {num_rows} rows")
-        if num_rows and (slots.min() < block_size or slots.max() >= num_slots):
+        runs, low, high = slot_runs(slots)
+        if num_rows and (low < block_size or high >= num_slots):
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: slots outside 1..{num_slots // block_size - 1} blocks "
-                f"(min {slots.min()}, max {slots.max()}); block 0 is vLLM's null block")
-        return cls(order, ends, slots)
+                f"(min {low}, max {high}); block 0 is vLLM's null block")
+        return cls(order, ends, slots, runs)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._lookup()
@@ -78,3 +77,18 @@ class StepLayout:
         if self._index is None:
             self._index = {r: i for i, r in enumerate(self.order)}
         return self._index
+
+
+def _scheduled_rows(batch: list[str], scheduled: Mapping[str, int]
+                    ) -> tuple[list[str], np.ndarray, int, int]:
+    """The batch's scheduled requests in batch order, their row ends, the total and the
+    smallest count."""
+    ends = np.empty(len(batch), dtype=np.int64)
+    if len(batch) == len(scheduled):  # vLLM's runner batch holds exactly the scheduled requests
+        try:
+            return (batch, ends, *_core.row_ends(batch, scheduled, ends))
+        except KeyError:
+            pass
+    order = [r for r in batch if scheduled.get(r, 0) > 0]
+    ends = ends[: len(order)]
+    return (order, ends, *_core.row_ends(order, scheduled, ends))

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from prefix_cache import devices
+from prefix_cache import _core, devices
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.adapter import StartedRequest, translate_step
 from prefix_cache.block_pool import PrefixBlockPool
@@ -117,6 +117,9 @@ class OmniPrefixCacheManager:
         self._started = False  # a first step was seen: the policy is fixed
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
+        #: the last slot mapping checked, and whether writes read it (see _device_slots)
+        self._slot_mapping_seen: torch.Tensor | None = None
+        self._slot_mapping_read = False
         self._steps: dict[int, _StepRecord] = {}
         self._failures: deque[OmniPrefixCacheError] = deque()  # unreported failed writes
         self._closed = False
@@ -170,8 +173,7 @@ class OmniPrefixCacheManager:
                      if new.num_computed_tokens > self._progress.get(new.req_id, 0)}
             for new in restarts:
                 self._progress[new.req_id] = new.num_computed_tokens
-            for req_id, n in events.num_scheduled_tokens.items():
-                self._progress[req_id] = self._progress.get(req_id, 0) + n
+            _core.add_counts(self._progress, events.num_scheduled_tokens)
             self._pending = _PendingStep(events.num_scheduled_tokens, spans)
 
     def _hit_slots(self, req: StartedRequest) -> np.ndarray:
@@ -417,19 +419,24 @@ class OmniPrefixCacheManager:
         (an int64 device tensor: the scatter's offsets are slot x row width); else None."""
         if slot_mapping is None:
             return None
-        if not isinstance(slot_mapping, torch.Tensor):
+        if slot_mapping is not self._slot_mapping_seen:  # a runner passes the same buffer
+            if not isinstance(slot_mapping, torch.Tensor):
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: slot_mapping must be a tensor, got "
+                    f"{type(slot_mapping).__name__}")
+            if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor, got "
+                    f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+            self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
+            self._slot_mapping_seen = slot_mapping
+            self._slot_mapping_read = self._in_stream and self.backend.device_slots \
+                and slot_mapping.dtype == torch.int64 and slot_mapping.device.type != "cpu"
+        if slot_mapping.shape[0] < n:
             raise OmniPrefixCacheInputError(
-                f"save_outputs: slot_mapping must be a tensor, got {type(slot_mapping).__name__}")
-        if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
-                or slot_mapping.shape[0] < n:
-            raise OmniPrefixCacheInputError(
-                f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
-                f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-        self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
-        if self._in_stream and self.backend.device_slots and slot_mapping.dtype == torch.int64 \
-                and slot_mapping.device.type != "cpu":
-            return slot_mapping[:n]
-        return None
+                f"save_outputs: slot_mapping has {slot_mapping.shape[0]} entries, fewer than "
+                f"the step's {n} tokens")
+        return slot_mapping[:n] if self._slot_mapping_read else None
 
     @property
     def _in_stream(self) -> bool:
@@ -466,14 +473,14 @@ class OmniPrefixCacheManager:
                      for key, rows in deferred.items()}
         leftover = map_tensors(leftover, lambda t: HostCopy.start(
             self.backend, arena, t, ready, in_stream=in_stream))
-        self._reads.resolve_conflicts(slots)
+        self._reads.resolve_conflicts(layout.runs)
         task = None
         with self._lock:
-            claim = self.pool.claim(slots)
+            claim = self.pool.claim(layout.runs)
             if immediate and n:
                 staged = self.backend.needs_staging  # the write passes through the slot's pages
                 task = self._tasks.new(f"step {step_id}", staging_slot=slot if staged else None)
-                self.pool.record_write(immediate, slots, claim, task.task_id)
+                self.pool.record_write(immediate, layout.runs, claim, task.task_id)
         if task is not None:
             if task.staging_slot is not None:
                 self.staging.hold(slot, ("write", task.task_id))
@@ -490,7 +497,7 @@ class OmniPrefixCacheManager:
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                              {}, host_rows, {}, leftover)
         self._plan_reads(record, immediate.keys(), slots, claim, task, spans)
-        self._stats.add(rows_saved=n, bytes_saved=sum(
+        self._stats.add(rows_saved=n, miss_tokens=n, bytes_saved=sum(
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
 
@@ -545,9 +552,8 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(
                 f"kv_cache_block_copies: block copy {src} -> {dst} outside "
                 f"1..{self.config.num_blocks - 1}")
-        dst_slots = np.arange(dst * bs, (dst + 1) * bs)
         src_slots = np.arange(src * bs, (src + 1) * bs)
-        self._reads.resolve_conflicts(dst_slots)
+        self._reads.resolve_conflicts(np.array([[dst * bs, (dst + 1) * bs]]))
         with self._lock:
             sources = self._tasks.live(self.pool.producer_ids(src_slots, self.pool.keys))
         self._deferred.flush_tasks(sources)
@@ -583,14 +589,14 @@ class OmniPrefixCacheManager:
                                               hit_slots, end - start)
                     for key in record.per_token}
                 self._stats.add(hit_tokens=h, hit_requests=1)
-        self._stats.add(miss_tokens=len(slots))
-        planned = list(record.reads())
-        # a hit on rows still held on the device: their deferred writes go out now
-        self._deferred.flush_tasks([t for read in planned for t in read.producers])
-        # hit gathers (random blocks, the large ones) start ahead of materialize; the step's
-        # own rows are gathered by their consumer, off the engine thread either way
-        self._reads.prefetch(read for per_key in record.hit_reads.values()
-                             for read in per_key.values())
+        hit_reads = [read for per_key in record.hit_reads.values() for read in per_key.values()]
+        if hit_reads:
+            # a hit on rows still held on the device: their deferred writes go out now (a
+            # step read's producer is this step's write, launched already)
+            self._deferred.flush_tasks([t for read in hit_reads for t in read.producers])
+            # hit gathers (random blocks, the large ones) start ahead of materialize; the
+            # step's own rows are gathered by their consumer, off the engine thread either way
+            self._reads.prefetch(hit_reads)
 
     # ------------------------------------------------------------------ materialize
 

@@ -19,6 +19,8 @@ import torch
 
 from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.errors import OmniPrefixCacheError
+from prefix_cache.latch import Latch
+from prefix_cache.runs import runs_slots
 from prefix_cache.tasks import TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,9 @@ logger = logging.getLogger(__name__)
 #: Reads smaller than this are gathered by their consumer: waking the prefetch
 #: thread (and contending with the engine thread for the GIL) costs more.
 PREFETCH_MIN_BYTES = 256 << 10
+
+#: `ReadPlanner`'s oldest held claim while no step read is held: above every claim.
+NO_HELD_CLAIM = int(np.iinfo(np.int64).max)
 
 
 class ReadState(enum.Enum):
@@ -58,7 +63,7 @@ class RowRead:
         self.out: torch.Tensor | None = None  # set once DONE
         self.state = ReadState.PLANNED
         self.error: BaseException | None = None
-        self.done = threading.Event()
+        self.done = Latch()
         self._lock = threading.Lock()
 
     @property
@@ -180,7 +185,8 @@ class ReadPlanner:
         self._lock = lock
         self._timeout_s = timeout_s
         self._pinned: set[RowRead] = set()  # hit reads
-        self._by_claim: dict[int, list[RowRead]] = {}  # a step's claim -> its unresolved reads
+        #: a step's claim -> its unresolved reads, in claim order
+        self._by_claim: dict[int, list[RowRead]] = {}
         self._prefetcher = Prefetcher(pool, timeout_s, self.release)
         self.copy_on_write_reads = 0
 
@@ -229,9 +235,14 @@ class ReadPlanner:
                 if not held:
                     del self._by_claim[read.claim]
 
-    def resolve_conflicts(self, slots: np.ndarray) -> None:
-        """Before a write claims `slots`, resolve every read still holding rows there."""
+    def resolve_conflicts(self, runs: np.ndarray) -> None:
+        """Before a write claims the slots of `runs`, resolve every read still holding rows
+        there; one pass over the runs when none does."""
         with self._lock:
+            if not (self._by_claim or self._pinned) or not self._pool.any_held(
+                    runs, self._oldest_held_claim(), pins=bool(self._pinned)):
+                return
+            slots = runs_slots(runs)
             conflicts = self._step_reads_at(slots)
             if self._pool.any_pinned(slots):
                 claimed = np.zeros(self._pool.num_slots, dtype=bool)
@@ -254,16 +265,18 @@ class ReadPlanner:
         for read in reads:
             self.cancel(read)
 
+    def _oldest_held_claim(self) -> int:
+        """The oldest claim holding step reads (none: past every claim); `_by_claim` is
+        filled in claim order, so it is the first."""
+        return next(iter(self._by_claim), NO_HELD_CLAIM)
+
     def _step_reads_at(self, slots: np.ndarray) -> list[RowRead]:
         """The unresolved step reads whose rows sit at some of `slots`: those held under a
-        claim the slots still carry (caller holds the lock); one gather when there are none."""
+        claim the slots still carry (caller holds the lock)."""
         if not self._by_claim or not len(slots):
             return []
         claims = self._pool.claims_at(slots)
-        oldest = min(self._by_claim)
-        if claims.max() < oldest:
-            return []
-        held = np.unique(claims[claims >= oldest]).tolist()
+        held = np.unique(claims[claims >= self._oldest_held_claim()]).tolist()
         return [read for claim in held for read in self._by_claim.get(claim, ())]
 
     def _pin(self, read: RowRead) -> RowRead:

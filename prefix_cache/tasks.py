@@ -13,6 +13,7 @@ import torch
 
 from prefix_cache.devices.base import Transfer
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
+from prefix_cache.latch import Latch
 
 
 class TaskState(enum.Enum):
@@ -63,7 +64,7 @@ class WriteTask:
     report_failure: bool = True
     state: TaskState = TaskState.PENDING
     error: BaseException | None = None
-    landed: threading.Event = field(default_factory=threading.Event)
+    landed: Latch = field(default_factory=Latch)
     #: set by the committer that queued it (when, and how to land tasks up to this one)
     launched_at: float = 0.0
     lander: Callable[[WriteTask, float], None] | None = None

@@ -100,7 +100,9 @@ class CudaBackend(AcceleratorBackend):
             raise ValueError("cuda backend: device slots are read in stream order only")
         with self._issue_scope(ready, in_stream):
             if self.use_kernel:
-                scatter.scatter_rows(rows, device_slots, pool.device_view)
+                if pool.device_words is None:  # once per pool
+                    pool.device_words = scatter.as_words(pool.device_view)
+                scatter.scatter_rows(rows, device_slots, pool.device_view, pool.device_words)
             else:
                 pool.device_view.index_copy_(0, device_slots, rows)
             done = self._record_done(in_stream)

@@ -60,7 +60,7 @@ def triton_available() -> bool:
     return True
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
+def as_words(t: torch.Tensor) -> torch.Tensor:
     """`t` ([n, F], contiguous) viewed as the widest integer type its rows and address allow."""
     row_bytes = t.shape[1] * t.element_size()
     address = t.data_ptr()
@@ -103,7 +103,7 @@ class _Launcher:
                                                    "launch_metadata")):
                 self._compiled[key] = compiled
             return
-        stream = torch.cuda.current_stream(src.device).cuda_stream
+        stream = torch._C._cuda_getCurrentRawStream(src.device.index)  # as Triton's launch
         try:
             compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata((grid, 1, 1), stream, *args),
@@ -117,13 +117,16 @@ class _Launcher:
 _launch = _Launcher()
 
 
-def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor) -> None:
-    """`pool_view[device_slots[i]] = rows[i]` on the current stream with SCATTER_CTAS programs."""
+def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
+                 pool_words: torch.Tensor | None = None) -> None:
+    """`pool_view[device_slots[i]] = rows[i]` on the current stream with SCATTER_CTAS programs;
+    `pool_words`: `as_words(pool_view)`, where the caller keeps it."""
     n = rows.shape[0]
     if n == 0:
         return
-    src = _as_words(rows.contiguous())
-    dst = _as_words(pool_view)
+    rows = rows.contiguous()
+    src = as_words(rows)
+    dst = as_words(pool_view) if pool_words is None else pool_words
     if src.dtype != dst.dtype:  # pool and rows aligned differently: move bytes
-        src, dst = rows.contiguous().view(torch.uint8), pool_view.view(torch.uint8)
+        src, dst = rows.view(torch.uint8), pool_view.view(torch.uint8)
     _launch(src, dst, device_slots, n, min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))

@@ -1,0 +1,147 @@
+"""prefix_cache._core against the numpy it replaces, and its refusals of what would touch memory
+out of bounds (raised before anything is written)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_cache import _core
+from prefix_cache.runs import runs_slots, slot_runs
+
+
+def _numpy_slots(req_ids, scheduled, index_of, computed, table, unit):
+    """The formula vLLM's runner uses (`slot = table[row, pos // unit] * unit + pos % unit`)."""
+    parts = []
+    for req in req_ids:
+        row = index_of[req]
+        positions = int(computed[row]) + np.arange(scheduled[req])
+        parts.append(table[row, positions // unit].astype(np.int64) * unit + positions % unit)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+@st.composite
+def batches(draw):
+    num_rows = draw(st.integers(1, 6))
+    width = draw(st.integers(1, 8))
+    unit = draw(st.sampled_from([1, 4, 16]))
+    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    table = np.array(draw(st.lists(st.integers(0, 1000), min_size=num_rows * width,
+                                   max_size=num_rows * width)), dtype=dtype)
+    rows = draw(st.permutations(range(num_rows)))
+    req_ids = [f"req-{r}" for r in rows[: draw(st.integers(0, num_rows))]]
+    computed = np.zeros(num_rows, dtype=dtype)
+    scheduled = {}
+    for req in req_ids:
+        row = int(req.split("-")[1])
+        computed[row] = draw(st.integers(0, width * unit - 1))
+        scheduled[req] = draw(st.integers(0, width * unit - int(computed[row])))
+    index_of = {f"req-{r}": r for r in range(num_rows)}
+    return req_ids, scheduled, index_of, computed, table.reshape(num_rows, width), unit
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_request_slots_match_the_runner_formula(batch) -> None:
+    req_ids, scheduled, index_of, computed, table, unit = batch
+    expected = _numpy_slots(*batch)
+    out = np.full(len(expected) + 3, -7, dtype=np.int64)
+
+    assert _core.request_slots(req_ids, scheduled, index_of, computed, table, unit, out) \
+        == len(expected)
+    assert out[: len(expected)].tolist() == expected.tolist()
+    assert out[len(expected):].tolist() == [-7] * 3  # nothing past the rows it wrote
+
+
+def test_request_slots_refuses_positions_past_the_table_and_short_output() -> None:
+    table = np.arange(8, dtype=np.int32).reshape(2, 4)
+    computed = np.array([14, 0], dtype=np.int32)
+    index_of = {"a": 0, "b": 1}
+    out = np.zeros(8, dtype=np.int64)
+
+    with pytest.raises(IndexError, match="'a'.*14..16 need blocks past the table's 4"):
+        _core.request_slots(["a"], {"a": 3}, index_of, computed, table, 4, out)
+    with pytest.raises(IndexError, match="batch row 5"):
+        _core.request_slots(["a"], {"a": 1}, {"a": 5}, computed, table, 4, out)
+    with pytest.raises(ValueError, match="'b'.*9 scheduled tokens do not fit"):
+        _core.request_slots(["b"], {"b": 9}, index_of, computed, table, 4, out)
+    with pytest.raises(KeyError, match="'c'"):
+        _core.request_slots(["c"], {"c": 1}, index_of, computed, table, 4, out)
+    assert not out.any()
+
+
+def test_row_ends() -> None:
+    ends = np.zeros(3, dtype=np.int64)
+    assert _core.row_ends(["a", "b", "c"], {"a": 2, "b": 0, "c": 5}, ends) == (7, 0)
+    assert ends.tolist() == [2, 2, 7]
+    assert _core.row_ends([], {}, np.zeros(0, dtype=np.int64)) == (0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 63), max_size=40))
+def test_slot_runs_round_trip(slots) -> None:
+    index = np.array(slots, dtype=np.int64)
+    runs, low, high = slot_runs(index)
+
+    assert runs_slots(runs).tolist() == slots
+    assert ((runs[:, 1] > runs[:, 0]).all() and (runs[1:, 0] != runs[:-1, 1]).all())
+    assert (low, high) == ((min(slots), max(slots)) if slots else (0, -1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 63), max_size=40), st.integers(0, 9), st.integers(-3, 12),
+       st.lists(st.integers(0, 63), max_size=3))
+def test_fill_and_any_held_match_numpy(slots, value, held_from, pinned) -> None:
+    rng = np.random.default_rng(len(slots))
+    table, other = rng.integers(0, 10, 64), rng.integers(0, 10, 64)
+    pins = np.zeros(64, dtype=np.int32)
+    pins[pinned] = 1
+    index = np.array(slots, dtype=np.int64)
+    runs = slot_runs(index)[0]
+
+    claimed = bool(len(index)) and bool((table[index] >= held_from).any())
+    assert _core.any_held(table, None, runs, held_from) is claimed
+    assert _core.any_held(table, pins, runs, held_from) is (
+        claimed or bool(len(index)) and bool(pins[index].any()))
+    expected, expected_other = table.copy(), other.copy()
+    expected[index] = value
+    expected_other[index] = -value
+    _core.fill_runs(runs, table, value, other, -value)
+    assert table.tolist() == expected.tolist()
+    assert other.tolist() == expected_other.tolist()
+
+
+def test_bad_runs_and_wrong_arrays_are_refused_before_any_write() -> None:
+    table = np.zeros(16, dtype=np.int64)
+    pins = np.zeros(16, dtype=np.int32)
+    for bad in ([[3, 4], [15, 17]], [[-1, 2]], [[5, 5]], [[6, 4]]):
+        with pytest.raises(IndexError, match="not a range within 0..15"):
+            _core.fill_runs(np.array(bad), table, 5)
+        with pytest.raises(IndexError, match="not a range within 0..15"):
+            _core.any_held(table, pins, np.array(bad), 1 << 40)
+    assert not table.any()
+    with pytest.raises(TypeError, match="int64"):
+        _core.fill_runs(np.array([[1, 2]], dtype=np.int32), table, 5)
+    with pytest.raises(ValueError, match=r"\[k, 2\] runs"):
+        _core.fill_runs(np.array([[1, 2, 3]]), table, 5)
+    with pytest.raises(TypeError, match="C-contiguous writable"):
+        _core.fill_runs(np.array([[1, 2]]), table, 1, table[::2], 5)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        _core.fill_runs(np.array([[1, 2]]), table.astype(np.float64), 5)
+    with pytest.raises(ValueError, match="tables of 16 and 3 slots"):
+        _core.fill_runs(np.array([[1, 2]]), table, 1, table[:3], 5)
+    with pytest.raises(ValueError, match="3 pins for 16 slots"):
+        _core.any_held(table, pins[:3], np.array([[1, 2]]), 0)
+    with pytest.raises(ValueError, match="runs must be"):
+        _core.slot_runs(np.arange(4), np.empty((3, 2), dtype=np.int64))
+    assert not table.any()
+
+
+def test_add_counts_adds_into_totals() -> None:
+    totals = {"a": 3, "b": 1}
+    _core.add_counts(totals, {"b": 2, "c": 5})
+    assert totals == {"a": 3, "b": 3, "c": 5}
+    with pytest.raises(TypeError, match="must be dicts"):
+        _core.add_counts(totals, [("a", 1)])
