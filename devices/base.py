@@ -158,6 +158,9 @@ class DeviceBackend(ABC):
         """Wait, at most `timeout_s`, for every copy issued so far; False if one is still running."""
         return True
 
+    def release_transfer(self, transfer: Transfer) -> None:
+        """`transfer` completed and nothing waits on it any more: its event may be reused."""
+
     def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private copy of `tensor` on its device, ordered on the current stream."""
         return tensor.detach().clone()
@@ -178,7 +181,8 @@ class DeviceBackend(ABC):
         distinct slots (except slot 0, of vLLM's never-read null block, which
         may take any number of discarded rows), `pool.tensor` a `[num_slots, F]`
         host tensor. Where `device_slots` is True, an in-stream write also takes
-        `slots` on the device (the runner's slot mapping, cut to the n rows). `staging` is a host
+        `slots` on the device: the runner's slot mapping, whose first n entries are
+        the rows' slots (it may be longer). `staging` is a host
         `[>= n, F]` buffer for backends that stage (`needs_staging`); None lets
         them take a page of their own.
         """

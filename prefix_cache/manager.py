@@ -117,9 +117,6 @@ class OmniPrefixCacheManager:
         self._started = False  # a first step was seen: the policy is fixed
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
-        #: the last slot mapping checked, and whether writes read it (see _device_slots)
-        self._slot_mapping_seen: torch.Tensor | None = None
-        self._slot_mapping_read = False
         self._steps: dict[int, _StepRecord] = {}
         self._failures: deque[OmniPrefixCacheError] = deque()  # unreported failed writes
         self._closed = False
@@ -128,7 +125,8 @@ class OmniPrefixCacheManager:
         self._deferred = DeferredWriter(self.pool, self.backend, self._tasks, self._lock,
                                         self._launch, config.gpu_budget_bytes, timeout)
         self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout)
-        self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
+        self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread,
+                                    self.backend.release_transfer)
 
     # ------------------------------------------------------------------ public API
 
@@ -419,24 +417,19 @@ class OmniPrefixCacheManager:
         (an int64 device tensor: the scatter's offsets are slot x row width); else None."""
         if slot_mapping is None:
             return None
-        if slot_mapping is not self._slot_mapping_seen:  # a runner passes the same buffer
-            if not isinstance(slot_mapping, torch.Tensor):
-                raise OmniPrefixCacheInputError(
-                    f"save_outputs: slot_mapping must be a tensor, got "
-                    f"{type(slot_mapping).__name__}")
-            if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
-                raise OmniPrefixCacheInputError(
-                    f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor, got "
-                    f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-            self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
-            self._slot_mapping_seen = slot_mapping
-            self._slot_mapping_read = self._in_stream and self.backend.device_slots \
-                and slot_mapping.dtype == torch.int64 and slot_mapping.device.type != "cpu"
-        if slot_mapping.shape[0] < n:
+        if not isinstance(slot_mapping, torch.Tensor):
             raise OmniPrefixCacheInputError(
-                f"save_outputs: slot_mapping has {slot_mapping.shape[0]} entries, fewer than "
-                f"the step's {n} tokens")
-        return slot_mapping[:n] if self._slot_mapping_read else None
+                f"save_outputs: slot_mapping must be a tensor, got {type(slot_mapping).__name__}")
+        if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
+                or slot_mapping.shape[0] < n:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
+                f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
+        if self._in_stream and self.backend.device_slots and slot_mapping.dtype == torch.int64 \
+                and slot_mapping.device.type != "cpu":
+            return slot_mapping  # the write reads its first n entries
+        return None
 
     @property
     def _in_stream(self) -> bool:
@@ -487,7 +480,7 @@ class OmniPrefixCacheManager:
             write_slots = torch.from_numpy(slots) if device_slots is None else device_slots
             self._launch(task, (
                 self.backend.scatter_rows(
-                    rows.reshape(n, -1), write_slots, self.pool.keys[key].storage, ready=ready,
+                    rows if rows.dim() == 2 else rows.reshape(n, -1), write_slots, self.pool.keys[key].storage, ready=ready,
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
                                                  rows.dtype)
                              if task.staging_slot is not None else None),

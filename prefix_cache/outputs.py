@@ -52,7 +52,7 @@ def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def flatten_mm(mm_outputs: Mapping[str, Any] | None, prefix: str = "") -> dict[str, Any]:
-    """`{"codes": {"audio": t}}` -> `{"codes.audio": t}`; tensors detached."""
+    """`{"codes": {"audio": t}}` -> `{"codes.audio": t}`."""
     if mm_outputs is None:
         return {}
     if not isinstance(mm_outputs, Mapping):
@@ -68,7 +68,7 @@ def flatten_mm(mm_outputs: Mapping[str, Any] | None, prefix: str = "") -> dict[s
         if isinstance(value, Mapping):
             flat.update(flatten_mm(value, f"{name}."))
         else:
-            flat[name] = value.detach() if isinstance(value, torch.Tensor) else value
+            flat[name] = value
     return flat
 
 
@@ -88,7 +88,7 @@ def split_outputs(hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, A
                 f"save_outputs: hidden_states must be a tensor of at least {num_tokens} rows, got "
                 f"{what}")
         else:
-            out.immediate[HIDDEN_KEY] = hidden_states.detach()[:num_tokens]
+            out.immediate[HIDDEN_KEY] = _rows(hidden_states, num_tokens)
     for key, value in flatten_mm(mm_outputs).items():
         if key == HIDDEN_KEY:
             raise OmniPrefixCacheInputError(
@@ -97,9 +97,17 @@ def split_outputs(hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, A
                      and value.shape[0] in (num_tokens, num_tokens_padded)
                      and key not in policy.per_request_keys)
         if not per_token:
-            out.leftover[key] = value
+            out.leftover[key] = value.detach() if isinstance(value, torch.Tensor) else value
         elif key in policy.deferred_keys:
-            out.deferred[key] = value[:num_tokens]
+            out.deferred[key] = _rows(value, num_tokens)
         else:
-            out.immediate[key] = value[:num_tokens]
+            out.immediate[key] = _rows(value, num_tokens)
     return out
+
+
+def _rows(tensor: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` rows, detached; the tensor itself where that is all of it (a
+    view costs about 1.5 µs of the engine thread)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor if tensor.shape[0] == num_tokens else tensor[:num_tokens]

@@ -447,6 +447,26 @@ def test_bad_calls_get_one_line_library_errors_naming_what_is_wrong(backend):
         OmniPrefixCacheManager(PrefixCacheConfig(8, BS), None, backend=backend)
 
 
+def test_a_bad_slot_mapping_is_refused_and_the_step_saves_with_a_good_one(backend):
+    manager, d = make(backend)
+    a = list(range(30, 34))
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", a, [1], 0, 4)]))
+        rows = d.outputs(2)
+        for bad, match in (([4, 5, 6, 7], "must be a tensor, got list"),
+                           (torch.arange(4, 8).view(2, 2), r"1-D int32/int64 .* got \(2, 2\)"),
+                           (torch.arange(4, 8).float(), "got \\(4,\\) torch.float32"),
+                           (torch.arange(4, 7), "at least the step's 4 tokens, got \\(3,\\)")):
+            with pytest.raises(OmniPrefixCacheInputError, match=match):
+                manager.save_outputs(rows.to(backend.device), None, num_tokens_unpadded=4,
+                                     num_tokens_padded=4, slot_mapping=bad)
+        # the runner's buffer is longer than the step: its first n entries are the slots
+        mapping = torch.tensor([4, 5, 6, 7, -1, -1]).to(backend.device)
+        sid = manager.save_outputs(rows.to(backend.device), None, num_tokens_unpadded=4,
+                                   num_tokens_padded=4, slot_mapping=mapping)
+        assert torch.equal(manager.materialize(sid, ["a"]).hidden_states["a"], token_rows(a, 2))
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("staging_claim_timeout_s", math.inf, "finite positive"),
     ("staging_claim_timeout_s", math.nan, "finite positive"),
