@@ -16,9 +16,6 @@ import torch
 
 from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
 
-#: Spare done events kept for reuse; more in flight at once are created (and dropped) as before.
-MAX_SPARE_EVENTS = 64
-
 
 class _StreamScope:
     """`with` block on `stream`, restoring the previous current stream and current device on exit.
@@ -64,9 +61,6 @@ class AcceleratorBackend(DeviceBackend):
         self._device = torch.device(self.name, index)
         self.copy_stream = self.module.Stream(device=self._device)
         self._in_stream_tail: DeviceEvent | None = None
-        #: done events of released transfers (completed), recorded again by later moves:
-        #: creating and destroying a blocking event costs ~20 µs of the engine thread per save
-        self._spare_events: list[DeviceEvent] = []
 
     @property
     def device(self) -> torch.device:
@@ -79,10 +73,6 @@ class AcceleratorBackend(DeviceBackend):
         event = self.module.Event()
         event.record(self.module.current_stream(self._device))
         return event
-
-    def release_transfer(self, transfer: Transfer) -> None:
-        if transfer.event is not None and len(self._spare_events) < MAX_SPARE_EVENTS:
-            self._spare_events.append(transfer.event)
 
     def drain(self, timeout_s: float) -> bool:
         done = self.module.Event()
@@ -111,12 +101,9 @@ class AcceleratorBackend(DeviceBackend):
 
     def _record_done(self, in_stream: bool) -> DeviceEvent:
         """An event on the current stream, inside an `_issue_scope` block."""
-        try:
-            done = self._spare_events.pop()
-        except IndexError:
-            # blocking: a thread waiting on it sleeps in the driver instead of spinning there,
-            # where a spin contends with the engine thread's launches
-            done = self.module.Event(blocking=True)
+        # blocking: a thread waiting on it sleeps in the driver instead of spinning there,
+        # where a spin contends with the engine thread's launches
+        done = self.module.Event(blocking=True)
         done.record()
         if in_stream:
             self._in_stream_tail = done

@@ -158,9 +158,6 @@ class DeviceBackend(ABC):
         """Wait, at most `timeout_s`, for every copy issued so far; False if one is still running."""
         return True
 
-    def release_transfer(self, transfer: Transfer) -> None:
-        """`transfer` completed and nothing waits on it any more: its event may be reused."""
-
     def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private copy of `tensor` on its device, ordered on the current stream."""
         return tensor.detach().clone()

@@ -173,16 +173,45 @@ add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(request_slots_doc,
-"request_slots(req_ids, scheduled, index_of, computed, table, unit, out) -> rows written\n\n"
-"For each request r in order, its next scheduled[r] positions p from computed[index_of[r]]:\n"
-"out[i] = table[index_of[r], p // unit] * unit + p % unit. Raises, writing nothing past the\n"
-"request at fault, when a row or a block index falls outside the table.");
+/* Runs found so far: a new run extends the last one where it starts at the last one's end. */
+typedef struct {
+    int64_t *runs;
+    Py_ssize_t k, capacity;
+    int64_t low, high;
+} RunsOut;
+
+static int
+add_run(RunsOut *out, int64_t first, int64_t end)
+{
+    out->low = out->k == 0 || first < out->low ? first : out->low;
+    out->high = out->k == 0 || end - 1 > out->high ? end - 1 : out->high;
+    if (out->k > 0 && out->runs[2 * out->k - 1] == first) {
+        out->runs[2 * out->k - 1] = end;
+        return 0;
+    }
+    if (out->k == out->capacity) {
+        PyErr_Format(PyExc_ValueError, "request_runs: more than the %zd runs room was given for",
+                     out->capacity);
+        return -1;
+    }
+    out->runs[2 * out->k] = first;
+    out->runs[2 * out->k + 1] = end;
+    out->k++;
+    return 0;
+}
+
+PyDoc_STRVAR(request_runs_doc,
+"request_runs(req_ids, scheduled, index_of, computed, table, unit, runs) -> (k, min, max)\n\n"
+"The slots of each request's next scheduled[r] positions from computed[index_of[r]], with\n"
+"slot = table[index_of[r], p // unit] * unit + p % unit, as k runs of consecutive slots in\n"
+"runs[:k] (int64 [capacity, 2] of (first, end)), and their min and max slot ((0, -1) for\n"
+"none). Found a block at a time. Raises when a row or a block falls outside the table, or\n"
+"runs has too few rows.");
 
 static PyObject *
-request_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 7, "request_slots") < 0) {
+    if (check_args(nargs, 7, "request_runs") < 0) {
         return NULL;
     }
     long long unit = PyLong_AsLongLong(args[5]);
@@ -190,33 +219,35 @@ request_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (unit <= 0) {
-        return PyErr_Format(PyExc_ValueError, "request_slots: unit %lld must be positive", unit);
+        return PyErr_Format(PyExc_ValueError, "request_runs: unit %lld must be positive", unit);
     }
-    PyObject *req_ids = PySequence_Fast(args[0], "request_slots: req_ids must be a sequence");
+    PyObject *req_ids = PySequence_Fast(args[0], "request_runs: req_ids must be a sequence");
     if (req_ids == NULL) {
         return NULL;
     }
-    IntArray computed = {0}, table = {0}, out = {0};
+    IntArray computed = {0}, table = {0}, runs = {0};
     PyObject *result = NULL;
     int held = 0;
-    if (int_array(args[3], "request_slots: computed", 0, 1, &computed) < 0) {
+    if (int_array(args[3], "request_runs: computed", 0, 1, &computed) < 0) {
         goto done;
     }
     held = 1;
-    if (int_array(args[4], "request_slots: table", 0, 2, &table) < 0) {
+    if (int_array(args[4], "request_runs: table", 0, 2, &table) < 0) {
         goto done;
     }
     held = 2;
-    if (int_array(args[6], "request_slots: out", 1, 1, &out) < 0) {
+    if (int_array(args[6], "request_runs: runs", 1, 2, &runs) < 0) {
         goto done;
     }
     held = 3;
-    if (need_int64(&out, "request_slots: out") < 0) {
+    if (need_int64(&runs, "request_runs: runs") < 0 || runs.buf.shape[1] != 2) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "request_runs: runs must be [capacity, 2]");
+        }
         goto done;
     }
+    RunsOut out = {(int64_t *)runs.buf.buf, 0, runs.buf.shape[0], 0, -1};
     Py_ssize_t num_rows = table.buf.shape[0], width = table.buf.shape[1];
-    int64_t *dst = (int64_t *)out.buf.buf;
-    Py_ssize_t written = 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(req_ids); i++) {
         PyObject *req = PySequence_Fast_GET_ITEM(req_ids, i);
         int64_t count, row;
@@ -229,10 +260,9 @@ request_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          "rows", req, (long long)row, num_rows);
             goto done;
         }
-        if (count < 0 || count > out.len - written) {
-            PyErr_Format(PyExc_ValueError, "request %R: %lld scheduled tokens do not fit the "
-                         "%zd slots left of %zd", req, (long long)count, out.len - written,
-                         out.len);
+        if (count < 0) {
+            PyErr_Format(PyExc_ValueError, "request %R: %lld scheduled tokens", req,
+                         (long long)count);
             goto done;
         }
         int64_t first = get_at(&computed, row), last = first + count - 1;
@@ -242,20 +272,20 @@ request_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          width);
             goto done;
         }
-        /* a block at a time: one division per block, a run of consecutive slots in it */
-        for (int64_t p = first; p <= last;) {
-            int64_t block = p / unit, offset = p % unit;
-            int64_t run = unit - offset < last - p + 1 ? unit - offset : last - p + 1;
+        /* block by block: the first may start mid-block, every later one at its offset 0 */
+        int64_t offset = count ? first % unit : 0, left = count;
+        for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
+            int64_t run = unit - offset < left ? unit - offset : left;
             int64_t slot = get_at(&table, row * width + block) * unit + offset;
-            for (int64_t j = 0; j < run; j++) {
-                dst[written++] = slot + j;
+            if (add_run(&out, slot, slot + run) < 0) {
+                goto done;
             }
-            p += run;
+            left -= run;
         }
     }
-    result = PyLong_FromSsize_t(written);
+    result = Py_BuildValue("nLL", out.k, (long long)out.low, (long long)out.high);
 done:
-    if (held >= 3) PyBuffer_Release(&out.buf);
+    if (held >= 3) PyBuffer_Release(&runs.buf);
     if (held >= 2) PyBuffer_Release(&table.buf);
     if (held >= 1) PyBuffer_Release(&computed.buf);
     Py_DECREF(req_ids);
@@ -309,6 +339,91 @@ slot_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     PyBuffer_Release(&runs.buf);
     PyBuffer_Release(&slots.buf);
+    return result;
+}
+
+PyDoc_STRVAR(run_stats_doc,
+"run_stats(runs) -> (slots, min, max) of int64 runs [k, 2] of (first, end); (0, 0, -1) for\n"
+"none. Raises if a run is empty or reversed.");
+
+static PyObject *
+run_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_args(nargs, 1, "run_stats") < 0) {
+        return NULL;
+    }
+    IntArray runs;
+    if (int_array(args[0], "run_stats: runs", 0, 2, &runs) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (need_int64(&runs, "run_stats: runs") < 0 || runs.buf.shape[1] != 2) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "run_stats: runs must be [k, 2]");
+        }
+        goto done;
+    }
+    const int64_t *r = (const int64_t *)runs.buf.buf;
+    int64_t count = 0, low = 0, high = -1;
+    for (Py_ssize_t i = 0; i < runs.buf.shape[0]; i++) {
+        if (r[2 * i] >= r[2 * i + 1]) {
+            PyErr_Format(PyExc_ValueError, "run_stats: run %zd, %lld..%lld, is empty", i,
+                         (long long)r[2 * i], (long long)r[2 * i + 1]);
+            goto done;
+        }
+        count += r[2 * i + 1] - r[2 * i];
+        low = i == 0 || r[2 * i] < low ? r[2 * i] : low;
+        high = i == 0 || r[2 * i + 1] - 1 > high ? r[2 * i + 1] - 1 : high;
+    }
+    result = Py_BuildValue("LLL", (long long)count, (long long)low, (long long)high);
+done:
+    PyBuffer_Release(&runs.buf);
+    return result;
+}
+
+PyDoc_STRVAR(runs_slots_doc,
+"runs_slots(runs, out) -> None\n\n"
+"out = the slots of int64 runs [k, 2] of (first, end), in order; out is int64 and exactly\n"
+"as long as the runs hold slots.");
+
+static PyObject *
+runs_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_args(nargs, 2, "runs_slots") < 0) {
+        return NULL;
+    }
+    IntArray runs, out;
+    if (int_array(args[0], "runs_slots: runs", 0, 2, &runs) < 0) {
+        return NULL;
+    }
+    if (int_array(args[1], "runs_slots: out", 1, 1, &out) < 0) {
+        PyBuffer_Release(&runs.buf);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (need_int64(&runs, "runs_slots: runs") < 0 || need_int64(&out, "runs_slots: out") < 0) {
+        goto done;
+    }
+    const int64_t *r = (const int64_t *)runs.buf.buf;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; runs.buf.shape[1] == 2 && i < runs.buf.shape[0]; i++) {
+        total += r[2 * i + 1] > r[2 * i] ? r[2 * i + 1] - r[2 * i] : -1 - out.len;
+    }
+    if (runs.buf.shape[1] != 2 || total != out.len) {
+        PyErr_Format(PyExc_ValueError, "runs_slots: runs must be [k, 2] non-empty ranges of "
+                     "%zd slots in all", out.len);
+        goto done;
+    }
+    int64_t *dst = (int64_t *)out.buf.buf;
+    for (Py_ssize_t i = 0; i < runs.buf.shape[0]; i++) {
+        for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
+            *dst++ = slot;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&out.buf);
+    PyBuffer_Release(&runs.buf);
     return result;
 }
 
@@ -457,9 +572,11 @@ done:
 static PyMethodDef core_methods[] = {
     {"add_counts", (PyCFunction)(void (*)(void))add_counts, METH_FASTCALL, add_counts_doc},
     {"row_ends", (PyCFunction)(void (*)(void))row_ends, METH_FASTCALL, row_ends_doc},
-    {"request_slots", (PyCFunction)(void (*)(void))request_slots, METH_FASTCALL,
-     request_slots_doc},
+    {"request_runs", (PyCFunction)(void (*)(void))request_runs, METH_FASTCALL,
+     request_runs_doc},
     {"slot_runs", (PyCFunction)(void (*)(void))slot_runs, METH_FASTCALL, slot_runs_doc},
+    {"run_stats", (PyCFunction)(void (*)(void))run_stats, METH_FASTCALL, run_stats_doc},
+    {"runs_slots", (PyCFunction)(void (*)(void))runs_slots, METH_FASTCALL, runs_slots_doc},
     {"any_held", (PyCFunction)(void (*)(void))any_held, METH_FASTCALL, any_held_doc},
     {"fill_runs", (PyCFunction)(void (*)(void))fill_runs, METH_FASTCALL, fill_runs_doc},
     {NULL, NULL, 0, NULL},

@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prefix_cache.devices.base import Transfer
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.tasks import TaskState, WriteTask
 
@@ -46,12 +45,10 @@ class Committer:
     """
 
     def __init__(self, timeout_s: float, on_landed: Callable[[WriteTask], None],
-                 bind_thread: Callable[[], None],
-                 release_transfer: Callable[[Transfer], None]) -> None:
+                 bind_thread: Callable[[], None]) -> None:
         self._timeout_s = timeout_s
         self._on_landed = on_landed
         self._bind_thread = bind_thread
-        self._release_transfer = release_transfer  # a written task's transfers, done with
         self._queue: deque[WriteTask] = deque()
         self._cond = threading.Condition()  # the queue, the token and the thread's wake-ups
         self._landing = False
@@ -118,9 +115,6 @@ class Committer:
         except BaseException as exc:  # a failed write fails its task only
             task.fail(exc)
         finally:
-            if task.state is TaskState.WRITTEN:  # every copy completed: the backend may reuse
-                for transfer in task.transfers:
-                    self._release_transfer(transfer)
             task.transfers.clear()  # drop device clones and staging views
             task.chunks.clear()
             self._on_landed(task)

@@ -68,8 +68,6 @@ class DeferredWriter:
 
     def append(self, chunks: list[StepChunk], slots: np.ndarray, claim: int) -> None:
         """Add each request's chunk to its open write (opening one), then keep to the budget."""
-        if not chunks:
-            return
         for req_id, start, end, rows in chunks:
             nbytes = sum(t.numel() * t.element_size() for t in rows.values())
             chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), rows, nbytes)

@@ -18,6 +18,7 @@ import torch
 from prefix_cache import _core, devices
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
+from prefix_cache.runs import runs_slots
 
 
 class FullAttentionGroupView:
@@ -67,18 +68,27 @@ class FullAttentionGroupView:
 
     def step_slots_cpu(self, req_ids: Sequence[str],
                        num_scheduled_tokens: Mapping[str, int]) -> torch.Tensor:
+        return torch.from_numpy(runs_slots(self.step_slot_runs(req_ids, num_scheduled_tokens)))
+
+    def step_slot_runs(self, req_ids: Sequence[str],
+                       num_scheduled_tokens: Mapping[str, int]) -> np.ndarray:
+        """`step_slots_cpu` as runs of consecutive slots (`[k, 2]` of (first, end)), found a
+        block at a time: O(requests + blocks), whatever the step's tokens."""
         if not self._checked:
             self.check()
         table = self._table()
         ids = table.get_numpy_array() if hasattr(table, "get_numpy_array") \
             else table.get_cpu_tensor().numpy()
-        slots = np.empty(sum(map(num_scheduled_tokens.__getitem__, req_ids)), dtype=np.int64)
+        unit = int(table.block_size)
+        # a request's positions span at most count // unit + 2 blocks
+        tokens = sum(map(num_scheduled_tokens.__getitem__, req_ids))
+        runs = np.empty((tokens // unit + 2 * len(req_ids), 2), dtype=np.int64)
         try:
-            _core.request_slots(req_ids, num_scheduled_tokens,
-                                self.input_batch.req_id_to_index,
-                                np.asarray(self.input_batch.num_computed_tokens_cpu), ids,
-                                int(table.block_size), slots)
+            k, _, _ = _core.request_runs(req_ids, num_scheduled_tokens,
+                                         self.input_batch.req_id_to_index,
+                                         np.asarray(self.input_batch.num_computed_tokens_cpu),
+                                         ids, unit, runs)
         except (IndexError, KeyError) as exc:
             raise OmniPrefixCacheUnmatchError(
                 f"the runner's batch does not hold the scheduled positions: {exc}") from None
-        return torch.from_numpy(slots)
+        return runs[:k]

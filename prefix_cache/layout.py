@@ -1,8 +1,10 @@
 """Where a step's rows sit: each scheduled request's row range in batch order, and each row's slot.
 
-Built on the engine thread with a handful of numpy calls whatever the batch
-size; the per-request lookup table is only built when someone asks for it
-(hits, deferred keys, `materialize`), off the per-step fast path.
+Built on the engine thread in a few C calls whatever the batch size. A view
+that gives its slots as runs (`step_slot_runs`, as FullAttentionGroupView does)
+keeps the layout O(requests + blocks): the per-row slots and the per-request
+lookup table are only built when someone asks for them (hits, deferred keys, a
+host-side write, `materialize`), off the per-step fast path.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import torch
 
 from prefix_cache import _core
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.runs import slot_runs
+from prefix_cache.runs import runs_slots, slot_runs
 
 
 class GroupView(Protocol):
-    """Row order and slots of a step's outputs (see FullAttentionGroupView)."""
+    """Row order and slots of a step's outputs (see FullAttentionGroupView). A view may also
+    offer `step_slot_runs(req_ids, num_scheduled_tokens)`: the same slots as `[k, 2]` runs."""
 
     def batch_req_ids(self) -> Sequence[str]: ...
 
@@ -28,15 +31,27 @@ class GroupView(Protocol):
 
 
 class StepLayout:
-    """Rows `ends[i-1]:ends[i]` of the step belong to `order[i]`; row r was computed into `slots[r]`."""
+    """Rows `ends[i-1]:ends[i]` of the step belong to `order[i]`; row r was computed into
+    `slots[r]`, the slots `runs` holds as runs of consecutive slots (prefix_cache.runs)."""
 
-    def __init__(self, order: list[str], ends: np.ndarray, slots: np.ndarray,
-                 runs: np.ndarray) -> None:
+    def __init__(self, order: list[str], ends: np.ndarray, runs: np.ndarray,
+                 slots: np.ndarray | None = None) -> None:
         self.order = order
         self.ends = ends
-        self.slots = slots
-        self.runs = runs  # the slots as runs (see prefix_cache.runs)
+        self.runs = runs
+        self._slots = slots  # None: not built yet
         self._index: dict[str, int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    @property
+    def slots(self) -> np.ndarray:
+        """Each row's slot (int64), built from the runs on first use."""
+        if self._slots is None:
+            self._slots = runs_slots(self.runs)
+        return self._slots
 
     @classmethod
     def of_step(cls, view: GroupView, scheduled: Mapping[str, int], num_rows: int,
@@ -49,17 +64,24 @@ class StepLayout:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: {num_rows} rows but the batch {order} schedules {total} tokens "
                 f"for {len(order)} of {len(scheduled)} scheduled requests")
-        slots = np.ascontiguousarray(view.step_slots_cpu(order, scheduled).numpy(),
-                                     dtype=np.int64)
-        if len(slots) != num_rows:
+        runs_of = getattr(view, "step_slot_runs", None)
+        if runs_of is not None:
+            slots = None
+            runs = runs_of(order, scheduled)
+            given, low, high = _core.run_stats(runs)
+        else:
+            slots = np.ascontiguousarray(view.step_slots_cpu(order, scheduled).numpy(),
+                                         dtype=np.int64)
+            runs, low, high = slot_runs(slots)
+            given = len(slots)
+        if given != num_rows:
             raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: the view gave {len(slots)} slots for {num_rows} rows")
-        runs, low, high = slot_runs(slots)
+                f"save_outputs: the view gave {given} slots for {num_rows} rows")
         if num_rows and (low < block_size or high >= num_slots):
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: slots outside 1..{num_slots // block_size - 1} blocks "
                 f"(min {low}, max {high}); block 0 is vLLM's null block")
-        return cls(order, ends, slots, runs)
+        return cls(order, ends, runs, slots)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._lookup()

@@ -125,8 +125,7 @@ class OmniPrefixCacheManager:
         self._deferred = DeferredWriter(self.pool, self.backend, self._tasks, self._lock,
                                         self._launch, config.gpu_budget_bytes, timeout)
         self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout)
-        self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread,
-                                    self.backend.release_transfer)
+        self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
 
     # ------------------------------------------------------------------ public API
 
@@ -218,7 +217,7 @@ class OmniPrefixCacheManager:
             layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
                                         self.config.block_size, self.pool.num_slots)
             try:
-                self._check_hits(pending.hit_spans, layout.slots, outputs)
+                self._check_hits(pending.hit_spans, layout, outputs)
             except OmniPrefixCacheUnmatchError:
                 self._pending = None  # no retry can serve those positions: the step is lost
                 raise
@@ -387,13 +386,13 @@ class OmniPrefixCacheManager:
             for pool_key in allocated:
                 self.pool.install(pool_key)
 
-    def _check_hits(self, spans: Mapping[str, tuple[int, np.ndarray]], step_slots: np.ndarray,
+    def _check_hits(self, spans: Mapping[str, tuple[int, np.ndarray]], layout: StepLayout,
                     outputs: StepOutputs) -> None:
         """A hit on hidden rows nobody wrote, or on any rows a failed write lost (and this
         step does not write again), is fatal; checked before any claim."""
         keys = outputs.feature_shapes()
         for req_id, (h, hit_slots) in spans.items():
-            rewritten = np.isin(hit_slots, step_slots)
+            rewritten = np.isin(hit_slots, layout.slots)
             with self._lock:
                 for key in keys:
                     lost = self.pool.lost(key, hit_slots) & ~rewritten
@@ -451,8 +450,7 @@ class OmniPrefixCacheManager:
         Everything that can fail for want of memory runs before the claim, so a
         failure there leaves the pool as it was.
         """
-        slots = layout.slots
-        n = len(slots)
+        n = layout.num_rows
         in_stream = self._in_stream
         immediate = {k: self._private(v) for k, v in outputs.immediate.items()}
         deferred = {k: self._private(v) for k, v in outputs.deferred.items()}
@@ -477,19 +475,22 @@ class OmniPrefixCacheManager:
         if task is not None:
             if task.staging_slot is not None:
                 self.staging.hold(slot, ("write", task.task_id))
-            write_slots = torch.from_numpy(slots) if device_slots is None else device_slots
+            write_slots = torch.from_numpy(layout.slots) if device_slots is None \
+                else device_slots
             self._launch(task, (
                 self.backend.scatter_rows(
-                    rows if rows.dim() == 2 else rows.reshape(n, -1), write_slots, self.pool.keys[key].storage, ready=ready,
+                    rows if rows.dim() == 2 else rows.reshape(n, -1), write_slots,
+                    self.pool.keys[key].storage, ready=ready,
                     staging=(self.staging.buffer(slot, key, self.pool.keys[key].row_width,
                                                  rows.dtype)
                              if task.staging_slot is not None else None),
                     in_stream=in_stream)
                 for key, rows in immediate.items()), False)
-        self._deferred.append(chunks, slots, claim)
+        if chunks:
+            self._deferred.append(chunks, layout.slots, claim)
         record = _StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                              {}, host_rows, {}, leftover)
-        self._plan_reads(record, immediate.keys(), slots, claim, task, spans)
+        self._plan_reads(record, immediate.keys(), claim, task, spans)
         self._stats.add(rows_saved=n, miss_tokens=n, bytes_saved=sum(
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
@@ -565,14 +566,14 @@ class OmniPrefixCacheManager:
 
     # ------------------------------------------------------------------ reads
 
-    def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], slots: np.ndarray,
-                    claim: int, task: WriteTask | None,
-                    spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
+    def _plan_reads(self, record: _StepRecord, immediate: Iterable[str], claim: int,
+                    task: WriteTask | None, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
         """Bind this step's and its hits' reads to the writes producing them; they hold their
         rows until resolved (see ReadPlanner)."""
+        layout = record.layout
         with self._lock:
-            record.step_reads = self._reads.plan_step(record.step_id, immediate, slots, claim,
-                                                      task)
+            record.step_reads = self._reads.plan_step(
+                record.step_id, immediate, lambda: layout.slots, layout.num_rows, claim, task)
             for req_id, (h, hit_slots) in spans.items():
                 if req_id not in record.layout:
                     continue

@@ -49,12 +49,12 @@ class RowRead:
     write claims its slots and the rows it gathers are the ones it was planned on.
     """
 
-    def __init__(self, what: str, key: str, slots: np.ndarray, present: np.ndarray | None,
-                 producers: list[WriteTask], num_rows: int, width: int,
-                 dtype: torch.dtype, *, claim: int | None = None) -> None:
+    def __init__(self, what: str, key: str, slots: np.ndarray | Callable[[], np.ndarray],
+                 present: np.ndarray | None, producers: list[WriteTask], num_rows: int,
+                 width: int, dtype: torch.dtype, *, claim: int | None = None) -> None:
         self.what = what
         self.key = key
-        self.slots = slots
+        self._slots = slots  # or what builds them, called by the first thread that needs them
         self.present = present  # None: every row is present
         self.claim = claim  # a step's read: the claim its step wrote the rows under
         self.producers = producers
@@ -65,6 +65,12 @@ class RowRead:
         self.error: BaseException | None = None
         self.done = Latch()
         self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> np.ndarray:
+        if callable(self._slots):
+            self._slots = self._slots()
+        return self._slots
 
     @property
     def nbytes(self) -> int:
@@ -190,11 +196,10 @@ class ReadPlanner:
         self._prefetcher = Prefetcher(pool, timeout_s, self.release)
         self.copy_on_write_reads = 0
 
-    def plan_step(self, step_id: int, keys: Iterable[str], slots: np.ndarray, claim: int,
-                  task: WriteTask | None) -> dict[str, RowRead]:
-        """Reads of every row a step writes under `claim`, bound to its write (caller holds
-        the lock); O(keys), whatever the step's size."""
-        n = len(slots)
+    def plan_step(self, step_id: int, keys: Iterable[str], slots: Callable[[], np.ndarray],
+                  n: int, claim: int, task: WriteTask | None) -> dict[str, RowRead]:
+        """Reads of the `n` rows a step writes under `claim` (at the slots `slots()` gives),
+        bound to its write (caller holds the lock); O(keys), whatever the step's size."""
         reads = {key: RowRead(f"step {step_id}", key, slots, None, [task] if task else [], n,
                               self._pool.keys[key].row_width, self._pool.keys[key].dtype,
                               claim=claim)

@@ -22,6 +22,6 @@ def slot_runs(slots: np.ndarray) -> tuple[np.ndarray, int, int]:
 
 def runs_slots(runs: np.ndarray) -> np.ndarray:
     """The slots of `runs`, in order (the inverse of `slot_runs`)."""
-    lengths = runs[:, 1] - runs[:, 0]
-    firsts = np.repeat(runs[:, 0] - (np.cumsum(lengths) - lengths), lengths)
-    return firsts + np.arange(int(lengths.sum()), dtype=np.int64)
+    slots = np.empty(_core.run_stats(runs)[0], dtype=np.int64)
+    _core.runs_slots(runs, slots)
+    return slots

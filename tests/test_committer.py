@@ -13,8 +13,7 @@ from tests.faults import GatedEvent
 
 def test_concurrent_sweeps_and_waiters_land_every_write_once_in_launch_order() -> None:
     landed: list[int] = []
-    committer = Committer(10.0, lambda task: landed.append(task.task_id), lambda: None,
-                          lambda transfer: None)
+    committer = Committer(10.0, lambda task: landed.append(task.task_id), lambda: None)
     copies = [threading.Event() for _ in range(200)]  # set: that write's copy completed
     tasks = []
     for i, copy in enumerate(copies):

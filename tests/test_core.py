@@ -42,34 +42,40 @@ def batches(draw):
     return req_ids, scheduled, index_of, computed, table.reshape(num_rows, width), unit
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(batches())
-def test_request_slots_match_the_runner_formula(batch) -> None:
+def test_request_runs_hold_the_runner_formula_slots(batch) -> None:
     req_ids, scheduled, index_of, computed, table, unit = batch
     expected = _numpy_slots(*batch)
-    out = np.full(len(expected) + 3, -7, dtype=np.int64)
+    tokens = sum(scheduled[r] for r in req_ids)
+    runs = np.full((tokens // unit + 2 * len(req_ids), 2), -7, dtype=np.int64)
 
-    assert _core.request_slots(req_ids, scheduled, index_of, computed, table, unit, out) \
-        == len(expected)
-    assert out[: len(expected)].tolist() == expected.tolist()
-    assert out[len(expected):].tolist() == [-7] * 3  # nothing past the rows it wrote
+    k, low, high = _core.request_runs(req_ids, scheduled, index_of, computed, table, unit, runs)
+
+    found = runs[:k]
+    assert runs_slots(found).tolist() == expected.tolist()
+    assert (found[:, 1] > found[:, 0]).all() and (found[1:, 0] != found[:-1, 1]).all()
+    assert (low, high) == ((expected.min(), expected.max()) if len(expected) else (0, -1))
+    assert _core.run_stats(runs[:k]) == (len(expected), low, high)
 
 
-def test_request_slots_refuses_positions_past_the_table_and_short_output() -> None:
+def test_request_runs_refuses_positions_past_the_table_and_too_few_runs() -> None:
     table = np.arange(8, dtype=np.int32).reshape(2, 4)
     computed = np.array([14, 0], dtype=np.int32)
     index_of = {"a": 0, "b": 1}
-    out = np.zeros(8, dtype=np.int64)
+    runs = np.zeros((8, 2), dtype=np.int64)
 
     with pytest.raises(IndexError, match="'a'.*14..16 need blocks past the table's 4"):
-        _core.request_slots(["a"], {"a": 3}, index_of, computed, table, 4, out)
+        _core.request_runs(["a"], {"a": 3}, index_of, computed, table, 4, runs)
     with pytest.raises(IndexError, match="batch row 5"):
-        _core.request_slots(["a"], {"a": 1}, {"a": 5}, computed, table, 4, out)
-    with pytest.raises(ValueError, match="'b'.*9 scheduled tokens do not fit"):
-        _core.request_slots(["b"], {"b": 9}, index_of, computed, table, 4, out)
+        _core.request_runs(["a"], {"a": 1}, {"a": 5}, computed, table, 4, runs)
     with pytest.raises(KeyError, match="'c'"):
-        _core.request_slots(["c"], {"c": 1}, index_of, computed, table, 4, out)
-    assert not out.any()
+        _core.request_runs(["c"], {"c": 1}, index_of, computed, table, 4, runs)
+    scattered = np.array([[7, 5, 3, 1]], dtype=np.int32)  # blocks that never touch
+    with pytest.raises(ValueError, match="more than the 2 runs"):
+        _core.request_runs(["b"], {"b": 12}, {"b": 0}, np.zeros(1, dtype=np.int32), scattered,
+                           4, runs[:2])
+    assert not runs[2:].any()
 
 
 def test_row_ends() -> None:

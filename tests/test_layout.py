@@ -6,6 +6,7 @@ import pytest
 
 from prefix_cache import OmniPrefixCacheUnmatchError
 from prefix_cache.layout import StepLayout
+from prefix_cache.runs import slot_runs
 from tests.sim import StepDriver
 
 BS = 4
@@ -51,3 +52,37 @@ def test_slots_in_the_null_block_are_refused() -> None:
     driver.step(new=[("a", [1, 2], [0], 0, 2)])
     with pytest.raises(OmniPrefixCacheUnmatchError, match="null block"):
         StepLayout.of_step(driver, {"a": 2}, 2, BS, 64)
+
+
+class _RunsView:
+    """A view that also gives its slots as runs (as FullAttentionGroupView does)."""
+
+    def __init__(self, driver: StepDriver) -> None:
+        self.driver = driver
+
+    def batch_req_ids(self):
+        return self.driver.batch_req_ids()
+
+    def step_slots_cpu(self, req_ids, scheduled):
+        raise AssertionError("a view with runs is never asked for per-row slots")
+
+    def step_slot_runs(self, req_ids, scheduled):
+        return slot_runs(self.driver.step_slots_cpu(req_ids, scheduled).numpy())[0]
+
+
+def test_a_view_with_runs_gives_the_same_layout_and_the_same_refusals() -> None:
+    driver = StepDriver(block_size=BS)
+    driver.step(new=[("a", list(range(6)), [1, 2], 0, 6), ("b", [7, 8, 9], [5], 0, 3),
+                     ("c", [3], [4], 0, 1)])
+    driver.batch = ["c", "a", "b"]
+    scheduled = {"a": 6, "b": 3, "c": 1}
+    by_slots = StepLayout.of_step(driver, scheduled, 10, BS, 64)
+    by_runs = StepLayout.of_step(_RunsView(driver), scheduled, 10, BS, 64)
+
+    assert by_runs.runs.tolist() == by_slots.runs.tolist() == [[16, 17], [4, 10], [20, 23]]
+    assert by_runs.slots.tolist() == by_slots.slots.tolist()
+    assert list(by_runs.items()) == list(by_slots.items())
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"slots outside 1..3 blocks"):
+        StepLayout.of_step(_RunsView(driver), scheduled, 10, BS, 16)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="rows but the batch"):
+        StepLayout.of_step(_RunsView(driver), scheduled, 9, BS, 64)
