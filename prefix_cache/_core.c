@@ -1,49 +1,97 @@
-/* prefix_cache._core: the per-slot passes of a step's bookkeeping, one C loop each.
+/* prefix_cache._core: the per-request and per-slot loops of a step's bookkeeping, in C.
  *
  * numpy costs 1.5-2 us a call before it touches a slot, and a step's layout, claim
  * and write record took about fifteen calls; these functions do the same work in
- * a few calls of well under a microsecond plus under a nanosecond a slot. They read
- * and write arrays through the buffer protocol (C-contiguous, native signed ints),
- * check every index before it is used, and leave a table they fill unchanged when
- * they raise (an output buffer may hold the rows written before the error).
+ * a few calls of well under a microsecond, plus a pass over the step's runs of
+ * consecutive slots (a block at a time) or, for the per-slot tables, a range fill.
+ * They read and write arrays through the buffer protocol (C-contiguous, native
+ * signed ints), check every index before it is used, and leave a table they fill
+ * unchanged when they raise (an output buffer may hold what was written before).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
-/* A 1-D or 2-D C-contiguous array of 4- or 8-byte signed integers. */
+/* A borrowed 1-D or 2-D C-contiguous array of 4- or 8-byte signed integers. */
 typedef struct {
     Py_buffer buf;
     Py_ssize_t len;  /* elements */
     int wide;        /* 8-byte elements */
+    int held;        /* buf must be released */
 } IntArray;
 
+/* What a function takes at args[index]: `cols` 2 for [k, 2] runs, 0 for any. */
+typedef struct {
+    Py_ssize_t index;
+    const char *name;
+    int writable, ndim, cols, int64_only, optional;  /* optional: None borrows nothing */
+} ArraySpec;
+
 static int
-int_array(PyObject *obj, const char *name, int writable, int ndim, IntArray *out)
+borrow(PyObject *obj, const ArraySpec *spec, IntArray *out)
 {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    out->held = 0;
+    out->len = 0;
+    if (spec->optional && obj == Py_None) {
+        return 0;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (spec->writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &out->buf, flags) < 0) {
         PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous%s integer array, got %.80s",
-                     name, writable ? " writable" : "", Py_TYPE(obj)->tp_name);
+                     spec->name, spec->writable ? " writable" : "", Py_TYPE(obj)->tp_name);
         return -1;
     }
+    out->held = 1;
     const char *fmt = out->buf.format ? out->buf.format : "B";
     while (*fmt == '@' || *fmt == '=' || *fmt == '<') {
         fmt++;
     }
     Py_ssize_t size = out->buf.itemsize;
-    int ok = fmt[1] == '\0' && out->buf.ndim == ndim &&
-             ((size == 4 && (*fmt == 'i' || *fmt == 'l')) ||
-              (size == 8 && (*fmt == 'l' || *fmt == 'q')));
-    if (!ok) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a %d-D int32 or int64 array, got format "
-                     "'%s', %zd-byte items, %d dims", name, ndim, out->buf.format, size,
+    int integer = fmt[1] == '\0' && ((size == 4 && (*fmt == 'i' || *fmt == 'l')) ||
+                                     (size == 8 && (*fmt == 'l' || *fmt == 'q')));
+    if (!integer || out->buf.ndim != spec->ndim || (spec->int64_only && size != 8)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a %d-D %s array, got format '%s', "
+                     "%zd-byte items, %d dims", spec->name, spec->ndim,
+                     spec->int64_only ? "int64" : "int32 or int64", out->buf.format, size,
                      out->buf.ndim);
-        PyBuffer_Release(&out->buf);
+        return -1;
+    }
+    if (spec->cols && out->buf.shape[1] != spec->cols) {
+        PyErr_Format(PyExc_ValueError, "%s: expected [k, %d] runs, got [%zd, %zd]", spec->name,
+                     spec->cols, out->buf.shape[0], out->buf.shape[1]);
         return -1;
     }
     out->len = out->buf.len / size;
     out->wide = size == 8;
+    return 0;
+}
+
+static void
+release(IntArray *arrays, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (arrays[i].held) {
+            PyBuffer_Release(&arrays[i].buf);
+            arrays[i].held = 0;
+        }
+    }
+}
+
+/* Check the argument count, then borrow each spec's array; on failure nothing stays borrowed. */
+static int
+borrow_all(const char *fn, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+           const ArraySpec *specs, Py_ssize_t n, IntArray *arrays)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", fn, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (borrow(args[specs[i].index], &specs[i], &arrays[i]) < 0) {
+            release(arrays, i + 1);
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -53,23 +101,20 @@ get_at(const IntArray *a, Py_ssize_t i)
     return a->wide ? ((const int64_t *)a->buf.buf)[i] : ((const int32_t *)a->buf.buf)[i];
 }
 
-static int
-need_int64(const IntArray *a, const char *name)
+static inline int64_t *
+int64s(const IntArray *a)
 {
-    if (!a->wide) {
-        PyErr_Format(PyExc_TypeError, "%s: expected an int64 array", name);
-        return -1;
-    }
-    return 0;
+    return (int64_t *)a->buf.buf;
 }
 
 static int
-check_args(Py_ssize_t nargs, Py_ssize_t want, const char *fn)
+int_arg(PyObject *obj, int64_t *out)
 {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", fn, want, nargs);
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
         return -1;
     }
+    *out = v;
     return 0;
 }
 
@@ -89,58 +134,25 @@ mapping_int(PyObject *mapping, PyObject *key, const char *what, int64_t *out)
     if (value == NULL) {
         return -1;
     }
-    long long v = PyLong_AsLongLong(value);
+    int status = int_arg(value, out);
     Py_DECREF(value);
-    if (v == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    *out = v;
-    return 0;
+    return status;
 }
 
-PyDoc_STRVAR(row_ends_doc,
-"row_ends(order, scheduled, ends) -> (total, smallest count)\n\n"
-"ends[i] = scheduled[order[0]] + ... + scheduled[order[i]] (int64 ends, len(order) long).");
-
-static PyObject *
-row_ends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Raise unless each of the k runs is a non-empty range within [0, limit). */
+static int
+check_runs(const IntArray *runs, Py_ssize_t limit, const char *name)
 {
-    if (check_args(nargs, 3, "row_ends") < 0) {
-        return NULL;
-    }
-    PyObject *order = PySequence_Fast(args[0], "row_ends: order must be a sequence");
-    if (order == NULL) {
-        return NULL;
-    }
-    IntArray ends;
-    if (int_array(args[2], "row_ends: ends", 1, 1, &ends) < 0) {
-        Py_DECREF(order);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(order);
-    if (need_int64(&ends, "row_ends: ends") < 0) {
-        goto done;
-    }
-    if (ends.len != k) {
-        PyErr_Format(PyExc_ValueError, "row_ends: %zd ends for %zd requests", ends.len, k);
-        goto done;
-    }
-    int64_t total = 0, smallest = INT64_MAX, count;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        if (mapping_int(args[1], PySequence_Fast_GET_ITEM(order, i), "scheduled tokens",
-                     &count) < 0) {
-            goto done;
+    const int64_t *r = int64s(runs);
+    for (Py_ssize_t i = 0; i < runs->buf.shape[0]; i++) {
+        if (r[2 * i] < 0 || r[2 * i] >= r[2 * i + 1] || r[2 * i + 1] > limit) {
+            PyErr_Format(PyExc_IndexError, "%s: run %zd, slots %lld..%lld, is not a range "
+                         "within 0..%zd", name, i, (long long)r[2 * i],
+                         (long long)r[2 * i + 1] - 1, limit - 1);
+            return -1;
         }
-        total += count;
-        ((int64_t *)ends.buf.buf)[i] = total;
-        smallest = count < smallest ? count : smallest;
     }
-    result = Py_BuildValue("LL", (long long)total, (long long)(k ? smallest : 0));
-done:
-    PyBuffer_Release(&ends.buf);
-    Py_DECREF(order);
-    return result;
+    return 0;
 }
 
 PyDoc_STRVAR(add_counts_doc,
@@ -150,7 +162,7 @@ PyDoc_STRVAR(add_counts_doc,
 static PyObject *
 add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 2, "add_counts") < 0) {
+    if (borrow_all("add_counts", args, nargs, 2, NULL, 0, NULL) < 0) {
         return NULL;
     }
     if (!PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
@@ -171,6 +183,45 @@ add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(sum);
     }
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(row_ends_doc,
+"row_ends(order, scheduled, ends) -> (total, smallest count)\n\n"
+"ends[i] = scheduled[order[0]] + ... + scheduled[order[i]] (int64 ends, len(order) long).");
+
+static PyObject *
+row_ends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{2, "row_ends: ends", 1, 1, 0, 1, 0}};
+    IntArray ends;
+    if (borrow_all("row_ends", args, nargs, 3, specs, 1, &ends) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    PyObject *order = PySequence_Fast(args[0], "row_ends: order must be a sequence");
+    if (order == NULL) {
+        goto done;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(order);
+    if (ends.len != k) {
+        PyErr_Format(PyExc_ValueError, "row_ends: %zd ends for %zd requests", ends.len, k);
+        goto done;
+    }
+    int64_t total = 0, smallest = INT64_MAX, count;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (mapping_int(args[1], PySequence_Fast_GET_ITEM(order, i), "scheduled tokens",
+                        &count) < 0) {
+            goto done;
+        }
+        total += count;
+        int64s(&ends)[i] = total;
+        smallest = count < smallest ? count : smallest;
+    }
+    result = Py_BuildValue("LL", (long long)total, (long long)(k ? smallest : 0));
+done:
+    Py_XDECREF(order);
+    release(&ends, 1);
+    return result;
 }
 
 /* Runs found so far: a new run extends the last one where it starts at the last one's end. */
@@ -211,43 +262,30 @@ PyDoc_STRVAR(request_runs_doc,
 static PyObject *
 request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 7, "request_runs") < 0) {
+    static const ArraySpec specs[] = {{3, "request_runs: computed", 0, 1, 0, 0, 0},
+                                      {4, "request_runs: table", 0, 2, 0, 0, 0},
+                                      {6, "request_runs: runs", 1, 2, 2, 1, 0}};
+    IntArray a[3];
+    if (borrow_all("request_runs", args, nargs, 7, specs, 3, a) < 0) {
         return NULL;
     }
-    long long unit = PyLong_AsLongLong(args[5]);
-    if (unit == -1 && PyErr_Occurred()) {
-        return NULL;
+    const IntArray *computed = &a[0], *table = &a[1];
+    PyObject *result = NULL, *req_ids = NULL;
+    int64_t unit;
+    if (int_arg(args[5], &unit) < 0) {
+        goto done;
     }
     if (unit <= 0) {
-        return PyErr_Format(PyExc_ValueError, "request_runs: unit %lld must be positive", unit);
+        PyErr_Format(PyExc_ValueError, "request_runs: unit %lld must be positive",
+                     (long long)unit);
+        goto done;
     }
-    PyObject *req_ids = PySequence_Fast(args[0], "request_runs: req_ids must be a sequence");
+    req_ids = PySequence_Fast(args[0], "request_runs: req_ids must be a sequence");
     if (req_ids == NULL) {
-        return NULL;
-    }
-    IntArray computed = {0}, table = {0}, runs = {0};
-    PyObject *result = NULL;
-    int held = 0;
-    if (int_array(args[3], "request_runs: computed", 0, 1, &computed) < 0) {
         goto done;
     }
-    held = 1;
-    if (int_array(args[4], "request_runs: table", 0, 2, &table) < 0) {
-        goto done;
-    }
-    held = 2;
-    if (int_array(args[6], "request_runs: runs", 1, 2, &runs) < 0) {
-        goto done;
-    }
-    held = 3;
-    if (need_int64(&runs, "request_runs: runs") < 0 || runs.buf.shape[1] != 2) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "request_runs: runs must be [capacity, 2]");
-        }
-        goto done;
-    }
-    RunsOut out = {(int64_t *)runs.buf.buf, 0, runs.buf.shape[0], 0, -1};
-    Py_ssize_t num_rows = table.buf.shape[0], width = table.buf.shape[1];
+    RunsOut out = {int64s(&a[2]), 0, a[2].buf.shape[0], 0, -1};
+    Py_ssize_t num_rows = table->buf.shape[0], width = table->buf.shape[1];
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(req_ids); i++) {
         PyObject *req = PySequence_Fast_GET_ITEM(req_ids, i);
         int64_t count, row;
@@ -255,7 +293,7 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 mapping_int(args[2], req, "batch row", &row) < 0) {
             goto done;
         }
-        if (row < 0 || row >= num_rows || row >= computed.len) {
+        if (row < 0 || row >= num_rows || row >= computed->len) {
             PyErr_Format(PyExc_IndexError, "request %R: batch row %lld outside the table's %zd "
                          "rows", req, (long long)row, num_rows);
             goto done;
@@ -265,7 +303,7 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (long long)count);
             goto done;
         }
-        int64_t first = get_at(&computed, row), last = first + count - 1;
+        int64_t first = get_at(computed, row), last = first + count - 1;
         if (count && (first < 0 || last / unit >= width)) {
             PyErr_Format(PyExc_IndexError, "request %R: positions %lld..%lld need blocks past "
                          "the table's %zd per request", req, (long long)first, (long long)last,
@@ -276,7 +314,7 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int64_t offset = count ? first % unit : 0, left = count;
         for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
             int64_t run = unit - offset < left ? unit - offset : left;
-            int64_t slot = get_at(&table, row * width + block) * unit + offset;
+            int64_t slot = get_at(table, row * width + block) * unit + offset;
             if (add_run(&out, slot, slot + run) < 0) {
                 goto done;
             }
@@ -285,10 +323,8 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     result = Py_BuildValue("nLL", out.k, (long long)out.low, (long long)out.high);
 done:
-    if (held >= 3) PyBuffer_Release(&runs.buf);
-    if (held >= 2) PyBuffer_Release(&table.buf);
-    if (held >= 1) PyBuffer_Release(&computed.buf);
-    Py_DECREF(req_ids);
+    Py_XDECREF(req_ids);
+    release(a, 3);
     return result;
 }
 
@@ -300,45 +336,34 @@ PyDoc_STRVAR(slot_runs_doc,
 static PyObject *
 slot_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 2, "slot_runs") < 0) {
-        return NULL;
-    }
-    IntArray slots, runs;
-    if (int_array(args[0], "slot_runs: slots", 0, 1, &slots) < 0) {
-        return NULL;
-    }
-    if (int_array(args[1], "slot_runs: runs", 1, 2, &runs) < 0) {
-        PyBuffer_Release(&slots.buf);
+    static const ArraySpec specs[] = {{0, "slot_runs: slots", 0, 1, 0, 1, 0},
+                                      {1, "slot_runs: runs", 1, 2, 2, 1, 0}};
+    IntArray a[2];
+    if (borrow_all("slot_runs", args, nargs, 2, specs, 2, a) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (need_int64(&slots, "slot_runs: slots") < 0 || need_int64(&runs, "slot_runs: runs") < 0) {
+    const int64_t *s = int64s(&a[0]);
+    Py_ssize_t n = a[0].len;
+    if (a[1].buf.shape[0] < n) {
+        PyErr_Format(PyExc_ValueError, "slot_runs: runs must be [>= %zd, 2], got [%zd, 2]", n,
+                     a[1].buf.shape[0]);
         goto done;
     }
-    if (runs.buf.shape[1] != 2 || runs.buf.shape[0] < slots.len) {
-        PyErr_Format(PyExc_ValueError, "slot_runs: runs must be [>= %zd, 2], got [%zd, %zd]",
-                     slots.len, runs.buf.shape[0], runs.buf.shape[1]);
-        goto done;
-    }
-    const int64_t *s = (const int64_t *)slots.buf.buf;
-    int64_t *r = (int64_t *)runs.buf.buf;
-    int64_t lo = 0, hi = -1;
-    Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < slots.len; k++) {
-        Py_ssize_t j = i + 1;
-        while (j < slots.len && s[j] == s[j - 1] + 1) {
-            j++;
+    RunsOut out = {int64s(&a[1]), 0, a[1].buf.shape[0], 0, -1};
+    for (Py_ssize_t i = 0, j; i < n; i = j) {
+        /* a run ends where the next slot does not follow the last */
+        for (j = i + 1; j < n && s[j] == s[j - 1] + 1; j++) {
         }
-        r[2 * k] = s[i];
-        r[2 * k + 1] = s[j - 1] + 1;
-        lo = (k == 0 || s[i] < lo) ? s[i] : lo;
-        hi = (k == 0 || s[j - 1] > hi) ? s[j - 1] : hi;
-        i = j;
+        out.runs[2 * out.k] = s[i];
+        out.runs[2 * out.k + 1] = s[j - 1] + 1;
+        out.low = out.k == 0 || s[i] < out.low ? s[i] : out.low;
+        out.high = out.k == 0 || s[j - 1] > out.high ? s[j - 1] : out.high;
+        out.k++;
     }
-    result = Py_BuildValue("nLL", k, (long long)lo, (long long)hi);
+    result = Py_BuildValue("nLL", out.k, (long long)out.low, (long long)out.high);
 done:
-    PyBuffer_Release(&runs.buf);
-    PyBuffer_Release(&slots.buf);
+    release(a, 2);
     return result;
 }
 
@@ -349,21 +374,13 @@ PyDoc_STRVAR(run_stats_doc,
 static PyObject *
 run_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 1, "run_stats") < 0) {
-        return NULL;
-    }
+    static const ArraySpec specs[] = {{0, "run_stats: runs", 0, 2, 2, 1, 0}};
     IntArray runs;
-    if (int_array(args[0], "run_stats: runs", 0, 2, &runs) < 0) {
+    if (borrow_all("run_stats", args, nargs, 1, specs, 1, &runs) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (need_int64(&runs, "run_stats: runs") < 0 || runs.buf.shape[1] != 2) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "run_stats: runs must be [k, 2]");
-        }
-        goto done;
-    }
-    const int64_t *r = (const int64_t *)runs.buf.buf;
+    const int64_t *r = int64s(&runs);
     int64_t count = 0, low = 0, high = -1;
     for (Py_ssize_t i = 0; i < runs.buf.shape[0]; i++) {
         if (r[2 * i] >= r[2 * i + 1]) {
@@ -377,7 +394,7 @@ run_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     result = Py_BuildValue("LLL", (long long)count, (long long)low, (long long)high);
 done:
-    PyBuffer_Release(&runs.buf);
+    release(&runs, 1);
     return result;
 }
 
@@ -389,70 +406,33 @@ PyDoc_STRVAR(runs_slots_doc,
 static PyObject *
 runs_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 2, "runs_slots") < 0) {
-        return NULL;
-    }
-    IntArray runs, out;
-    if (int_array(args[0], "runs_slots: runs", 0, 2, &runs) < 0) {
-        return NULL;
-    }
-    if (int_array(args[1], "runs_slots: out", 1, 1, &out) < 0) {
-        PyBuffer_Release(&runs.buf);
+    static const ArraySpec specs[] = {{0, "runs_slots: runs", 0, 2, 2, 1, 0},
+                                      {1, "runs_slots: out", 1, 1, 0, 1, 0}};
+    IntArray a[2];
+    if (borrow_all("runs_slots", args, nargs, 2, specs, 2, a) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (need_int64(&runs, "runs_slots: runs") < 0 || need_int64(&out, "runs_slots: out") < 0) {
+    const int64_t *r = int64s(&a[0]);
+    Py_ssize_t total = 0, k = a[0].buf.shape[0];
+    for (Py_ssize_t i = 0; i < k && total >= 0; i++) {
+        total = r[2 * i + 1] > r[2 * i] ? total + (r[2 * i + 1] - r[2 * i]) : -1;
+    }
+    if (total != a[1].len) {
+        PyErr_Format(PyExc_ValueError, "runs_slots: runs must be non-empty ranges of %zd slots "
+                     "in all", a[1].len);
         goto done;
     }
-    const int64_t *r = (const int64_t *)runs.buf.buf;
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; runs.buf.shape[1] == 2 && i < runs.buf.shape[0]; i++) {
-        total += r[2 * i + 1] > r[2 * i] ? r[2 * i + 1] - r[2 * i] : -1 - out.len;
-    }
-    if (runs.buf.shape[1] != 2 || total != out.len) {
-        PyErr_Format(PyExc_ValueError, "runs_slots: runs must be [k, 2] non-empty ranges of "
-                     "%zd slots in all", out.len);
-        goto done;
-    }
-    int64_t *dst = (int64_t *)out.buf.buf;
-    for (Py_ssize_t i = 0; i < runs.buf.shape[0]; i++) {
+    int64_t *dst = int64s(&a[1]);
+    for (Py_ssize_t i = 0; i < k; i++) {
         for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
             *dst++ = slot;
         }
     }
     result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&out.buf);
-    PyBuffer_Release(&runs.buf);
+    release(a, 2);
     return result;
-}
-
-/* Borrow int64 runs [k, 2] and raise unless each is a non-empty range within [0, limit). */
-static int
-checked_runs(PyObject *obj, const char *name, Py_ssize_t limit, IntArray *runs)
-{
-    if (int_array(obj, name, 0, 2, runs) < 0) {
-        return -1;
-    }
-    if (need_int64(runs, name) < 0 || runs->buf.shape[1] != 2) {
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "%s: expected [k, 2] runs, got [%zd, %zd]", name,
-                         runs->buf.shape[0], runs->buf.shape[1]);
-        }
-        PyBuffer_Release(&runs->buf);
-        return -1;
-    }
-    const int64_t *r = (const int64_t *)runs->buf.buf;
-    for (Py_ssize_t i = 0; i < runs->buf.shape[0]; i++) {
-        if (r[2 * i] < 0 || r[2 * i] >= r[2 * i + 1] || r[2 * i + 1] > limit) {
-            PyErr_Format(PyExc_IndexError, "%s: run %zd, slots %lld..%lld, is not a range "
-                         "within 0..%zd", name, i, (long long)r[2 * i],
-                         (long long)r[2 * i + 1] - 1, limit - 1);
-            PyBuffer_Release(&runs->buf);
-            return -1;
-        }
-    }
-    return 0;
 }
 
 PyDoc_STRVAR(any_held_doc,
@@ -463,51 +443,40 @@ PyDoc_STRVAR(any_held_doc,
 static PyObject *
 any_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args(nargs, 4, "any_held") < 0) {
+    static const ArraySpec specs[] = {{0, "any_held: slot_claim", 0, 1, 0, 1, 0},
+                                      {1, "any_held: read_pins", 0, 1, 0, 0, 1},
+                                      {2, "any_held: runs", 0, 2, 2, 1, 0}};
+    IntArray a[3];
+    if (borrow_all("any_held", args, nargs, 4, specs, 3, a) < 0) {
         return NULL;
     }
-    long long held_from = PyLong_AsLongLong(args[3]);
-    if (held_from == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    IntArray claims = {0}, pins = {0}, runs = {0};
+    const IntArray *claims = &a[0], *pins = &a[1];
     PyObject *result = NULL;
-    int held = 0, with_pins = args[1] != Py_None;
-    if (int_array(args[0], "any_held: slot_claim", 0, 1, &claims) < 0) {
+    int64_t held_from;
+    if (int_arg(args[3], &held_from) < 0) {
         goto done;
     }
-    held = 1;
-    if (with_pins && int_array(args[1], "any_held: read_pins", 0, 1, &pins) < 0) {
+    if (pins->held && pins->len != claims->len) {
+        PyErr_Format(PyExc_ValueError, "any_held: %zd pins for %zd slots", pins->len,
+                     claims->len);
         goto done;
     }
-    held = 2;
-    if (need_int64(&claims, "any_held: slot_claim") < 0) {
+    if (check_runs(&a[2], claims->len, "any_held: runs") < 0) {
         goto done;
     }
-    if (with_pins && pins.len != claims.len) {
-        PyErr_Format(PyExc_ValueError, "any_held: %zd pins for %zd slots", pins.len,
-                     claims.len);
-        goto done;
-    }
-    if (checked_runs(args[2], "any_held: runs", claims.len, &runs) < 0) {
-        goto done;
-    }
-    held = 3;
-    const int64_t *c = (const int64_t *)claims.buf.buf, *r = (const int64_t *)runs.buf.buf;
+    const int64_t *c = int64s(claims), *r = int64s(&a[2]);
     int found = 0;
-    for (Py_ssize_t i = 0; i < runs.buf.shape[0] && !found; i++) {
+    for (Py_ssize_t i = 0; i < a[2].buf.shape[0] && !found; i++) {
         for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
             found |= c[slot] >= held_from;
         }
-        for (int64_t slot = r[2 * i]; with_pins && slot < r[2 * i + 1]; slot++) {
-            found |= get_at(&pins, slot) != 0;
+        for (int64_t slot = r[2 * i]; pins->held && slot < r[2 * i + 1]; slot++) {
+            found |= get_at(pins, slot) != 0;
         }
     }
     result = PyBool_FromLong(found);
 done:
-    if (held >= 3) PyBuffer_Release(&runs.buf);
-    if (held >= 2 && with_pins) PyBuffer_Release(&pins.buf);
-    if (held >= 1) PyBuffer_Release(&claims.buf);
+    release(a, 3);
     return result;
 }
 
@@ -526,66 +495,57 @@ fill_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return PyErr_Format(PyExc_TypeError, "fill_runs takes runs and 1 to %d (table, value) "
                             "pairs, got %zd arguments", MAX_FILLS, nargs);
     }
-    IntArray runs, tables[MAX_FILLS];
-    int64_t *data[MAX_FILLS], values[MAX_FILLS];
-    PyObject *result = NULL;
-    Py_ssize_t held = 0;
-    for (; held < fills; held++) {
-        long long value = PyLong_AsLongLong(args[2 + 2 * held]);
-        if ((value == -1 && PyErr_Occurred()) ||
-                int_array(args[1 + 2 * held], "fill_runs: table", 1, 1, &tables[held]) < 0) {
-            goto done;
-        }
-        if (need_int64(&tables[held], "fill_runs: table") < 0 ||
-                tables[held].len != tables[0].len) {
-            if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_ValueError, "fill_runs: tables of %zd and %zd slots",
-                             tables[0].len, tables[held].len);
-            }
-            PyBuffer_Release(&tables[held].buf);
-            goto done;
-        }
-        data[held] = (int64_t *)tables[held].buf.buf;
-        values[held] = value;
+    ArraySpec specs[1 + MAX_FILLS] = {{0, "fill_runs: runs", 0, 2, 2, 1, 0}};
+    for (Py_ssize_t t = 1; t <= fills; t++) {
+        specs[t] = (ArraySpec){2 * t - 1, "fill_runs: table", 1, 1, 0, 1, 0};
     }
-    if (checked_runs(args[0], "fill_runs: runs", tables[0].len, &runs) < 0) {
+    IntArray a[1 + MAX_FILLS];
+    if (borrow_all("fill_runs", args, nargs, nargs, specs, 1 + fills, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int64_t values[MAX_FILLS];
+    for (Py_ssize_t t = 0; t < fills; t++) {
+        if (int_arg(args[2 + 2 * t], &values[t]) < 0) {
+            goto done;
+        }
+        if (a[1 + t].len != a[1].len) {
+            PyErr_Format(PyExc_ValueError, "fill_runs: tables of %zd and %zd slots", a[1].len,
+                         a[1 + t].len);
+            goto done;
+        }
+    }
+    if (check_runs(&a[0], a[1].len, "fill_runs: runs") < 0) {
         goto done;
     }
-    const int64_t *r = (const int64_t *)runs.buf.buf;
+    const int64_t *r = int64s(&a[0]);
     for (Py_ssize_t t = 0; t < fills; t++) {
-        for (Py_ssize_t i = 0; i < runs.buf.shape[0]; i++) {
-            int64_t *row = data[t], value = values[t];
+        int64_t *row = int64s(&a[1 + t]), value = values[t];
+        for (Py_ssize_t i = 0; i < a[0].buf.shape[0]; i++) {
             for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
                 row[slot] = value;
             }
         }
     }
-    PyBuffer_Release(&runs.buf);
     result = Py_NewRef(Py_None);
 done:
-    while (held > 0) {
-        PyBuffer_Release(&tables[--held].buf);
-    }
+    release(a, 1 + fills);
     return result;
 }
 
+#define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
+
 static PyMethodDef core_methods[] = {
-    {"add_counts", (PyCFunction)(void (*)(void))add_counts, METH_FASTCALL, add_counts_doc},
-    {"row_ends", (PyCFunction)(void (*)(void))row_ends, METH_FASTCALL, row_ends_doc},
-    {"request_runs", (PyCFunction)(void (*)(void))request_runs, METH_FASTCALL,
-     request_runs_doc},
-    {"slot_runs", (PyCFunction)(void (*)(void))slot_runs, METH_FASTCALL, slot_runs_doc},
-    {"run_stats", (PyCFunction)(void (*)(void))run_stats, METH_FASTCALL, run_stats_doc},
-    {"runs_slots", (PyCFunction)(void (*)(void))runs_slots, METH_FASTCALL, runs_slots_doc},
-    {"any_held", (PyCFunction)(void (*)(void))any_held, METH_FASTCALL, any_held_doc},
-    {"fill_runs", (PyCFunction)(void (*)(void))fill_runs, METH_FASTCALL, fill_runs_doc},
+    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
+    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_runs),
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "prefix_cache._core",
-    .m_doc = "The per-slot passes of a step's bookkeeping (layout, holds, claims) in C.",
+    .m_doc = "The per-request and per-slot loops of a step's bookkeeping (layout, holds, "
+             "claims) in C.",
     .m_size = -1,
     .m_methods = core_methods,
 };

@@ -134,7 +134,7 @@ def test_bad_runs_and_wrong_arrays_are_refused_before_any_write() -> None:
         _core.fill_runs(np.array([[1, 2, 3]]), table, 5)
     with pytest.raises(TypeError, match="C-contiguous writable"):
         _core.fill_runs(np.array([[1, 2]]), table, 1, table[::2], 5)
-    with pytest.raises(TypeError, match="int32 or int64"):
+    with pytest.raises(TypeError, match="1-D int64 array, got format 'd'"):
         _core.fill_runs(np.array([[1, 2]]), table.astype(np.float64), 5)
     with pytest.raises(ValueError, match="tables of 16 and 3 slots"):
         _core.fill_runs(np.array([[1, 2]]), table, 1, table[:3], 5)
