@@ -74,7 +74,7 @@ class PrefixBlockPool:
     # ------------------------------------------------------------------ tenancy
 
     def claim(self, runs: np.ndarray) -> int:
-        """A new tenant takes the slots of `runs` (see `slot_runs`): every older row there
+        """A new tenant takes the slots of `runs` (prefix_cache.runs): every older row there
         stops counting. Returns its claim."""
         claim = next(self._claims)
         _core.fill_runs(runs, self._slot_claim, claim)
@@ -191,7 +191,7 @@ class PrefixBlockPool:
         bs = self.block_size
         src = np.arange(src_block * bs, (src_block + 1) * bs)
         dst = src - src_block * bs + dst_block * bs
-        claim = self.claim(np.array([[dst[0], dst[-1] + 1]]))
+        claim = self.claim(np.array([[dst[0], dst[-1] + 1]], dtype=np.int64))
         for key in self.keys.values():
             keep, lost = self.present(key.name, src), self.lost(key.name, src)
             key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]

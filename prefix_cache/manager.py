@@ -547,7 +547,7 @@ class OmniPrefixCacheManager:
                 f"kv_cache_block_copies: block copy {src} -> {dst} outside "
                 f"1..{self.config.num_blocks - 1}")
         src_slots = np.arange(src * bs, (src + 1) * bs)
-        self._reads.resolve_conflicts(np.array([[dst * bs, (dst + 1) * bs]]))
+        self._reads.resolve_conflicts(np.array([[dst * bs, (dst + 1) * bs]], dtype=np.int64))
         with self._lock:
             sources = self._tasks.live(self.pool.producer_ids(src_slots, self.pool.keys))
         self._deferred.flush_tasks(sources)
