@@ -218,6 +218,22 @@ def test_delayed_read_keeps_its_rows_when_the_next_step_reuses_the_slots(backend
                            token_rows(c, 2))
 
 
+def test_unread_step_keeps_its_own_rows_when_a_new_tenant_rewrites_its_slots(backend):
+    manager, d = make(backend)
+    a, c = list(range(40, 48)), list(range(300, 308))
+    with manager:
+        sid_a = run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device,
+                         materialize=False)
+        # a aborted before its step was read: c takes both its blocks and writes them
+        sid_c = run_step(manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]),
+                         backend.device, materialize=False)
+        assert manager.stats()["copy_on_write_reads"] >= 1
+        assert torch.equal(manager.materialize(sid_a, ["a"]).hidden_states["a"],
+                           token_rows(a, 2))
+        assert torch.equal(manager.materialize(sid_c, ["c"]).hidden_states["c"],
+                           token_rows(c, 2))
+
+
 def test_preempted_request_resumes_with_only_the_rows_it_recomputes(backend):
     manager, d = make(backend)
     tokens = list(range(8))
