@@ -3,6 +3,14 @@
 Nothing here imports vLLM at module scope: vLLM objects are read by attribute.
 """
 
+try:
+    from prefix_cache import _core  # noqa: F401
+except ImportError as exc:  # a checkout used without installing it
+    raise ImportError(
+        "prefix_cache._core, the C loops of the cache's step bookkeeping, is not built: run "
+        "`pip install --no-deps -e .` (or `python setup.py build_ext --inplace`) in the "
+        "checkout; it needs a C compiler and Python.h") from exc
+
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError)
