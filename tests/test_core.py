@@ -28,8 +28,11 @@ def batches(draw):
     width = draw(st.integers(1, 8))
     unit = draw(st.sampled_from([1, 4, 16]))
     dtype = draw(st.sampled_from([np.int32, np.int64]))
-    table = np.array(draw(st.lists(st.integers(0, 1000), min_size=num_rows * width,
-                                   max_size=num_rows * width)), dtype=dtype)
+    if draw(st.booleans()):  # a fresh pool: each request's blocks follow one another
+        table = np.arange(1, num_rows * width + 1, dtype=dtype)
+    else:
+        table = np.array(draw(st.lists(st.integers(0, 1000), min_size=num_rows * width,
+                                       max_size=num_rows * width)), dtype=dtype)
     rows = draw(st.permutations(range(num_rows)))
     req_ids = [f"req-{r}" for r in rows[: draw(st.integers(0, num_rows))]]
     computed = np.zeros(num_rows, dtype=dtype)
