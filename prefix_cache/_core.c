@@ -241,7 +241,7 @@ add_run(RunsOut *out, int64_t first, int64_t end)
         return 0;
     }
     if (out->k == out->capacity) {
-        PyErr_Format(PyExc_ValueError, "request_runs: more than the %zd runs room was given for",
+        PyErr_Format(PyExc_ValueError, "more than the %zd runs room was given for",
                      out->capacity);
         return -1;
     }
@@ -351,20 +351,37 @@ slot_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     RunsOut out = {int64s(&a[1]), 0, a[1].buf.shape[0], 0, -1};
-    for (Py_ssize_t i = 0, j; i < n; i = j) {
-        /* a run ends where the next slot does not follow the last */
-        for (j = i + 1; j < n && s[j] == s[j - 1] + 1; j++) {
-        }
-        out.runs[2 * out.k] = s[i];
-        out.runs[2 * out.k + 1] = s[j - 1] + 1;
-        out.low = out.k == 0 || s[i] < out.low ? s[i] : out.low;
-        out.high = out.k == 0 || s[j - 1] > out.high ? s[j - 1] : out.high;
-        out.k++;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* a slot after the last run's end extends it */
+        add_run(&out, s[i], s[i] + 1);  /* cannot fail: room for a run per slot */
     }
     result = Py_BuildValue("nLL", out.k, (long long)out.low, (long long)out.high);
 done:
     release(a, 2);
     return result;
+}
+
+/* The slots k runs hold, and their min and max ((0, 0, -1) for none); raises unless each run
+ * is non-empty. */
+typedef struct {
+    int64_t count, low, high;
+} RunTotals;
+
+static int
+run_totals(const IntArray *runs, const char *name, RunTotals *out)
+{
+    const int64_t *r = int64s(runs);
+    *out = (RunTotals){0, 0, -1};
+    for (Py_ssize_t i = 0; i < runs->buf.shape[0]; i++) {
+        if (r[2 * i] >= r[2 * i + 1]) {
+            PyErr_Format(PyExc_ValueError, "%s: run %zd, %lld..%lld, is empty", name, i,
+                         (long long)r[2 * i], (long long)r[2 * i + 1]);
+            return -1;
+        }
+        out->count += r[2 * i + 1] - r[2 * i];
+        out->low = i == 0 || r[2 * i] < out->low ? r[2 * i] : out->low;
+        out->high = i == 0 || r[2 * i + 1] - 1 > out->high ? r[2 * i + 1] - 1 : out->high;
+    }
+    return 0;
 }
 
 PyDoc_STRVAR(run_stats_doc,
@@ -380,20 +397,11 @@ run_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *result = NULL;
-    const int64_t *r = int64s(&runs);
-    int64_t count = 0, low = 0, high = -1;
-    for (Py_ssize_t i = 0; i < runs.buf.shape[0]; i++) {
-        if (r[2 * i] >= r[2 * i + 1]) {
-            PyErr_Format(PyExc_ValueError, "run_stats: run %zd, %lld..%lld, is empty", i,
-                         (long long)r[2 * i], (long long)r[2 * i + 1]);
-            goto done;
-        }
-        count += r[2 * i + 1] - r[2 * i];
-        low = i == 0 || r[2 * i] < low ? r[2 * i] : low;
-        high = i == 0 || r[2 * i + 1] - 1 > high ? r[2 * i + 1] - 1 : high;
+    RunTotals totals;
+    if (run_totals(&runs, "run_stats", &totals) == 0) {
+        result = Py_BuildValue("LLL", (long long)totals.count, (long long)totals.low,
+                               (long long)totals.high);
     }
-    result = Py_BuildValue("LLL", (long long)count, (long long)low, (long long)high);
-done:
     release(&runs, 1);
     return result;
 }
@@ -413,18 +421,18 @@ runs_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *result = NULL;
-    const int64_t *r = int64s(&a[0]);
-    Py_ssize_t total = 0, k = a[0].buf.shape[0];
-    for (Py_ssize_t i = 0; i < k && total >= 0; i++) {
-        total = r[2 * i + 1] > r[2 * i] ? total + (r[2 * i + 1] - r[2 * i]) : -1;
-    }
-    if (total != a[1].len) {
-        PyErr_Format(PyExc_ValueError, "runs_slots: runs must be non-empty ranges of %zd slots "
-                     "in all", a[1].len);
+    RunTotals totals;
+    if (run_totals(&a[0], "runs_slots", &totals) < 0) {
         goto done;
     }
+    if (totals.count != a[1].len) {
+        PyErr_Format(PyExc_ValueError, "runs_slots: the runs hold %lld slots, out has room for "
+                     "%zd", (long long)totals.count, a[1].len);
+        goto done;
+    }
+    const int64_t *r = int64s(&a[0]);
     int64_t *dst = int64s(&a[1]);
-    for (Py_ssize_t i = 0; i < k; i++) {
+    for (Py_ssize_t i = 0; i < a[0].buf.shape[0]; i++) {
         for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
             *dst++ = slot;
         }

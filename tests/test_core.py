@@ -145,6 +145,10 @@ def test_bad_runs_and_wrong_arrays_are_refused_before_any_write() -> None:
         _core.any_held(table, pins[:3], np.array([[1, 2]]), 0)
     with pytest.raises(ValueError, match="runs must be"):
         _core.slot_runs(np.arange(4), np.empty((3, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="hold 3 slots, out has room for 2"):
+        _core.runs_slots(np.array([[1, 4]]), np.empty(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="run 1, 6..6, is empty"):
+        _core.run_stats(np.array([[1, 4], [6, 6]]))
     assert not table.any()
 
 
