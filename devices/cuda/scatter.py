@@ -118,15 +118,15 @@ _launch = _Launcher()
 
 
 def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
-                 pool_words: torch.Tensor | None = None) -> None:
+                 pool_words: torch.Tensor) -> None:
     """`pool_view[device_slots[i]] = rows[i]` on the current stream with SCATTER_CTAS programs;
-    `pool_words`: `as_words(pool_view)`, where the caller keeps it."""
+    `pool_words` is `as_words(pool_view)`, which the caller keeps per pool."""
     n = rows.shape[0]
     if n == 0:
         return
     rows = rows.contiguous()
     src = as_words(rows)
-    dst = as_words(pool_view) if pool_words is None else pool_words
+    dst = pool_words
     if src.dtype != dst.dtype:  # pool and rows aligned differently: move bytes
         src, dst = rows.view(torch.uint8), pool_view.view(torch.uint8)
     _launch(src, dst, device_slots, n, min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
