@@ -76,22 +76,31 @@ class Transfer:
         return self.event is None and self.finish is None
 
 
+def poll_until(done: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception],
+               *, max_pause_s: float = 1e-4) -> None:
+    """Call `done` until it is true, backing off to `max_pause_s` between calls (the GIL is
+    free meanwhile); raise `timed_out()` once `timeout_s` passed."""
+    if done():
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise timed_out()
+        time.sleep(pause)
+        pause = min(pause * 2, max_pause_s)
+
+
 def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str], *,
                error: type[Exception] = TimeoutError, max_pause_s: float = 1e-4) -> None:
     """Poll `event` until it completes; raise `error` naming `what()` after `timeout_s`.
 
-    Device events only offer an unbounded `synchronize()`, so bounded waits poll,
-    backing off to `max_pause_s` between queries (the GIL is free meanwhile).
+    Device events only offer an unbounded `synchronize()`, so bounded waits poll.
     """
-    if event is None or event.query():
-        return
-    deadline = time.monotonic() + timeout_s
-    pause = 1e-5
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise error(f"{what()}: device copy not complete after {timeout_s:.1f}s")
-        time.sleep(pause)
-        pause = min(pause * 2, max_pause_s)
+    if event is not None:
+        poll_until(event.query, timeout_s, lambda: error(
+            f"{what()}: device copy not complete after {timeout_s:.1f}s"),
+            max_pause_s=max_pause_s)
 
 
 def block_on_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str]) -> None:

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from prefix_cache.devices.base import poll_until
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.tasks import TaskState, WriteTask
 
@@ -86,17 +87,13 @@ class Committer:
 
     def wait(self, task: WriteTask, timeout_s: float) -> None:
         """Sweep until `task` landed; raise naming it if it stayed live for `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while not task.landed.is_set():
-            self.sweep(host_halves=True)
-            if task.landed.is_set():
-                break
-            if time.monotonic() > deadline:
-                raise OmniPrefixCacheError(
-                    f"{task.describe()} did not land within {timeout_s:.1f}s")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_PAUSE_S)
+        def landed() -> bool:
+            if not task.landed.is_set():
+                self.sweep(host_halves=True)
+            return task.landed.is_set()
+
+        poll_until(landed, timeout_s, lambda: OmniPrefixCacheError(
+            f"{task.describe()} did not land within {timeout_s:.1f}s"), max_pause_s=_POLL_PAUSE_S)
 
     def land(self, task: WriteTask, error: BaseException | None = None) -> None:
         """Land a task whose copies completed: run their host half, mark it WRITTEN; FAILED
