@@ -1,12 +1,14 @@
-/* prefix_cache._core: the per-request and per-slot loops of a step's bookkeeping, in C.
+/* prefix_cache._core: the per-request and per-run loops of a step's bookkeeping, in C.
  *
  * numpy costs 1.5-2 us a call before it touches a slot, and a step's layout, claim
  * and write record took about fifteen calls; these functions do the same work in
  * a few calls of well under a microsecond, plus a pass over the step's runs of
- * consecutive slots (a block at a time) or, for the per-slot tables, a range fill.
- * They read and write arrays through the buffer protocol (C-contiguous, native
- * signed ints), check every index before it is used, and leave a table they fill
- * unchanged when they raise (an output buffer may hold what was written before).
+ * consecutive slots (a block at a time). The pool's tables are tiered, an entry
+ * per block and one per slot, so a run's whole blocks cost one entry each and a
+ * step's bookkeeping grows with its blocks, not its tokens. The functions read
+ * and write arrays through the buffer protocol (C-contiguous, native signed ints),
+ * check every index before it is used, and leave a table they fill unchanged when
+ * they raise (an output buffer may hold what was written before).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -443,101 +445,220 @@ done:
     return result;
 }
 
+/* A run [first, end) cut at block boundaries: slots head..head_end-1, then whole blocks
+ * block..block_end-1, then slots tail..end-1 (any part may be empty). */
+typedef struct {
+    int64_t head, head_end, block, block_end, tail, end;
+} RunParts;
+
+static inline RunParts
+run_parts(int64_t first, int64_t end, int64_t block_size)
+{
+    int64_t up = (first + block_size - 1) / block_size, down = end / block_size;
+    int64_t head_end = up * block_size < end ? up * block_size : end;
+    int64_t tail = down * block_size > head_end ? down * block_size : head_end;
+    return (RunParts){first, head_end, up, up < down ? down : up, tail, end};
+}
+
+/* Tier tables are `slots` long and `slots / block_size` blocks long; raise unless so. */
+static int
+check_tiers(const char *fn, int64_t block_size, const IntArray *slot_tier,
+            const IntArray *block_tier)
+{
+    if (block_size <= 0 || slot_tier->len % block_size ||
+            block_tier->len != slot_tier->len / block_size) {
+        PyErr_Format(PyExc_ValueError, "%s: a slot tier of %zd and a block tier of %zd do not "
+                     "make blocks of %lld slots", fn, slot_tier->len, block_tier->len,
+                     (long long)block_size);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(any_held_doc,
-"any_held(slot_claim, read_pins, runs, held_from) -> bool\n\n"
-"Whether some slot of the runs carries a claim >= held_from or is pinned (read_pins != 0;\n"
-"read_pins None: no slot is).");
+"any_held(runs, block_size, held_from, slot_claim, block_claim, newest, read_pins,\n"
+"         block_pins) -> bool\n\n"
+"Whether some slot of the runs carries a claim >= held_from (the larger of its slot's and\n"
+"its block's entries; newest: each block's largest slot entry since its block entry was\n"
+"written) or is pinned (read_pins per slot, block_pins their sum per block; both None: no\n"
+"slot is). A run's whole blocks cost one look each.");
 
 static PyObject *
 any_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    static const ArraySpec specs[] = {{0, "any_held: slot_claim", 0, 1, 0, 1, 0},
-                                      {1, "any_held: read_pins", 0, 1, 0, 0, 1},
-                                      {2, "any_held: runs", 0, 2, 2, 1, 0}};
-    IntArray a[3];
-    if (borrow_all("any_held", args, nargs, 4, specs, 3, a) < 0) {
+    static const ArraySpec specs[] = {{0, "any_held: runs", 0, 2, 2, 1, 0},
+                                      {3, "any_held: slot_claim", 0, 1, 0, 1, 0},
+                                      {4, "any_held: block_claim", 0, 1, 0, 1, 0},
+                                      {5, "any_held: newest", 0, 1, 0, 1, 0},
+                                      {6, "any_held: read_pins", 0, 1, 0, 0, 1},
+                                      {7, "any_held: block_pins", 0, 1, 0, 0, 1}};
+    IntArray a[6];
+    if (borrow_all("any_held", args, nargs, 8, specs, 6, a) < 0) {
         return NULL;
     }
-    const IntArray *claims = &a[0], *pins = &a[1];
+    const IntArray *pins = &a[4], *block_pins = &a[5];
     PyObject *result = NULL;
-    int64_t held_from;
-    if (int_arg(args[3], &held_from) < 0) {
+    int64_t bs, held_from;
+    if (int_arg(args[1], &bs) < 0 || int_arg(args[2], &held_from) < 0 ||
+            check_tiers("any_held", bs, &a[1], &a[2]) < 0) {
         goto done;
     }
-    if (pins->held && pins->len != claims->len) {
-        PyErr_Format(PyExc_ValueError, "any_held: %zd pins for %zd slots", pins->len,
-                     claims->len);
+    if (a[3].len != a[2].len || pins->held != block_pins->held ||
+            (pins->held && (pins->len != a[1].len || block_pins->len != a[2].len))) {
+        PyErr_Format(PyExc_ValueError, "any_held: newest (%zd), read_pins (%zd) and block_pins "
+                     "(%zd) must match %zd slots in %zd blocks, the pins both given or both "
+                     "None", a[3].len, pins->len, block_pins->len, a[1].len, a[2].len);
         goto done;
     }
-    if (check_runs(&a[2], claims->len, "any_held: runs") < 0) {
+    if (check_runs(&a[0], a[1].len, "any_held: runs") < 0) {
         goto done;
     }
-    const int64_t *c = int64s(claims), *r = int64s(&a[2]);
+    const int64_t *r = int64s(&a[0]), *slot_claim = int64s(&a[1]);
+    const int64_t *block_claim = int64s(&a[2]), *newest = int64s(&a[3]);
     int found = 0;
-    for (Py_ssize_t i = 0; i < a[2].buf.shape[0] && !found; i++) {
-        for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
-            found |= c[slot] >= held_from;
+    for (Py_ssize_t i = 0; i < a[0].buf.shape[0] && !found; i++) {
+        RunParts p = run_parts(r[2 * i], r[2 * i + 1], bs);
+        for (int64_t b = p.block; b < p.block_end; b++) {
+            found |= block_claim[b] >= held_from || newest[b] >= held_from ||
+                     (pins->held && get_at(block_pins, b) != 0);
         }
-        for (int64_t slot = r[2 * i]; pins->held && slot < r[2 * i + 1]; slot++) {
-            found |= get_at(pins, slot) != 0;
+        for (int pass = 0; pass < 2; pass++) {
+            int64_t slot = pass ? p.tail : p.head, stop = pass ? p.end : p.head_end;
+            for (; slot < stop; slot++) {
+                found |= slot_claim[slot] >= held_from || block_claim[slot / bs] >= held_from ||
+                         (pins->held && get_at(pins, slot) != 0);
+            }
         }
     }
     result = PyBool_FromLong(found);
+done:
+    release(a, 6);
+    return result;
+}
+
+PyDoc_STRVAR(add_pins_doc,
+"add_pins(slots, block_size, read_pins, block_pins, delta) -> None\n\n"
+"read_pins[s] += delta and block_pins[s // block_size] += delta for each of the int64 slots\n"
+"(int32 counts per slot and per block); raises before counting if a slot is out of range.");
+
+static PyObject *
+add_pins(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{0, "add_pins: slots", 0, 1, 0, 1, 0},
+                                      {2, "add_pins: read_pins", 1, 1, 0, 0, 0},
+                                      {3, "add_pins: block_pins", 1, 1, 0, 0, 0}};
+    IntArray a[3];
+    if (borrow_all("add_pins", args, nargs, 5, specs, 3, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int64_t bs, delta;
+    if (int_arg(args[1], &bs) < 0 || int_arg(args[4], &delta) < 0 ||
+            check_tiers("add_pins", bs, &a[1], &a[2]) < 0) {
+        goto done;
+    }
+    if (a[1].wide || a[2].wide) {
+        PyErr_SetString(PyExc_TypeError, "add_pins: pins must be int32 counts");
+        goto done;
+    }
+    const int64_t *slots = int64s(&a[0]);
+    for (Py_ssize_t i = 0; i < a[0].len; i++) {
+        if (slots[i] < 0 || slots[i] >= a[1].len) {
+            PyErr_Format(PyExc_IndexError, "add_pins: slot %lld (index %zd) is outside "
+                         "0..%zd", (long long)slots[i], i, a[1].len - 1);
+            goto done;
+        }
+    }
+    int32_t *pins = (int32_t *)a[1].buf.buf, *block_pins = (int32_t *)a[2].buf.buf;
+    for (Py_ssize_t i = 0; i < a[0].len; i++) {
+        pins[slots[i]] += (int32_t)delta;
+        block_pins[slots[i] / bs] += (int32_t)delta;
+    }
+    result = Py_NewRef(Py_None);
 done:
     release(a, 3);
     return result;
 }
 
-#define MAX_FILLS 4
+#define MAX_FILLS 2
 
-PyDoc_STRVAR(fill_runs_doc,
-"fill_runs(runs, table, value[, table, value ...]) -> None\n\n"
-"table[first:end] = value for each run and up to four int64 tables of one length; raises\n"
-"before writing if a run is not a range within the tables.");
+PyDoc_STRVAR(fill_tiers_doc,
+"fill_tiers(runs, block_size, newest, slots, blocks, value[, slots, blocks, value]) -> None\n\n"
+"Writes value at every slot of the runs into one or two tiered int64 tables: a run's whole\n"
+"blocks into the block tier, its other slots into the slot tier. newest (int64 per block, or\n"
+"None) tracks the first table's slot tier: value where a slot entry was written, 0 where the\n"
+"block entry was. Raises before writing if a run is not a range within the tables.");
 
 static PyObject *
-fill_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+fill_tiers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t fills = (nargs - 1) / 2;
-    if (nargs < 3 || nargs % 2 == 0 || fills > MAX_FILLS) {
-        return PyErr_Format(PyExc_TypeError, "fill_runs takes runs and 1 to %d (table, value) "
-                            "pairs, got %zd arguments", MAX_FILLS, nargs);
+    Py_ssize_t fills = (nargs - 3) / 3;
+    if (nargs < 6 || (nargs - 3) % 3 || fills > MAX_FILLS) {
+        return PyErr_Format(PyExc_TypeError, "fill_tiers takes runs, block_size, newest and 1 "
+                            "to %d (slots, blocks, value) triples, got %zd arguments",
+                            MAX_FILLS, nargs);
     }
-    ArraySpec specs[1 + MAX_FILLS] = {{0, "fill_runs: runs", 0, 2, 2, 1, 0}};
-    for (Py_ssize_t t = 1; t <= fills; t++) {
-        specs[t] = (ArraySpec){2 * t - 1, "fill_runs: table", 1, 1, 0, 1, 0};
+    ArraySpec specs[2 + 2 * MAX_FILLS] = {{0, "fill_tiers: runs", 0, 2, 2, 1, 0},
+                                          {2, "fill_tiers: newest", 1, 1, 0, 1, 1}};
+    for (Py_ssize_t t = 0; t < fills; t++) {
+        specs[2 + 2 * t] = (ArraySpec){3 + 3 * t, "fill_tiers: slots", 1, 1, 0, 1, 0};
+        specs[3 + 2 * t] = (ArraySpec){4 + 3 * t, "fill_tiers: blocks", 1, 1, 0, 1, 0};
     }
-    IntArray a[1 + MAX_FILLS];
-    if (borrow_all("fill_runs", args, nargs, nargs, specs, 1 + fills, a) < 0) {
+    IntArray a[2 + 2 * MAX_FILLS];
+    if (borrow_all("fill_tiers", args, nargs, nargs, specs, 2 + 2 * fills, a) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    int64_t values[MAX_FILLS];
+    const IntArray *newest = &a[1];
+    int64_t bs, values[MAX_FILLS];
+    if (int_arg(args[1], &bs) < 0) {
+        goto done;
+    }
     for (Py_ssize_t t = 0; t < fills; t++) {
-        if (int_arg(args[2 + 2 * t], &values[t]) < 0) {
+        if (int_arg(args[5 + 3 * t], &values[t]) < 0 ||
+                check_tiers("fill_tiers", bs, &a[2 + 2 * t], &a[3 + 2 * t]) < 0) {
             goto done;
         }
-        if (a[1 + t].len != a[1].len) {
-            PyErr_Format(PyExc_ValueError, "fill_runs: tables of %zd and %zd slots", a[1].len,
-                         a[1 + t].len);
+        if (a[2 + 2 * t].len != a[2].len) {
+            PyErr_Format(PyExc_ValueError, "fill_tiers: tables of %zd and %zd slots", a[2].len,
+                         a[2 + 2 * t].len);
             goto done;
         }
     }
-    if (check_runs(&a[0], a[1].len, "fill_runs: runs") < 0) {
+    if (newest->held && newest->len != a[3].len) {
+        PyErr_Format(PyExc_ValueError, "fill_tiers: newest has %zd entries for %zd blocks",
+                     newest->len, a[3].len);
+        goto done;
+    }
+    if (check_runs(&a[0], a[2].len, "fill_tiers: runs") < 0) {
         goto done;
     }
     const int64_t *r = int64s(&a[0]);
     for (Py_ssize_t t = 0; t < fills; t++) {
-        int64_t *row = int64s(&a[1 + t]), value = values[t];
+        int64_t *slots = int64s(&a[2 + 2 * t]), *blocks = int64s(&a[3 + 2 * t]);
+        int64_t value = values[t], *marks = t == 0 && newest->held ? int64s(newest) : NULL;
         for (Py_ssize_t i = 0; i < a[0].buf.shape[0]; i++) {
-            for (int64_t slot = r[2 * i]; slot < r[2 * i + 1]; slot++) {
-                row[slot] = value;
+            RunParts p = run_parts(r[2 * i], r[2 * i + 1], bs);
+            for (int64_t b = p.block; b < p.block_end; b++) {
+                blocks[b] = value;
+                if (marks) {
+                    marks[b] = 0;
+                }
+            }
+            for (int pass = 0; pass < 2; pass++) {
+                int64_t slot = pass ? p.tail : p.head, stop = pass ? p.end : p.head_end;
+                for (; slot < stop; slot++) {
+                    slots[slot] = value;
+                }
+                if (marks && slot > (pass ? p.tail : p.head)) {
+                    marks[(slot - 1) / bs] = value;
+                }
             }
         }
     }
     result = Py_NewRef(Py_None);
 done:
-    release(a, 1 + fills);
+    release(a, 2 + 2 * fills);
     return result;
 }
 
@@ -545,14 +666,14 @@ done:
 
 static PyMethodDef core_methods[] = {
     METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
-    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_runs),
+    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "prefix_cache._core",
-    .m_doc = "The per-request and per-slot loops of a step's bookkeeping (layout, holds, "
+    .m_doc = "The per-request and per-run loops of a step's bookkeeping (layout, holds, "
              "claims) in C.",
     .m_size = -1,
     .m_methods = core_methods,

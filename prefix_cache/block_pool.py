@@ -2,6 +2,8 @@
 
 Slot reuse is the eviction: when vLLM hands a block to a new tenant, the
 tenant's first write claims its slots and every older row there stops counting.
+The bookkeeping is kept a block at a time where a write covers whole blocks, so a
+step costs the host O(runs + blocks), whatever its token count.
 """
 
 from __future__ import annotations
@@ -25,6 +27,25 @@ PARALLEL_GATHER_BYTES = 4 << 20
 GATHER_THREADS = min(4, (os.cpu_count() or 1) // 4)
 
 
+class Tiers:
+    """An int64 per slot in two tiers: an entry per block, written by fills that cover the
+    whole block (`prefix_cache._core.fill_tiers`), and one per slot, written by the others.
+
+    Which entry a slot reads is its owner's rule; the pool's tables all hold claims,
+    which only grow, so the entry written later is the one of larger magnitude.
+    """
+
+    __slots__ = ("blocks", "slots")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.blocks = np.zeros(num_blocks, dtype=np.int64)
+        self.slots = np.zeros(num_blocks * block_size, dtype=np.int64)
+
+    def pick(self, slots: np.ndarray, block_size: int, from_block: np.ndarray) -> np.ndarray:
+        """The entries of `slots`: their block's where `from_block`, else their own."""
+        return np.where(from_block, self.blocks[slots // block_size], self.slots[slots])
+
+
 @dataclass
 class PoolKey:
     """One cached output: its host storage and, per slot, which claim and task its rows belong to."""
@@ -32,8 +53,8 @@ class PoolKey:
     name: str
     storage: HostBuffer
     feat_shape: tuple[int, ...]
-    version: np.ndarray   # int64[num_slots]: slot claim the rows were written under (0: none)
-    producer: np.ndarray  # int64[num_slots]: write task that lands those rows
+    version: Tiers   # slot claim the rows were written under (0: none; negated: lost)
+    producer: Tiers  # write task that lands those rows, beside each version entry
 
     @property
     def flat(self) -> torch.Tensor:
@@ -48,15 +69,24 @@ class PoolKey:
     def row_width(self) -> int:
         return self.storage.tensor.shape[1]
 
+    def versions(self, slots: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The version at each of `slots`, and whether it is its block's entry."""
+        by_block = self.version.blocks[slots // block_size]
+        by_slot = self.version.slots[slots]
+        from_block = np.abs(by_block) > np.abs(by_slot)
+        return np.where(from_block, by_block, by_slot), from_block
+
 
 class PrefixBlockPool:
     """Host rows of every cached key, with a claim per slot and a version per (slot, key).
 
     Invariant: the rows of key k at slot s belong to the slot's current tenant
-    iff `keys[k].version[s] == slot_claim[s] != 0`; they were lost to a failed
-    write iff `version[s] == -slot_claim[s] != 0`; anything else reads as absent.
-    Claims only grow, so a version never matches a later tenant's claim. The
-    tables change only through the methods below, under the caller's lock.
+    iff `keys[k]`'s version at s equals the claim at s, and is not 0; they were
+    lost to a failed write iff it equals minus that claim; anything else reads
+    as absent. Claims only grow, so a version never matches a later tenant's
+    claim, and of a slot's two tiered entries (`Tiers`) the later is the larger:
+    a step's bookkeeping costs an entry per whole block it writes. The tables
+    change only through the methods below, under the caller's lock.
     """
 
     def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend) -> None:
@@ -65,9 +95,13 @@ class PrefixBlockPool:
         self.num_slots = num_blocks * block_size
         self._backend = backend
         self._claims = itertools.count(1)
-        self._slot_claim = np.zeros(self.num_slots, dtype=np.int64)
-        #: unresolved reads per slot; a claim must first resolve the reads pinning its slots
+        self._claim = Tiers(num_blocks, block_size)
+        #: per block, its newest slot-tier claim since its block-tier claim (0: none)
+        self._newest_slot_claim = np.zeros(num_blocks, dtype=np.int64)
+        #: unresolved reads per slot, and their sum per block; a claim must first resolve the
+        #: reads pinning its slots
         self._read_pins = np.zeros(self.num_slots, dtype=np.int32)
+        self._block_pins = np.zeros(num_blocks, dtype=np.int32)
         self.keys: dict[str, PoolKey] = {}
         self._gather_threads: ThreadPoolExecutor | None = None
 
@@ -77,7 +111,8 @@ class PrefixBlockPool:
         """A new tenant takes the slots of `runs` (prefix_cache.runs): every older row there
         stops counting. Returns its claim."""
         claim = next(self._claims)
-        _core.fill_runs(runs, self._slot_claim, claim)
+        _core.fill_tiers(runs, self.block_size, self._newest_slot_claim, self._claim.slots,
+                         self._claim.blocks, claim)
         return claim
 
     def record_write(self, keys: Iterable[str], runs: np.ndarray, claim: int,
@@ -86,31 +121,39 @@ class PrefixBlockPool:
         `claim`."""
         for name in keys:
             key = self.keys[name]
-            _core.fill_runs(runs, key.version, claim, key.producer, producer)
+            _core.fill_tiers(runs, self.block_size, None, key.version.slots, key.version.blocks,
+                             claim, key.producer.slots, key.producer.blocks, producer)
 
     def claims_at(self, slots: np.ndarray) -> np.ndarray:
         """The claim each of `slots` carries (0: never claimed)."""
-        return self._slot_claim[slots]
+        return np.maximum(self._claim.blocks[slots // self.block_size], self._claim.slots[slots])
 
     def still_claimed(self, slots: np.ndarray, claims: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose tenant is still the one that held `claims`."""
-        return self._slot_claim[slots] == claims
+        return self.claims_at(slots) == claims
 
     def producer_ids(self, slots: np.ndarray, keys: Iterable[str]) -> set[int]:
         """Write tasks that produce the present rows of `keys` at `slots`."""
         ids: set[int] = set()
         for name in keys:
-            present = self.present(name, slots)
-            ids.update(np.unique(self.keys[name].producer[slots[present]]).tolist())
+            key = self.keys.get(name)
+            if key is None:
+                continue
+            version, from_block = key.versions(slots, self.block_size)
+            claims = self.claims_at(slots)
+            present = (version == claims) & (claims != 0)
+            producers = key.producer.pick(slots[present], self.block_size, from_block[present])
+            ids.update(np.unique(producers).tolist())
         return ids
 
     # ------------------------------------------------------------------ read pins
 
     def pin(self, slots: np.ndarray) -> None:
-        self._read_pins[slots] += 1
+        """A read of `slots` (distinct, int64) is unresolved."""
+        _core.add_pins(slots, self.block_size, self._read_pins, self._block_pins, 1)
 
     def unpin(self, slots: np.ndarray) -> None:
-        self._read_pins[slots] -= 1
+        _core.add_pins(slots, self.block_size, self._read_pins, self._block_pins, -1)
 
     def any_pinned(self, slots: np.ndarray) -> bool:
         return bool(self._read_pins[slots].any())
@@ -118,16 +161,18 @@ class PrefixBlockPool:
     def any_held(self, runs: np.ndarray, held_from: int, *, pins: bool = True) -> bool:
         """Whether some slot of `runs` carries a claim >= `held_from` or (`pins`: some read
         may pin slots) is pinned."""
-        return _core.any_held(self._slot_claim, self._read_pins if pins else None, runs,
-                              held_from)
+        return _core.any_held(runs, self.block_size, held_from, self._claim.slots,
+                              self._claim.blocks, self._newest_slot_claim,
+                              self._read_pins if pins else None,
+                              self._block_pins if pins else None)
 
     def allocate(self, name: str, feat_shape: tuple[int, ...], dtype: torch.dtype) -> PoolKey:
         """Host storage for a new key; does not touch shared tables, so it may run unlocked."""
         width = math.prod(feat_shape)
         storage = self._backend.alloc_host((self.num_slots, width), dtype)
         return PoolKey(name, storage, tuple(feat_shape),
-                       np.zeros(self.num_slots, dtype=np.int64),
-                       np.zeros(self.num_slots, dtype=np.int64))
+                       Tiers(self.num_blocks, self.block_size),
+                       Tiers(self.num_blocks, self.block_size))
 
     def install(self, key: PoolKey) -> None:
         if key.name in self.keys:
@@ -136,25 +181,26 @@ class PrefixBlockPool:
 
     def present(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows belong to the slot's current tenant."""
-        key = self.keys.get(name)
-        if key is None:
-            return np.zeros(len(slots), dtype=bool)
-        claims = self._slot_claim[slots]
-        return (key.version[slots] == claims) & (claims != 0)
+        return self._matches(name, slots, 1)
 
     def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""
+        return self._matches(name, slots, -1)
+
+    def _matches(self, name: str, slots: np.ndarray, sign: int) -> np.ndarray:
         key = self.keys.get(name)
         if key is None:
             return np.zeros(len(slots), dtype=bool)
-        claims = self._slot_claim[slots]
-        return (key.version[slots] == -claims) & (claims != 0)
+        claims = self.claims_at(slots)
+        return (key.versions(slots, self.block_size)[0] == sign * claims) & (claims != 0)
 
     def mark_lost(self, producer: int) -> None:
         """Every row `producer` was to write is lost: it never landed."""
         for key in self.keys.values():
-            mine = (key.producer == producer) & (key.version > 0)
-            key.version[mine] = -key.version[mine]
+            for version, made_by in ((key.version.blocks, key.producer.blocks),
+                                     (key.version.slots, key.producer.slots)):
+                mine = (made_by == producer) & (version > 0)
+                version[mine] = -version[mine]
 
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]`, whole blocks at a time where slots run block-aligned."""
@@ -195,8 +241,9 @@ class PrefixBlockPool:
         for key in self.keys.values():
             keep, lost = self.present(key.name, src), self.lost(key.name, src)
             key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]
-            key.version[dst] = np.where(keep, claim, np.where(lost, -claim, 0))
-            key.producer[dst] = 0
+            key.version.blocks[dst_block] = key.producer.blocks[dst_block] = 0
+            key.version.slots[dst] = np.where(keep, claim, np.where(lost, -claim, 0))
+            key.producer.slots[dst] = 0
 
     def nbytes(self) -> dict[str, int]:
         return {name: key.storage.nbytes for name, key in self.keys.items()}

@@ -413,7 +413,7 @@ class OmniPrefixCacheManager:
 
     def _device_slots(self, slot_mapping: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """The runner's slot mapping, checked, where the write can read it in stream order
-        (an int64 device tensor: the scatter's offsets are slot x row width); else None."""
+        (a device tensor); else None."""
         if slot_mapping is None:
             return None
         if not isinstance(slot_mapping, torch.Tensor):
@@ -425,8 +425,7 @@ class OmniPrefixCacheManager:
                 f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
                 f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
         self._check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
-        if self._in_stream and self.backend.device_slots and slot_mapping.dtype == torch.int64 \
-                and slot_mapping.device.type != "cpu":
+        if self._in_stream and self.backend.device_slots and slot_mapping.device.type != "cpu":
             return slot_mapping  # the write reads its first n entries
         return None
 

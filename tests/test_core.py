@@ -99,57 +99,110 @@ def test_slot_runs_round_trip(slots) -> None:
     assert (low, high) == ((min(slots), max(slots)) if slots else (0, -1))
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 63), max_size=40), st.integers(0, 9), st.integers(-3, 12),
-       st.lists(st.integers(0, 63), max_size=3))
-def test_fill_and_any_held_match_numpy(slots, value, held_from, pinned) -> None:
-    rng = np.random.default_rng(len(slots))
-    table, other = rng.integers(0, 10, 64), rng.integers(0, 10, 64)
-    pins = np.zeros(64, dtype=np.int32)
-    pins[pinned] = 1
-    index = np.array(slots, dtype=np.int64)
-    runs = slot_runs(index)[0]
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]),
+       st.lists(st.lists(st.integers(0, 31), max_size=20), min_size=1, max_size=6),
+       st.lists(st.integers(0, 31), max_size=4), st.integers(0, 8))
+def test_tiered_fills_and_any_held_match_a_table_per_slot(block_size, writes, pinned,
+                                                          held_from) -> None:
+    # claims only grow: fill i writes claim i + 1, and a second table (a producer) beside it
+    claims, producers = np.zeros(32, dtype=np.int64), np.zeros(32, dtype=np.int64)
+    slot_tier, block_tier = np.zeros(32, dtype=np.int64), np.zeros(32 // block_size, np.int64)
+    made_slots, made_blocks = slot_tier.copy(), block_tier.copy()
+    newest = block_tier.copy()
+    for i, slots in enumerate(writes):
+        index = np.array(slots, dtype=np.int64)
+        claims[index], producers[index] = i + 1, 100 + i
+        _core.fill_tiers(slot_runs(index)[0], block_size, newest, slot_tier, block_tier, i + 1,
+                         made_slots, made_blocks, 100 + i)
 
-    claimed = bool(len(index)) and bool((table[index] >= held_from).any())
-    assert _core.any_held(table, None, runs, held_from) is claimed
-    assert _core.any_held(table, pins, runs, held_from) is (
-        claimed or bool(len(index)) and bool(pins[index].any()))
-    expected, expected_other = table.copy(), other.copy()
-    expected[index] = value
-    expected_other[index] = -value
-    _core.fill_runs(runs, table, value, other, -value)
-    assert table.tolist() == expected.tolist()
-    assert other.tolist() == expected_other.tolist()
+    blocks = np.arange(32) // block_size
+    from_block = block_tier[blocks] > slot_tier
+    assert np.maximum(block_tier[blocks], slot_tier).tolist() == claims.tolist()
+    assert np.where(from_block, made_blocks[blocks], made_slots).tolist() == producers.tolist()
+    pins = np.zeros(32, dtype=np.int32)
+    pins[pinned] = 1
+    block_pins = np.bincount(blocks, weights=pins).astype(np.int32)
+    for slots in writes:
+        index = np.array(slots, dtype=np.int64)
+        runs = slot_runs(index)[0]
+        held = bool(len(index)) and bool((claims[index] >= held_from).any())
+        assert _core.any_held(runs, block_size, held_from, slot_tier, block_tier, newest, None,
+                              None) is held
+        assert _core.any_held(runs, block_size, held_from, slot_tier, block_tier, newest, pins,
+                              block_pins) is (held or bool(len(index)) and bool(pins[index].any()))
+
+
+def test_whole_blocks_take_one_entry_each() -> None:
+    slot_tier, block_tier, newest = np.zeros(16, np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64)
+    _core.fill_tiers(np.array([[2, 13]]), 4, newest, slot_tier, block_tier, 7)
+    assert block_tier.tolist() == [0, 7, 7, 0]
+    assert slot_tier.tolist() == [0, 0, 7, 7] + [0] * 8 + [7, 0, 0, 0]
+    assert newest.tolist() == [7, 0, 0, 7]
+
+
+def test_pins_count_per_slot_and_per_block() -> None:
+    pins, block_pins = np.zeros(16, dtype=np.int32), np.zeros(4, dtype=np.int32)
+    _core.add_pins(np.array([1, 2, 9, 15]), 4, pins, block_pins, 1)
+    _core.add_pins(np.array([2, 3]), 4, pins, block_pins, 1)
+    _core.add_pins(np.array([1, 2]), 4, pins, block_pins, -1)
+    assert pins.nonzero()[0].tolist() == [2, 3, 9, 15] and pins[2] == 1
+    assert block_pins.tolist() == [2, 0, 1, 1]
+    with pytest.raises(IndexError, match="slot 16 .index 1. is outside 0..15"):
+        _core.add_pins(np.array([0, 16]), 4, pins, block_pins, 1)
+    with pytest.raises(TypeError, match="int32 counts"):
+        _core.add_pins(np.array([0]), 4, pins.astype(np.int64), block_pins, 1)
+    assert pins[0] == 0 and block_pins.tolist() == [2, 0, 1, 1]
 
 
 def test_bad_runs_and_wrong_arrays_are_refused_before_any_write() -> None:
-    table = np.zeros(16, dtype=np.int64)
-    pins = np.zeros(16, dtype=np.int32)
+    table, blocks, newest = np.zeros(16, dtype=np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64)
+    pins, block_pins = np.zeros(16, dtype=np.int32), np.zeros(4, dtype=np.int32)
+
+    def fill(runs, *tables, value=5, block_size=4):
+        _core.fill_tiers(np.array(runs), block_size, newest, *tables, value)
+
+    def held(runs, *, pins=pins, block_pins=block_pins, block_size=4, claims=table):
+        return _core.any_held(np.array(runs), block_size, 1 << 40, claims, blocks, newest, pins,
+                              block_pins)
+
     for bad in ([[3, 4], [15, 17]], [[-1, 2]], [[5, 5]], [[6, 4]]):
         with pytest.raises(IndexError, match="not a range within 0..15"):
-            _core.fill_runs(np.array(bad), table, 5)
+            fill(bad, table, blocks)
         with pytest.raises(IndexError, match="not a range within 0..15"):
-            _core.any_held(table, pins, np.array(bad), 1 << 40)
-    assert not table.any()
+            held(bad)
+    assert not (table.any() or blocks.any() or newest.any())
     with pytest.raises(TypeError, match="int64"):
-        _core.fill_runs(np.array([[1, 2]], dtype=np.int32), table, 5)
+        _core.fill_tiers(np.array([[1, 2]], dtype=np.int32), 4, newest, table, blocks, 5)
     with pytest.raises(ValueError, match=r"\[k, 2\] runs"):
-        _core.fill_runs(np.array([[1, 2, 3]]), table, 5)
+        fill([[1, 2, 3]], table, blocks)
     with pytest.raises(TypeError, match="C-contiguous writable"):
-        _core.fill_runs(np.array([[1, 2]]), table, 1, table[::2], 5)
+        fill([[1, 2]], table[::2], blocks)
     with pytest.raises(TypeError, match="1-D int64 array, got format 'd'"):
-        _core.fill_runs(np.array([[1, 2]]), table.astype(np.float64), 5)
-    with pytest.raises(ValueError, match="tables of 16 and 3 slots"):
-        _core.fill_runs(np.array([[1, 2]]), table, 1, table[:3], 5)
-    with pytest.raises(ValueError, match="3 pins for 16 slots"):
-        _core.any_held(table, pins[:3], np.array([[1, 2]]), 0)
+        fill([[1, 2]], table.astype(np.float64), blocks)
+    with pytest.raises(ValueError, match="do not make blocks of 3 slots"):
+        fill([[1, 2]], table, blocks, block_size=3)
+    with pytest.raises(ValueError, match="a slot tier of 16 and a block tier of 3"):
+        fill([[1, 2]], table, blocks[:3])
+    with pytest.raises(ValueError, match="tables of 16 and 8 slots"):
+        _core.fill_tiers(np.array([[1, 2]]), 4, newest, table, blocks, 1, table[:8], blocks[:2], 5)
+    with pytest.raises(TypeError, match="1 to 2 .slots, blocks, value. triples"):
+        _core.fill_tiers(np.array([[1, 2]]), 4, newest, table, blocks)
+    with pytest.raises(ValueError, match="newest has 2 entries for 4 blocks"):
+        _core.fill_tiers(np.array([[1, 2]]), 4, newest[:2], table, blocks, 5)
+    with pytest.raises(ValueError, match="both given or both None"):
+        held([[1, 2]], block_pins=None)
+    with pytest.raises(ValueError, match=r"read_pins \(3\)"):
+        held([[1, 2]], pins=pins[:3])
+    with pytest.raises(ValueError, match="slot tier of 12"):
+        held([[1, 2]], claims=table[:12])
     with pytest.raises(ValueError, match="runs must be"):
         _core.slot_runs(np.arange(4), np.empty((3, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="hold 3 slots, out has room for 2"):
         _core.runs_slots(np.array([[1, 4]]), np.empty(2, dtype=np.int64))
     with pytest.raises(ValueError, match="run 1, 6..6, is empty"):
         _core.run_stats(np.array([[1, 4], [6, 6]]))
-    assert not table.any()
+    assert not (table.any() or blocks.any() or newest.any())
 
 
 def test_add_counts_adds_into_totals() -> None:

@@ -102,13 +102,14 @@ def test_a_warm_mixed_run_allocates_no_pinned_memory_on_the_engine_thread(backen
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("write_stream,device_slots",
-                         [("compute", True), ("compute", False), ("copy", False)])
-def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_stream, device_slots):
+@pytest.mark.parametrize("write_stream,slot_dtype", [("compute", torch.int64),
+                                                     ("compute", torch.int32),
+                                                     ("compute", None), ("copy", None)])
+def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_stream, slot_dtype):
     """Under set_sync_debug_mode("error"), with the forward busy on a non-default stream and
     every buffer overwritten after the call, past the first steps (leftover and deferred keys
     on every step, requests finishing so their deferred writes go out); writes on either
-    stream, with the runner's device slot mapping or the host's slots."""
+    stream, with the runner's device slot mapping (int64 or int32) or the host's slots."""
     from prefix_cache import devices
     backend = devices.get_backend("cuda")
     manager, d = make(backend, num_blocks=64, block_size=16, staging_depth=4,
@@ -126,7 +127,7 @@ def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_str
                 codes = d.outputs(3, salt=2).to(backend.device, non_blocking=True)
                 logits = torch.ones(1, 1000, device=backend.device)
                 slot_mapping = d.step_slots_cpu(d.batch_req_ids(), d.scheduled).to(
-                    backend.device, non_blocking=True) if device_slots else None
+                    backend.device, slot_dtype, non_blocking=True) if slot_dtype else None
                 warm = i >= 2  # first sight sizes the arenas; from then on nothing stalls
                 torch.cuda.set_sync_debug_mode("error" if warm else "default")
                 try:
@@ -136,7 +137,7 @@ def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_str
                                                slot_mapping=slot_mapping)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                for buf in (hidden, codes, logits) + ((slot_mapping,) if device_slots else ()):
+                for buf in (hidden, codes, logits) + ((slot_mapping,) if slot_dtype else ()):
                     buf.fill_(-1)
             out = manager.materialize(sid, [f"r{i}"])
             assert torch.equal(out.hidden_states[f"r{i}"], token_rows(tokens, 2))

@@ -465,6 +465,14 @@ def test_a_bad_slot_mapping_is_refused_and_the_step_saves_with_a_good_one(backen
         sid = manager.save_outputs(rows.to(backend.device), None, num_tokens_unpadded=4,
                                    num_tokens_padded=4, slot_mapping=mapping)
         assert torch.equal(manager.materialize(sid, ["a"]).hidden_states["a"], token_rows(a, 2))
+        # an int32 mapping (vLLM's own slot_mapping dtype) is read the same way
+        b = list(range(40, 44))
+        manager.new_step_starts(d.step(new=[("b", b, [2], 0, 4)], finished=["a"]))
+        sid = manager.save_outputs(d.outputs(2).to(backend.device), None, num_tokens_unpadded=4,
+                                   num_tokens_padded=4,
+                                   slot_mapping=torch.tensor([8, 9, 10, 11], dtype=torch.int32
+                                                             ).to(backend.device))
+        assert torch.equal(manager.materialize(sid, ["b"]).hidden_states["b"], token_rows(b, 2))
 
 
 @pytest.mark.parametrize("field,value,match", [
