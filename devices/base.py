@@ -187,8 +187,8 @@ class DeviceBackend(ABC):
         distinct slots (except slot 0, of vLLM's never-read null block, which
         may take any number of discarded rows), `pool.tensor` a `[num_slots, F]`
         host tensor. Where `device_slots` is True, an in-stream write also takes
-        `slots` on the device: the runner's slot mapping, whose first n entries are
-        the rows' slots (it may be longer). `staging` is a host
+        `slots` on the device: the runner's slot mapping (int32 or int64), whose first
+        n entries are the rows' slots (it may be longer). `staging` is a host
         `[>= n, F]` buffer for backends that stage (`needs_staging`); None lets
         them take a page of their own.
         """

@@ -104,7 +104,7 @@ class CudaBackend(AcceleratorBackend):
                     pool.device_words = scatter.as_words(pool.device_view)
                 scatter.scatter_rows(rows, device_slots, pool.device_view, pool.device_words)
             else:
-                pool.device_view.index_copy_(0, device_slots[: rows.shape[0]], rows)
+                pool.device_view.index_copy_(0, device_slots[: rows.shape[0]].long(), rows)
             done = self._record_done(in_stream)
         if page is not None:
             self._slot_pages.release_after(page, done)

@@ -43,7 +43,7 @@ def _kernel() -> Any:
             live = rows < n_rows
             slots = tl.load(slot_ptr + rows, mask=live, other=0)
             src_rows = src_ptr + rows.to(tl.int64)[:, None] * row_elems
-            dst_rows = dst_ptr + slots[:, None] * row_elems
+            dst_rows = dst_ptr + slots.to(tl.int64)[:, None] * row_elems  # int32 mappings too
             for start in range(0, row_elems, BLOCK):
                 offs = (start + cols)[None, :]
                 mask = live[:, None] & (offs < row_elems)
