@@ -31,8 +31,9 @@ class Tiers:
     """An int64 per slot in two tiers: an entry per block, written by fills that cover the
     whole block (`prefix_cache._core.fill_tiers`), and one per slot, written by the others.
 
-    Which entry a slot reads is its owner's rule; the pool's tables all hold claims,
-    which only grow, so the entry written later is the one of larger magnitude.
+    Which entry a slot reads is its owner's rule. Claims and versions are claims, which
+    only grow, so of the two the entry written later is the one of larger magnitude; a
+    producer is read from the tier its version was.
     """
 
     __slots__ = ("blocks", "slots")
@@ -136,14 +137,11 @@ class PrefixBlockPool:
         """Write tasks that produce the present rows of `keys` at `slots`."""
         ids: set[int] = set()
         for name in keys:
-            key = self.keys.get(name)
-            if key is None:
-                continue
-            version, from_block = key.versions(slots, self.block_size)
-            claims = self.claims_at(slots)
-            present = (version == claims) & (claims != 0)
-            producers = key.producer.pick(slots[present], self.block_size, from_block[present])
-            ids.update(np.unique(producers).tolist())
+            mine = slots[self.present(name, slots)]
+            if len(mine):
+                key = self.keys[name]
+                from_block = key.versions(mine, self.block_size)[1]
+                ids.update(np.unique(key.producer.pick(mine, self.block_size, from_block)).tolist())
         return ids
 
     # ------------------------------------------------------------------ read pins

@@ -134,7 +134,7 @@ def test_tiered_fills_and_any_held_match_a_table_per_slot(block_size, writes, pi
 
 
 def test_whole_blocks_take_one_entry_each() -> None:
-    slot_tier, block_tier, newest = np.zeros(16, np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64)
+    slot_tier, block_tier, newest = (np.zeros(n, np.int64) for n in (16, 4, 4))
     _core.fill_tiers(np.array([[2, 13]]), 4, newest, slot_tier, block_tier, 7)
     assert block_tier.tolist() == [0, 7, 7, 0]
     assert slot_tier.tolist() == [0, 0, 7, 7] + [0] * 8 + [7, 0, 0, 0]
@@ -156,7 +156,7 @@ def test_pins_count_per_slot_and_per_block() -> None:
 
 
 def test_bad_runs_and_wrong_arrays_are_refused_before_any_write() -> None:
-    table, blocks, newest = np.zeros(16, dtype=np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64)
+    table, blocks, newest = (np.zeros(n, np.int64) for n in (16, 4, 4))
     pins, block_pins = np.zeros(16, dtype=np.int32), np.zeros(4, dtype=np.int32)
 
     def fill(runs, *tables, value=5, block_size=4):
