@@ -5,7 +5,7 @@ random Qwen2, requests sharing prefixes, chunked prefill, a long prompt aborted
 mid-prefill, a KV cache small enough that blocks are reused. Every finished
 request's rows (its last hidden states from position 0) go through the stage
 channel to stage 2 (the "talker"), a second engine that generates greedily from
-them as `prompt_embeds`. Both engines run under vLLM's default multiprocessing.
+them as `prompt_embeds`. Each engine runs in an engine-core process of its own.
 The pipeline runs once with stage 1's prefix caching on (the cache supplies the
 rows of the cached prefix) and once with it off (every row computed): the talker's
 tokens must be identical and the rows equal within `TOLERANCE`.
@@ -179,8 +179,10 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
     from prefix_cache.channel import open_channel
 
     requests = make_workload()
+    # each engine in an engine-core process of its own, whatever the environment says: in one
+    # process, stopping a thinker tears down vLLM's parallel state under the running talker
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-demo-") as tmp, \
-            open_channel("shm") as channel:
+            open_channel("shm") as channel, engines.multiprocessing_mode(True):
         progress("writing two random Qwen2 models (hidden 256, 2 layers, init range 1.0; "
                  "nothing downloaded)")
         thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
