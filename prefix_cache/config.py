@@ -42,16 +42,18 @@ class PrefixCacheConfig:
     gpu_budget_bytes: int = 512 << 20
     device: str | None = None
     write_stream: str = "compute"
+    #: host bytes kept for reuse from outputs their callers dropped (0: none kept)
+    output_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PrefixCacheConfig.{name} must be a positive int, got {value!r}")
-        if isinstance(self.gpu_budget_bytes, bool) or not isinstance(self.gpu_budget_bytes, int) \
-                or self.gpu_budget_bytes < 0:
-            raise ValueError(f"PrefixCacheConfig.gpu_budget_bytes must be an int >= 0, "
-                             f"got {self.gpu_budget_bytes!r}")
+        for name in ("gpu_budget_bytes", "output_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PrefixCacheConfig.{name} must be an int >= 0, got {value!r}")
         timeout = self.staging_claim_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not math.isfinite(timeout) or timeout <= 0:

@@ -124,7 +124,8 @@ class OmniPrefixCacheManager:
         self._tasks = TaskTable()
         self._deferred = DeferredWriter(self.pool, self.backend, self._tasks, self._lock,
                                         self._launch, config.gpu_budget_bytes, timeout)
-        self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout)
+        self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout,
+                                  config.output_cache_bytes)
         self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
 
     # ------------------------------------------------------------------ public API
@@ -256,13 +257,16 @@ class OmniPrefixCacheManager:
             self._release_step(self._consume(step_id, ()))
 
     def stats(self) -> dict[str, int | float]:
-        """Counters since start: tokens, rows, bytes, staging waits, time per public call, pool bytes."""
+        """Counters since start: tokens, rows, bytes, staging waits, time per public call, pool
+        and free output bytes."""
         self._committer.sweep()  # count writes that completed as landed
         out = self._stats.snapshot()
         out["staging_waits"] = self.staging.waits
         out["staging_wait_s"] = self.staging.wait_time_s
         out["staging_bytes"] = self.staging.nbytes()
         out["copy_on_write_reads"] = self._reads.copy_on_write_reads
+        out["output_cache_bytes"] = self._reads.outputs.free_bytes
+        out["outputs_reused"] = self._reads.outputs.reused
         with self._lock:
             out["tasks_in_flight"] = len(self._tasks)
             out["steps_unconsumed"] = len(self._steps)

@@ -20,6 +20,7 @@ import torch
 from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.latch import Latch
+from prefix_cache.output_buffers import OutputBuffers
 from prefix_cache.runs import runs_slots
 from prefix_cache.tasks import TaskTable, WriteTask
 
@@ -43,7 +44,7 @@ class ReadState(enum.Enum):
 
 class RowRead:
     """`out[:len(slots)]` = rows of `key` at `slots`, absent rows zero; `out` has `num_rows`
-    rows of `width` and is allocated by the thread that resolves the read.
+    rows of `width` and is allocated (from `OutputBuffers`) by the thread that resolves it.
 
     Invariant: while PLANNED or RESOLVING it holds its rows (see ReadPlanner), so no
     write claims its slots and the rows it gathers are the ones it was planned on.
@@ -79,7 +80,7 @@ class RowRead:
     def describe(self) -> str:
         return f"read of {self.key!r} for {self.what} ({self.state.value})"
 
-    def resolve(self, pool: PrefixBlockPool, timeout_s: float,
+    def resolve(self, pool: PrefixBlockPool, outputs: OutputBuffers, timeout_s: float,
                 release: Callable[[RowRead], None]) -> None:
         """Gather the rows (or wait for the thread doing it), then `release` them; raise if
         they cannot be had."""
@@ -93,7 +94,7 @@ class RowRead:
         try:
             for task in self.producers:
                 task.wait(timeout_s)
-            self._gather(pool)
+            self._gather(pool, outputs)
             self.state = ReadState.DONE
         except BaseException as exc:
             self.error = exc
@@ -127,10 +128,10 @@ class RowRead:
         if self.state is ReadState.CANCELLED:
             raise OmniPrefixCacheError(f"{self.describe()} was cancelled")
 
-    def _gather(self, pool: PrefixBlockPool) -> None:
+    def _gather(self, pool: PrefixBlockPool, outputs: OutputBuffers) -> None:
         n = len(self.slots)
         complete = self.present is None or bool(self.present.all())
-        out = (torch.empty if complete else torch.zeros)(self.out_shape, dtype=self.dtype)
+        out = outputs.empty(self.out_shape, self.dtype, zeroed=not complete)
         target = out[:n]
         if complete:
             pool.gather(self.key, self.slots, target)
@@ -145,9 +146,10 @@ class RowRead:
 class Prefetcher:
     """A thread that resolves reads in the order they were planned, ahead of `materialize`."""
 
-    def __init__(self, pool: PrefixBlockPool, timeout_s: float,
+    def __init__(self, pool: PrefixBlockPool, outputs: OutputBuffers, timeout_s: float,
                  release: Callable[[RowRead], None]) -> None:
         self._pool = pool
+        self._outputs = outputs
         self._timeout_s = timeout_s
         self._release = release
         self._queue: queue.SimpleQueue[RowRead | None] = queue.SimpleQueue()
@@ -161,7 +163,7 @@ class Prefetcher:
     def _run(self) -> None:
         while (read := self._queue.get()) is not None:
             try:
-                read.resolve(self._pool, self._timeout_s, self._release)
+                read.resolve(self._pool, self._outputs, self._timeout_s, self._release)
             except OmniPrefixCacheError:
                 pass  # kept on the read; its consumer raises it
             except BaseException:
@@ -185,15 +187,17 @@ class ReadPlanner:
     """
 
     def __init__(self, pool: PrefixBlockPool, tasks: TaskTable, lock: threading.Lock,
-                 timeout_s: float) -> None:
+                 timeout_s: float, output_cache_bytes: int) -> None:
         self._pool = pool
+        #: what resolved reads write into: the caller's tensors, recycled once dropped
+        self.outputs = OutputBuffers(output_cache_bytes)
         self._tasks = tasks
         self._lock = lock
         self._timeout_s = timeout_s
         self._pinned: set[RowRead] = set()  # hit reads
         #: a step's claim -> its unresolved reads, in claim order
         self._by_claim: dict[int, list[RowRead]] = {}
-        self._prefetcher = Prefetcher(pool, timeout_s, self.release)
+        self._prefetcher = Prefetcher(pool, self.outputs, timeout_s, self.release)
         self.copy_on_write_reads = 0
 
     def plan_step(self, step_id: int, keys: Iterable[str], slots: Callable[[], np.ndarray],
@@ -224,7 +228,7 @@ class ReadPlanner:
                 self._prefetcher.submit(read)
 
     def resolve(self, read: RowRead) -> None:
-        read.resolve(self._pool, self._timeout_s, self.release)
+        read.resolve(self._pool, self.outputs, self._timeout_s, self.release)
 
     def cancel(self, read: RowRead) -> None:
         read.cancel(self.release)
@@ -263,12 +267,13 @@ class ReadPlanner:
                 pass  # the read keeps its error for its consumer
 
     def close(self) -> None:
-        """Stop the prefetch thread and cancel every read still planned."""
+        """Stop the prefetch thread, cancel every read still planned, drop the free outputs."""
         self._prefetcher.close(self._timeout_s)
         with self._lock:
             reads = [*self._pinned, *(r for held in self._by_claim.values() for r in held)]
         for read in reads:
             self.cancel(read)
+        self.outputs.clear()
 
     def _oldest_held_claim(self) -> int:
         """The oldest claim holding step reads (none: past every claim); `_by_claim` is

@@ -230,6 +230,8 @@ def test_decode_context_parallel_is_refused() -> None:
     ("staging_capacity_tokens", True),
     ("staging_claim_timeout_s", 0),
     ("gpu_budget_bytes", -1),
+    ("output_cache_bytes", -1),
+    ("output_cache_bytes", 1.5),
     ("device", ""),
 ])
 def test_invalid_field_raises_value_error_naming_it(field: str, value: Any) -> None:
@@ -244,7 +246,7 @@ def test_defaults_are_the_documented_ones() -> None:
 
     assert (config.staging_depth, config.staging_capacity_tokens) == (4, 8192)
     assert config.staging_claim_timeout_s == 30.0 and config.gpu_budget_bytes == 512 << 20
-    assert config.device is None
+    assert config.device is None and config.output_cache_bytes == 256 << 20
 
 
 def test_from_vllm_config_applies_overrides() -> None:
