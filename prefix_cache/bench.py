@@ -41,6 +41,8 @@ WIDTH = 2048
 BLOCK = 16
 #: Pool size of the requests and tokens scaling sweeps (16384 tokens fit in it).
 SCALING_POOL_BLOCKS = 2048
+#: Steps timed at each point of a scaling sweep (the first is left out of the median).
+SCALING_STEPS = 100
 #: Saves issued before waiting, as consecutive steps overlap in an engine (M1's steady state).
 SAVES_IN_FLIGHT = 4
 #: Columns the printed report fits in.
@@ -649,7 +651,8 @@ def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, fl
     """(x, engine-thread µs per step, host bytes) against requests per step (decode) and
     tokens per step (one request), both on a SCALING_POOL_BLOCKS pool, and against pool
     blocks (a 64-request decode step); each µs the median of `passes` sweeps made back to
-    back, each sweep's point the median of its steps."""
+    back, every other one in reverse order (a machine that drifts during a sweep then biases
+    no end of it), each sweep's point the median of its SCALING_STEPS steps."""
     backend = devices.get_backend(device)
     dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
     pool = SCALING_POOL_BLOCKS
@@ -659,10 +662,10 @@ def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, fl
               + [("pool blocks", b, 64, 1, b) for b in (256, 1024, 4096, 16384)])
     engine_thread_us(backend, 64, 1, dtype, 30, num_blocks=pool)  # warm-up: kernels, first pools
     timings: dict[tuple[str, int], list[EngineTiming]] = {}
-    for _ in range(passes):
-        for sweep, x, reqs, tokens, blocks in points:
-            timings.setdefault((sweep, x), []).append(
-                engine_thread_us(backend, reqs, tokens, dtype, 40, num_blocks=blocks))
+    for sweep_index in range(passes):
+        for sweep, x, reqs, tokens, blocks in points[::-1] if sweep_index % 2 else points:
+            timings.setdefault((sweep, x), []).append(engine_thread_us(
+                backend, reqs, tokens, dtype, SCALING_STEPS, num_blocks=blocks))
     backend.close()
     out: dict[str, list[tuple[int, float, int]]] = {}
     for (sweep, x), runs in timings.items():
