@@ -220,7 +220,7 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int
     slots = _random_slots(num_blocks, hit_tokens, np.random.default_rng(1)).numpy()
     nbytes = hit_tokens * WIDTH * flat.element_size()
 
-    outputs = OutputBuffers(PrefixCacheConfig(num_blocks, BLOCK).output_cache_bytes)
+    outputs = OutputBuffers(PrefixCacheConfig.output_cache_bytes)  # the default
     reused = torch.empty((hit_tokens, WIDTH), dtype=dtype)
 
     def read() -> None:

@@ -135,14 +135,7 @@ class PrefixBlockPool:
 
     def producer_ids(self, slots: np.ndarray, keys: Iterable[str]) -> set[int]:
         """Write tasks that produce the present rows of `keys` at `slots`."""
-        ids: set[int] = set()
-        for name in keys:
-            mine = slots[self.present(name, slots)]
-            if len(mine):
-                key = self.keys[name]
-                from_block = key.versions(mine, self.block_size)[1]
-                ids.update(np.unique(key.producer.pick(mine, self.block_size, from_block)).tolist())
-        return ids
+        return set().union(*(self.present_and_producers(name, slots)[1] for name in keys))
 
     # ------------------------------------------------------------------ read pins
 
@@ -179,18 +172,31 @@ class PrefixBlockPool:
 
     def present(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows belong to the slot's current tenant."""
-        return self._matches(name, slots, 1)
+        return self._matches(name, slots, 1)[0]
+
+    def present_and_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, set[int]]:
+        """`present(name, slots)`, and the write tasks that produce those rows."""
+        present, from_block = self._matches(name, slots, 1)
+        if not present.any():
+            return present, set()
+        producers = self.keys[name].producer.pick(slots[present], self.block_size,
+                                                  from_block[present])
+        return present, set(np.unique(producers).tolist())
 
     def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""
-        return self._matches(name, slots, -1)
+        return self._matches(name, slots, -1)[0]
 
-    def _matches(self, name: str, slots: np.ndarray, sign: int) -> np.ndarray:
+    def _matches(self, name: str, slots: np.ndarray, sign: int) -> tuple[np.ndarray, np.ndarray]:
+        """Mask of `slots` whose `name` version is `sign` x the slot's claim (not 0), and
+        whether each version is its block's entry."""
         key = self.keys.get(name)
         if key is None:
-            return np.zeros(len(slots), dtype=bool)
+            absent = np.zeros(len(slots), dtype=bool)
+            return absent, absent
         claims = self.claims_at(slots)
-        return (key.versions(slots, self.block_size)[0] == sign * claims) & (claims != 0)
+        version, from_block = key.versions(slots, self.block_size)
+        return (version == sign * claims) & (claims != 0), from_block
 
     def mark_lost(self, producer: int) -> None:
         """Every row `producer` was to write is lost: it never landed."""

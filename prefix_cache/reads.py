@@ -216,8 +216,9 @@ class ReadPlanner:
         """A read of `key`'s rows at `hit_slots` into a tensor with `more_rows` rows after them
         (the step's own), bound to the writes producing them (caller holds the lock)."""
         pool_key = self._pool.keys[key]
-        present = self._pool.present(key, hit_slots)  # absent mm rows read zeros
-        producers = self._tasks.live(self._pool.producer_ids(hit_slots, (key,)))
+        # absent mm rows read zeros
+        present, producer_ids = self._pool.present_and_producers(key, hit_slots)
+        producers = self._tasks.live(producer_ids)
         return self._pin(RowRead(what, key, hit_slots, present, producers,
                                  len(hit_slots) + more_rows, pool_key.row_width, pool_key.dtype))
 

@@ -108,8 +108,10 @@ def test_tiered_tables_read_as_one_entry_per_slot(ops) -> None:
             lost = (ref.version[name] == -ref.claim) & (ref.claim != 0)
             assert pool.present(name, every).tolist() == present.tolist()
             assert pool.lost(name, every).tolist() == lost.tolist()
-            assert pool.producer_ids(every, [name]) == set(
-                np.unique(ref.producer[name][present]).tolist())
+            producers = set(np.unique(ref.producer[name][present]).tolist())
+            assert pool.producer_ids(every, [name]) == producers
+            mask, of_present = pool.present_and_producers(name, every)
+            assert mask.tolist() == present.tolist() and of_present == producers
         for first in range(0, pool.num_slots, 3):
             runs = np.array([[first, min(first + 6, pool.num_slots)]], dtype=np.int64)
             for held_from in (1, 3, 6):
