@@ -267,3 +267,39 @@ def test_cuda_falls_back_to_staged_copies_when_the_self_test_fails(
           closing(CudaBackend()) as backend):
         assert not backend.zero_copy and backend.needs_staging
     assert "mapping refused" in caplog.text
+
+
+@pytest.mark.cuda
+def test_cuda_events_and_in_stream_writes_follow_the_callers_current_stream() -> None:
+    """The backend keeps one Stream object per raw stream handle: every event must still be
+    recorded on the stream current at that call, on streams made after the first lookup too,
+    and a copy-stream write must leave the caller's stream current."""
+    with closing(devices.get_backend("cuda")) as backend, \
+            closing(backend.alloc_host((64, 32), torch.float32)) as pool:
+        warm = torch.zeros((4, 32), device="cuda")  # first launches compile: not behind a sleep
+        backend.scatter_rows(warm, torch.arange(4).cuda(), pool, ready=None, staging=None,
+                             in_stream=True)
+        backend.scatter_rows(warm, torch.arange(4), pool, ready=backend.record_event(),
+                             staging=None).event.synchronize()
+        for turn in range(3):
+            side = torch.cuda.Stream()
+            rows = torch.full((4, 32), float(turn), device="cuda")
+            slots = torch.arange(4 * turn, 4 * turn + 4)
+            device_slots = slots.cuda()  # a copy from pageable memory behind the sleep would wait
+            side.wait_stream(torch.cuda.current_stream())  # `rows` and `device_slots` are written
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s, on `side` only
+                ready = backend.record_event()
+                written = backend.scatter_rows(rows, device_slots, pool, ready=None,
+                                               staging=None, in_stream=True)
+                copied = backend.scatter_rows(rows, slots + 32, pool, ready=ready, staging=None)
+                assert torch.cuda.current_stream() == side
+            idle = backend.record_event()  # the default stream: nothing queued on it
+            idle.synchronize()
+            assert not (ready.query() or written.event.query() or copied.event.query()), turn
+            for transfer in (written, copied):
+                transfer.event.synchronize()
+                if transfer.finish is not None:
+                    transfer.finish()
+            assert torch.equal(pool.tensor[slots], rows.cpu())
+            assert torch.equal(pool.tensor[slots + 32], rows.cpu())

@@ -71,6 +71,9 @@ class CudaBackend(AcceleratorBackend):
             return False
         return True
 
+    def _raw_current_stream(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.device.index)  # as Triton's launch
+
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         try:
             return register_host(shape, dtype, self.device)
