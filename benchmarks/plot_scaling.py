@@ -28,7 +28,10 @@ def main(json_path: str, png_path: str) -> None:
         for ax in (time_ax, memory_ax):
             ax.set_xlabel(name if name == "pool blocks" else f"{name} per step")
             ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"omni-prefix-cache scaling, {result['device']}: {result['machine']}")
+    forward_us = result.get("scaling_forward_us", 0)
+    beside = (f", each step beside a {forward_us / 1000:.1f} ms stand-in forward"
+              if forward_us else "")
+    fig.suptitle(f"omni-prefix-cache scaling, {result['device']}{beside}\n{result['machine']}")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
 

@@ -45,6 +45,9 @@ SCALING_POOL_BLOCKS = 2048
 SCALING_STEPS = 100
 #: Saves issued before waiting, as consecutive steps overlap in an engine (M1's steady state).
 SAVES_IN_FLIGHT = 4
+#: µs of the stand-in forward running on the device while a timed step's calls are made (the
+#: length of M5's MLP-stack forward for a 256-token step on an H200), the same at every point.
+STEP_FORWARD_US = 3400
 #: Columns the printed report fits in.
 REPORT_WIDTH = 100
 
@@ -154,14 +157,47 @@ class EngineTiming:
     host_bytes: int  # pools plus staging
 
 
+class _ForwardStandIn:
+    """Device work of a fixed length on the current stream that touches no memory the cache
+    uses: the forward an engine has running when it calls the cache. `_sleep` (a spin kernel)
+    where the device module has one, else 1024x1024 matmuls; its length is calibrated with
+    device events."""
+
+    def __init__(self, backend: DeviceBackend, us: float) -> None:
+        module = torch.get_device_module(backend.name)
+        sleep = getattr(module, "_sleep", None)
+        if sleep is not None:
+            self._launch, probe = sleep, 10_000_000  # in clock cycles
+        else:
+            a = torch.randn(1024, 1024, device=backend.device)
+            out = torch.empty_like(a)
+
+            def matmuls(n: int) -> None:
+                for _ in range(n):
+                    torch.mm(a, a, out=out)
+            self._launch, probe = matmuls, 50
+        self._launch(probe)  # warm-up
+        start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        start.record()
+        self._launch(probe)
+        end.record()
+        end.synchronize()
+        self._count = max(1, round(probe * us / (start.elapsed_time(end) * 1e3)))
+
+    def __call__(self) -> None:
+        self._launch(self._count)
+
+
 def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int, dtype: torch.dtype,
                      steps: int, *, preallocate: bool = True, num_blocks: int | None = None,
-                     write_stream: str = "compute") -> EngineTiming:
+                     write_stream: str = "compute", forward_us: float = 0.0) -> EngineTiming:
     """µs per step in new_step_starts + save_outputs (median and first step), and host bytes.
 
     The pool has `num_blocks` blocks, by default just enough for the requests' positions.
-    On a device, each step passes the slot mapping a runner keeps there, and its writes land
-    (untimed) before the next step.
+    On a device, each step passes the slot mapping a runner keeps there; a stand-in forward
+    of `forward_us` (0: none, an idle device) is running when the step's calls are made; and
+    the host waits for the step's writes (untimed) with a device synchronize, as an engine
+    waits for its sampled tokens. On the host backend there is no device to run a forward.
     """
     batch = _RunnerBatch(num_reqs, tokens_per_req)
     view = FullAttentionGroupView(batch, BLOCK, backend=backend)
@@ -182,6 +218,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
             slot_mappings.append(view.step_slots_cpu(batch.req_ids, so.num_scheduled_tokens)
                                  .to(backend.device))
     slot_buffer = torch.empty_like(slot_mappings[0]) if slot_mappings else None
+    forward = _ForwardStandIn(backend, forward_us) if forward_us and backend.name != "cpu" else None
     times = []
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         if preallocate:
@@ -190,6 +227,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
             batch.move_to(positions[step % len(positions)])
             if slot_buffer is not None:  # untimed: the runner's buffer, rewritten each step
                 slot_buffer.copy_(slot_mappings[step % len(positions)])
+            if forward is not None:
+                forward()
             start = time.perf_counter()
             cache.new_step_starts(so)
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
@@ -199,7 +238,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
             cache.discard_step(sid)
             # untimed: the step's writes land before the next step, as a forward's length lets
             # them in an engine; back to back, large steps would time PCIe, not the host
-            backend.drain(config.staging_claim_timeout_s)
+            _sync(backend)
         stats = cache.stats()
     host = stats["staging_bytes"] + sum(v for k, v in stats.items() if k.startswith("pool_bytes."))
     return EngineTiming(statistics.median(times[1:]) * 1e6, times[0] * 1e6, int(host))
@@ -652,7 +691,10 @@ def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, fl
     tokens per step (one request), both on a SCALING_POOL_BLOCKS pool, and against pool
     blocks (a 64-request decode step); each µs the median of `passes` sweeps made back to
     back, every other one in reverse order (a machine that drifts during a sweep then biases
-    no end of it), each sweep's point the median of its SCALING_STEPS steps."""
+    no end of it), each sweep's point the median of its SCALING_STEPS steps. On a device,
+    every point's steps run beside the same STEP_FORWARD_US stand-in forward, so that points
+    differ only in the step itself (back to back, a step after a long write waits longer in
+    between, and the next step runs slower for that wait alone)."""
     backend = devices.get_backend(device)
     dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
     pool = SCALING_POOL_BLOCKS
@@ -660,12 +702,14 @@ def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, fl
     points = ([("requests", n, n, 1, pool) for n in (1, 4, 16, 64, 256)]
               + [("tokens", t, 1, t, pool) for t in (1, 64, 1024, 4096, 16384)]
               + [("pool blocks", b, 64, 1, b) for b in (256, 1024, 4096, 16384)])
-    engine_thread_us(backend, 64, 1, dtype, 30, num_blocks=pool)  # warm-up: kernels, first pools
+    # warm-up: kernels, first pools
+    engine_thread_us(backend, 64, 1, dtype, 30, num_blocks=pool, forward_us=STEP_FORWARD_US)
     timings: dict[tuple[str, int], list[EngineTiming]] = {}
     for sweep_index in range(passes):
         for sweep, x, reqs, tokens, blocks in points[::-1] if sweep_index % 2 else points:
             timings.setdefault((sweep, x), []).append(engine_thread_us(
-                backend, reqs, tokens, dtype, SCALING_STEPS, num_blocks=blocks))
+                backend, reqs, tokens, dtype, SCALING_STEPS, num_blocks=blocks,
+                forward_us=STEP_FORWARD_US))
     backend.close()
     out: dict[str, list[tuple[int, float, int]]] = {}
     for (sweep, x), runs in timings.items():
@@ -770,7 +814,11 @@ def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 
     print(report(result), flush=True)
     if not quick:
         result["scaling"] = scaling(device, runs)
-        print(f"\n{scaling_report(result['scaling'])}")
+        result["scaling_forward_us"] = STEP_FORWARD_US if result["device"] != "cpu" else 0
+        beside = (f", each beside a {STEP_FORWARD_US / 1000:.1f} ms stand-in forward"
+                  if result["scaling_forward_us"] else "")
+        print(f"\nScaling: engine-thread µs per step, medians of {runs} sweep(s){beside}.\n\n"
+              f"{scaling_report(result['scaling'])}")
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=2)
