@@ -31,7 +31,9 @@ esac
 
 # ---- System libraries that vLLM's CPU kernels link against (all else ships in the wheels)
 ldconfig_bin=$(command -v ldconfig || echo /sbin/ldconfig)
-"$ldconfig_bin" -p | grep -q 'libnuma\.so\.1 ' ||
+# not `grep -q`: it exits at the first match, ldconfig then dies of SIGPIPE, and pipefail
+# fails the check at random
+"$ldconfig_bin" -p | grep 'libnuma\.so\.1 ' >/dev/null ||
     fail "libnuma.so.1 is missing (vLLM's CPU kernels link it): sudo apt-get install libnuma1"
 # prefix_cache._core (the step's per-slot loops, in C) builds at install: a compiler and Python.h.
 command -v "${CC:-cc}" >/dev/null || fail "no C compiler ('${CC:-cc}') on PATH: sudo apt-get install gcc"
