@@ -42,9 +42,10 @@ class Tiers:
         self.blocks = np.zeros(num_blocks, dtype=np.int64)
         self.slots = np.zeros(num_blocks * block_size, dtype=np.int64)
 
-    def pick(self, slots: np.ndarray, block_size: int, from_block: np.ndarray) -> np.ndarray:
-        """The entries of `slots`: their block's where `from_block`, else their own."""
-        return np.where(from_block, self.blocks[slots // block_size], self.slots[slots])
+    def pick(self, slots: np.ndarray, blocks: np.ndarray, from_block: np.ndarray) -> np.ndarray:
+        """The entries of `slots` (in `blocks`): their block's where `from_block`, else their
+        own."""
+        return np.where(from_block, self.blocks[blocks], self.slots[slots])
 
 
 @dataclass
@@ -70,9 +71,9 @@ class PoolKey:
     def row_width(self) -> int:
         return self.storage.tensor.shape[1]
 
-    def versions(self, slots: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The version at each of `slots`, and whether it is its block's entry."""
-        by_block = self.version.blocks[slots // block_size]
+    def versions(self, slots: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The version at each of `slots` (in `blocks`), and whether it is its block's entry."""
+        by_block = self.version.blocks[blocks]
         by_slot = self.version.slots[slots]
         from_block = np.abs(by_block) > np.abs(by_slot)
         return np.where(from_block, by_block, by_slot), from_block
@@ -127,7 +128,11 @@ class PrefixBlockPool:
 
     def claims_at(self, slots: np.ndarray) -> np.ndarray:
         """The claim each of `slots` carries (0: never claimed)."""
-        return np.maximum(self._claim.blocks[slots // self.block_size], self._claim.slots[slots])
+        return self._claims_of(slots, slots // self.block_size)
+
+    def _claims_of(self, slots: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """`claims_at(slots)`, given the slots' block indices (computed once per read)."""
+        return np.maximum(self._claim.blocks[blocks], self._claim.slots[slots])
 
     def still_claimed(self, slots: np.ndarray, claims: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose tenant is still the one that held `claims`."""
@@ -172,30 +177,32 @@ class PrefixBlockPool:
 
     def present(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows belong to the slot's current tenant."""
-        return self._matches(name, slots, 1)[0]
+        return self._matches(name, slots, slots // self.block_size, 1)[0]
 
     def present_and_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, set[int]]:
         """`present(name, slots)`, and the write tasks that produce those rows."""
-        present, from_block = self._matches(name, slots, 1)
+        blocks = slots // self.block_size
+        present, from_block = self._matches(name, slots, blocks, 1)
         if not present.any():
             return present, set()
-        producers = self.keys[name].producer.pick(slots[present], self.block_size,
+        producers = self.keys[name].producer.pick(slots[present], blocks[present],
                                                   from_block[present])
         return present, set(np.unique(producers).tolist())
 
     def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""
-        return self._matches(name, slots, -1)[0]
+        return self._matches(name, slots, slots // self.block_size, -1)[0]
 
-    def _matches(self, name: str, slots: np.ndarray, sign: int) -> tuple[np.ndarray, np.ndarray]:
-        """Mask of `slots` whose `name` version is `sign` x the slot's claim (not 0), and
-        whether each version is its block's entry."""
+    def _matches(self, name: str, slots: np.ndarray, blocks: np.ndarray, sign: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Mask of `slots` (in `blocks`) whose `name` version is `sign` x the slot's claim (not
+        0), and whether each version is its block's entry."""
         key = self.keys.get(name)
         if key is None:
             absent = np.zeros(len(slots), dtype=bool)
             return absent, absent
-        claims = self.claims_at(slots)
-        version, from_block = key.versions(slots, self.block_size)
+        claims = self._claims_of(slots, blocks)
+        version, from_block = key.versions(slots, blocks)
         return (version == sign * claims) & (claims != 0), from_block
 
     def mark_lost(self, producer: int) -> None:
