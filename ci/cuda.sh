@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA row: an NVIDIA GPU host whose Python ($PYTHON, default python3) has a CUDA build of
-# torch and triton; vLLM is not needed. Installs the pinned test tools and this project (editable),
+# torch and triton; vLLM only for the GPU engine tests. Installs the pinned test tools and this project (editable),
 # runs the conformance and manager suites on the cuda backend, the trace replay and the CUDA-only
 # tests, then the quick benchmark. A missing piece fails the row; nothing is skipped silently.
 set -euo pipefail
@@ -24,4 +24,11 @@ command -v "$PYTHON" >/dev/null || fail "no '$PYTHON' on PATH; set PYTHON to the
 
 source ci/install-test-deps.sh
 "$PYTHON" -m pytest -m "not npu and not vllm" "$@"
+# The GPU worker in a real vLLM GPU engine, where a vLLM GPU build imports (on the H200 machine:
+# eval "$(bash shared/tools/vllm-gpu/install.sh)" first)
+if "$PYTHON" -c "import vllm" 2>/dev/null; then
+    "$PYTHON" -m pytest -m "cuda and vllm" "$@"
+else
+    echo "ci/cuda.sh: vLLM does not import in $PYTHON: the GPU engine tests did not run" >&2
+fi
 "$PYTHON" -m prefix_cache bench --device cuda --quick

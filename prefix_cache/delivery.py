@@ -12,6 +12,12 @@ request left the batch, not why: a request with fewer rows than its prompt
 (aborted mid-prefill, or before it was ever scheduled) is published marked
 aborted. One aborted after its prompt was computed looks finished; its entry
 carries the prompt length and row count so the consumer can judge.
+
+The scheduler may report a finish before the runner hears of it (`finish_early`,
+when the worker shares the scheduler's process): the request is published then,
+rows a step already in flight computes for it afterwards are dropped (an
+asynchronous scheduler's one stale step), and the runner's own `finish` later
+only forgets it.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class StageDelivery:
         self._sink = sink
         self._lock = threading.Lock()
         self._parts: dict[str, list[_Part]] = {}
+        self._published_early: set[str] = set()  # published; the runner's finish is to come
         self._published = 0
 
     def stats(self) -> dict[str, int]:
@@ -77,7 +84,8 @@ class StageDelivery:
         if not rows:
             return
         with self._lock:
-            self._add(req_id, start, rows)
+            if req_id not in self._published_early:
+                self._add(req_id, start, rows)
 
     def _add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
         parts = self._parts.get(req_id, [])
@@ -111,7 +119,21 @@ class StageDelivery:
                 for key, ref in like.items()}
 
     def finish(self, request: FinishedRequest) -> None:
-        """Publish a retired request's rows under its external id, then free them."""
+        """The runner retired `request`: publish its rows under its external id (unless
+        `finish_early` did), then free them."""
+        with self._lock:
+            if request.req_id in self._published_early:
+                self._published_early.discard(request.req_id)
+                return
+        self._publish(request)
+
+    def finish_early(self, request: FinishedRequest) -> None:
+        """The scheduler retired `request` before the runner heard of it: publish it now."""
+        with self._lock:
+            self._published_early.add(request.req_id)
+        self._publish(request)
+
+    def _publish(self, request: FinishedRequest) -> None:
         rows = self.pop(request.req_id)
         if self._sink is None:
             return

@@ -10,6 +10,7 @@ default: an engine-core process each); `multiprocessing_mode` sets it.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,6 +85,29 @@ def write_random_qwen2(path: Path, *, hidden_size: int = 256, num_layers: int = 
     return path
 
 
+#: Share of a GPU's memory each engine takes (the demo runs two engines on one GPU).
+GPU_MEMORY_FRACTION = 0.2
+
+#: What a vLLM build without its compiled kernels (`vllm._C`) needs to run: eager, Triton
+#: attention, torch-native layers (as the offline build for the H200 machine is).
+PORTABLE_ENGINE_ARGS: dict[str, Any] = dict(
+    enforce_eager=True, attention_config={"backend": "TRITON_ATTN"},
+    compilation_config={"custom_ops": ["none"]},
+    ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})
+
+
+def platform_engine_args() -> dict[str, Any]:
+    """Engine arguments this machine's vLLM platform needs beyond an engine's shape."""
+    from vllm.platforms import current_platform
+    if current_platform.device_type != "cuda":
+        return {}
+    args: dict[str, Any] = {"gpu_memory_utilization": GPU_MEMORY_FRACTION}
+    if importlib.util.find_spec("vllm._C") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        args.update(PORTABLE_ENGINE_ARGS)
+    return args
+
+
 def default_worker() -> str:
     """The cache's worker class for this machine's vLLM platform."""
     from vllm.platforms import current_platform
@@ -104,6 +128,7 @@ class EngineShape:
     max_num_batched_tokens: int = 64
     long_prefill_token_threshold: int = 32  # a long prompt's chunk per step (0: no limit)
     num_blocks: int = 25            # 24 usable (block 0 is vLLM's null block): 768 tokens
+    dtype: str = "float32"
 
     def engine_args(self) -> dict[str, Any]:
         return dict(max_model_len=self.max_model_len, block_size=self.block_size,
@@ -111,7 +136,7 @@ class EngineShape:
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     long_prefill_token_threshold=self.long_prefill_token_threshold,
                     num_gpu_blocks_override=self.num_blocks, enable_chunked_prefill=True,
-                    dtype="float32", enforce_eager=True, seed=0, skip_tokenizer_init=True)
+                    dtype=self.dtype, enforce_eager=True, seed=0, skip_tokenizer_init=True)
 
 
 class Engine:
@@ -125,10 +150,9 @@ class Engine:
     def __init__(self, model_dir: Path, shape: EngineShape, **kwargs: Any) -> None:
         apply_engine_env()
         from vllm import LLM
-        from vllm.v1.engine.core_client import InprocClient
-        self.llm = LLM(model=str(model_dir), **shape.engine_args(), **kwargs)
+        self.llm = LLM(model=str(model_dir), **{**shape.engine_args(), **platform_engine_args(),
+                                                **kwargs})
         self.engine = self.llm.llm_engine
-        self.in_process = isinstance(self.engine.engine_core, InprocClient)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -136,12 +160,6 @@ class Engine:
     def step(self) -> list[Any]:
         """One engine step; only call it with work pending (a multiprocess engine blocks)."""
         return self.engine.step()
-
-    def flush(self) -> None:
-        """Let the worker hear of the last finishes: a multiprocess engine core steps once
-        more on its own; an in-process one steps when asked."""
-        if self.in_process:
-            self.engine.step()
 
     def stats(self) -> dict[str, int | float]:
         return self.llm.collective_rpc("prefix_cache_stats")[0]
@@ -153,11 +171,12 @@ class Engine:
 
 
 def start_thinker(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,
-                  shape: EngineShape = EngineShape(), worker_cls: str | None = None) -> Engine:
+                  shape: EngineShape = EngineShape(), worker_cls: str | None = None,
+                  **engine_args: Any) -> Engine:
     """Stage 1: an engine whose worker publishes every finished request's rows to `channel`."""
     return Engine(model_dir, shape, enable_prefix_caching=prefix_caching,
                   worker_cls=worker_cls or default_worker(),
-                  additional_config={"prefix_cache": {"channel": channel.spec}})
+                  additional_config={"prefix_cache": {"channel": channel.spec}}, **engine_args)
 
 
 def start_talker(model_dir: Path, shape: EngineShape = EngineShape()) -> Engine:

@@ -5,9 +5,9 @@ cache; each finished request's rows from position 0 (its last hidden states)
 reach the stage channel under the request's id. Stage 2, the talker, is a
 second vLLM engine with `enable_prompt_embeds=True` that generates greedily
 from each request's rows as soon as they arrive. The driver steps the thinker
-by hand so arrivals and aborts land at fixed steps; it takes a request's rows
-once the thinker has run one more step (that step tells the worker the request
-finished). Nothing crosses vLLM's RPC but the channel spec, in
+by hand so arrivals and aborts land at fixed steps; it takes a request's rows as
+soon as the thinker returns its final output (or the driver aborted it): the
+worker publishes them whether or not the thinker steps again. Nothing crosses vLLM's RPC but the channel spec, in
 `additional_config` (see `prefix_cache.engines`).
 """
 
@@ -97,7 +97,6 @@ def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[Stag
     for r in requests:
         if r.abort_at_step is not None:
             aborts.setdefault(r.abort_at_step, []).append(r.req_id)
-    retired: list[str] = []  # left the thinker; rows published once it steps again
     params = talker_params(talker_tokens)
     start = time.perf_counter()
 
@@ -123,7 +122,7 @@ def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[Stag
             thinker.engine.add_request(req.req_id, {"prompt_token_ids": req.prompt},
                                        SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
                                                       ignore_eos=True, detokenize=False))
-        finished_now = aborts.get(step, [])
+        finished_now = list(aborts.get(step, []))
         if finished_now:
             thinker.engine.abort_request(finished_now)
         if thinker.has_work():
@@ -132,15 +131,10 @@ def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[Stag
                     results[out.request_id].cached_tokens, out.num_cached_tokens or 0)
                 if out.finished:
                     finished_now.append(out.request_id)
-            take_rows(retired)
-            retired = finished_now
-        else:
-            retired += finished_now
+        take_rows(finished_now)
         if talker is not None and talker.has_work():
             collect(talker.step())
         step += 1
-    thinker.flush()
-    take_rows(retired)
     thinker_done = time.perf_counter() - start
     while talker is not None and talker.has_work():
         collect(talker.step())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +138,13 @@ class PrefixCacheRunnerMixin:
         if output is not None:  # no sample_tokens follows (no forward, pooling, PP)
             stage.end_step()
         return output
+
+    def omni_requests_finished(self, req_ids: Sequence[str]) -> None:
+        """The scheduler just retired `req_ids` (before vLLM returns their last outputs): publish
+        them now, not when the next step tells this runner (that step may never run)."""
+        stage = self._omni_stage
+        if stage is not None and stage.active:
+            stage.finish_now([self._omni_finished(r) for r in req_ids])
 
     def _omni_finished(self, req_id: str) -> FinishedRequest:
         state = self.requests.get(req_id)  # absent: aborted before it was ever scheduled

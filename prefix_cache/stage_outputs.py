@@ -14,7 +14,8 @@ cache (prefix caching off), `save_step` starts device->host copies of the
 step's per-token rows and the output thread waits for them. Either way the
 output thread hands each request's rows to `StageDelivery`, and the requests a
 step retires are published there after their last rows: a request's finish is
-queued at the step that reports it, after the materialize of the step before.
+queued at the step that reports it, after the materialize of the step before, or
+earlier, by `finish_now`, when the scheduler reports it (`prefix_cache.workers.finishes`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,14 @@ class StageOutputDriver:
         if finished:
             requests = list(finished)
             self._thread.submit(f"publish {len(requests)} finished requests",
-                                lambda: self._publish(requests))
+                                lambda: self._publish(requests, self.delivery.finish))
+
+    def finish_now(self, finished: Sequence[FinishedRequest]) -> None:
+        """The scheduler retired these requests before the runner heard of it: publish them
+        after every step queued so far (their last rows); `begin_step` will skip them."""
+        requests = list(finished)
+        self._thread.submit(f"publish {len(requests)} requests the scheduler retired",
+                            lambda: self._publish(requests, self.delivery.finish_early))
 
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
                   num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
@@ -162,9 +170,11 @@ class StageOutputDriver:
         for req_id, first, end, start in spans:
             self.delivery.add(req_id, start, {k: v[first:end] for k, v in host.items()})
 
-    def _publish(self, requests: list[FinishedRequest]) -> None:
+    @staticmethod
+    def _publish(requests: list[FinishedRequest],
+                 finish: Callable[[FinishedRequest], None]) -> None:
         for request in requests:
-            self.delivery.finish(request)
+            finish(request)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -1,5 +1,5 @@
 """The runner mixin inside vLLM's real CPU engine: rows leave off the engine thread, omni forward
-outputs are read (or refused out loud), and workers refuse model runner V2."""
+outputs are read (or refused out loud)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ pytest.importorskip("vllm")
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
-from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
+from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channel  # noqa: E402
 from prefix_cache.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
-from prefix_cache.vllm_runners import PrefixCacheCPUWorker, PrefixCacheGPUWorker  # noqa: E402
+from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
 from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
@@ -162,7 +162,6 @@ def test_omni_forward_outputs_reach_the_next_stage(thinker_model_dir: Path, form
             engine.close()
     assert stats["hit_tokens"] >= 64 * (len(requests) - 1)  # the later requests hit the prefix
     assert stats["calls.save_outputs"] == stats["calls.new_step_starts"]  # one save per step
-    assert stats["calls.discard_step"] >= 1  # the last step only retires requests: 0 rows
     for request in requests:
         outputs = run.results[request.req_id].entry.outputs
         hidden = outputs[HIDDEN_KEY]
@@ -190,7 +189,6 @@ def test_an_unreadable_forward_output_turns_the_cache_off_with_one_warning(
             while engine.has_work():
                 for out in engine.step():
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
-            engine.flush()
             assert runner.omni_prefix_cache is None
             with pytest.raises(OmniPrefixCacheChannelTimeoutError):
                 channel.get(requests[0].req_id, timeout_s=0.5)
@@ -207,16 +205,3 @@ def _greedy(max_tokens: int) -> Any:
     from vllm import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                           detokenize=False)
-
-
-# ---------------------------------------------------------------------- workers
-
-@pytest.mark.parametrize("worker_cls, start", [(PrefixCacheCPUWorker, "init_device"),
-                                               (PrefixCacheGPUWorker, "_make_model_runner")])
-def test_workers_refuse_model_runner_v2_naming_the_setting(worker_cls: type, start: str) -> None:
-    # vLLM's CPU build refuses V2 itself (it needs Triton), and there is no GPU here: the
-    # worker's own check is called on an instance that was never started.
-    worker = object.__new__(worker_cls)
-    worker.use_v2_model_runner = True
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        getattr(worker, start)()

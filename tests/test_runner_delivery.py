@@ -57,6 +57,21 @@ def test_a_request_short_of_its_prompt_is_published_marked_aborted() -> None:
     assert empty.aborted and empty.outputs == {} and empty.meta["num_rows"] == 0
 
 
+def test_a_finish_the_scheduler_reported_is_published_once_and_later_rows_are_dropped() -> None:
+    with open_channel() as channel:
+        delivery = StageDelivery(channel)
+        delivery.add("d-1", 0, rows(0, 6))
+        delivery.finish_early(FinishedRequest("d-1", "d", prompt_len=4))
+        delivery.add("d-1", 6, rows(6, 7))  # an asynchronous scheduler's stale step
+        assert delivery.stats()["delivery_requests_held"] == 0
+        delivery.finish(FinishedRequest("d-1", "d", prompt_len=4))  # the runner hears of it
+        entry = channel.get_entry("d", timeout_s=1)
+        assert delivery.stats()["delivery_published"] == 1
+        with pytest.raises(OmniPrefixCacheError):  # published once, not twice
+            channel.get_entry("d", timeout_s=0.2)
+    assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 6)[HIDDEN_KEY])
+
+
 def test_a_key_missing_from_some_steps_reads_zeros_there() -> None:
     delivery = StageDelivery()
     delivery.add("a", 0, rows(0, 3))

@@ -8,8 +8,8 @@ machine. These tests stand fake `vllm_ascend.worker` modules in for it, holding:
   `sample_tokens`, `query_start_loc.np`, the persistent `input_batch`; and, like vllm-ascend's
   runner, no `_kernel_block_sizes` (dropped once vLLM's own CPU code has used it). The engine
   uses 128-token blocks, the size vllm-ascend forces with prefix caching.
-- `NPUWorker`: vLLM's CPU worker whose `init_device` builds the runner through the module-level
-  name `NPUModelRunner`, as vllm-ascend's `NPUWorker.init_device` does.
+- `NPUWorker`: vLLM's CPU worker whose `init_device` builds an `NPUModelRunner`, as
+  vllm-ascend's `NPUWorker.init_device` does (through its module-level name).
 
 Everything else is real: vLLM's CPU engine, the cache, the shared-memory channel.
 """
@@ -21,6 +21,7 @@ import random
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,13 +32,13 @@ import vllm.v1.worker.cpu_worker as cpu_worker  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-import prefix_cache  # noqa: E402
+import prefix_cache.workers  # noqa: E402
 from prefix_cache import OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import open_channel  # noqa: E402
 from prefix_cache.engines import (EngineShape, multiprocessing_mode,  # noqa: E402
                                   start_thinker)
 from prefix_cache.pipeline import StageRequest, run_pipeline  # noqa: E402
-from prefix_cache.vllm_runners import runner_class  # noqa: E402
+from prefix_cache.workers.base import adopt_runner  # noqa: E402
 from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
@@ -66,8 +67,12 @@ def fake_vllm_ascend() -> dict[str, types.ModuleType]:
         """Stands in for vllm_ascend.worker.worker.NPUWorker (see the module doc)."""
 
         def init_device(self) -> None:
-            with runner_class(cpu_worker, "CPUModelRunner", worker_module.NPUModelRunner):
+            cpu_runner, cpu_worker.CPUModelRunner = cpu_worker.CPUModelRunner, \
+                worker_module.NPUModelRunner
+            try:
                 super().init_device()
+            finally:
+                cpu_worker.CPUModelRunner = cpu_runner
 
     worker_module.NPUWorker = NPUWorker
     package = types.ModuleType("vllm_ascend")
@@ -81,19 +86,19 @@ def fake_vllm_ascend() -> dict[str, types.ModuleType]:
 
 @pytest.fixture
 def ascend_runners(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """`prefix_cache.vllm_ascend_runners`, imported afresh over the stand-in vllm_ascend."""
+    """`prefix_cache.workers.npu`, imported afresh over the stand-in vllm_ascend."""
     for name, module in fake_vllm_ascend().items():
         monkeypatch.setitem(sys.modules, name, module)
     forget_ascend_runners()
-    yield importlib.import_module("prefix_cache.vllm_ascend_runners")
+    yield importlib.import_module("prefix_cache.workers.npu")
     forget_ascend_runners()  # built over the stand-in: no later test may see it
 
 
 def forget_ascend_runners() -> None:
-    """Make the next use import `prefix_cache.vllm_ascend_runners` again."""
-    sys.modules.pop("prefix_cache.vllm_ascend_runners", None)
-    if hasattr(prefix_cache, "vllm_ascend_runners"):
-        delattr(prefix_cache, "vllm_ascend_runners")
+    """Make the next use import `prefix_cache.workers.npu` again."""
+    sys.modules.pop("prefix_cache.workers.npu", None)
+    if hasattr(prefix_cache.workers, "npu"):
+        delattr(prefix_cache.workers, "npu")
 
 
 def block_prefix_requests(seed: int = 0) -> list[StageRequest]:
@@ -131,10 +136,11 @@ def test_npu_worker_builds_the_cache_runner_on_vllm_ascends_surface(
 
 
 def test_npu_worker_refuses_model_runner_v2(ascend_runners: types.ModuleType) -> None:
-    worker = object.__new__(ascend_runners.PrefixCacheNPUWorker)
-    worker.use_v2_model_runner = True
+    # vllm-ascend builds its V2 runner (vllm_ascend.worker.v2.model_runner, on vLLM's V2
+    # runner) when VLLM_USE_V2_MODEL_RUNNER is set: not an NPUModelRunner, so refused
+    worker = SimpleNamespace(model_runner=object(), use_v2_model_runner=True)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        worker.init_device()
+        adopt_runner(worker, ascend_runners.PrefixCacheNPUWorker.runner_base)
 
 
 def test_without_vllm_ascend_the_npu_worker_names_what_to_install(

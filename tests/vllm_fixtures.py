@@ -30,7 +30,7 @@ import functools
 import shutil
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,21 +111,24 @@ def make_vllm_config(block_size: int, max_num_seqs: int, max_num_batched_tokens:
 
 def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int,
                    max_num_batched_tokens: int, enable_prefix_caching: bool = True, *,
-                   model_dir: str | Path | None = None, max_model_len: int = 256) -> Scheduler:
+                   model_dir: str | Path | None = None, max_model_len: int = 256,
+                   configure: Callable[[Any], None] = lambda vllm_config: None) -> Scheduler:
     """A real vLLM v1 `Scheduler` over `num_blocks` blocks (block 0 is vLLM's null block).
 
     `model_dir` defaults to a process-wide tiny model dir; pass the `tiny_model_dir`
     fixture to share the session's. Requests for it come from `make_request` with
-    `hash_block_size=block_size`.
+    `hash_block_size=block_size`. `configure` may change the config first; the scheduler is
+    of the class the config then names (`get_scheduler_cls()`), as in EngineCore.
     """
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = make_vllm_config(block_size, max_num_seqs, max_num_batched_tokens,
                                    enable_prefix_caching, model_dir=model_dir,
                                    max_model_len=max_model_len)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vllm_config,
+    configure(vllm_config)
+    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return scheduler_cls(vllm_config=vllm_config,
                      kv_cache_config=make_kv_cache_config(num_blocks, block_size),
                      structured_output_manager=StructuredOutputManager(vllm_config),
                      block_size=block_size, log_stats=False)

@@ -1,0 +1,98 @@
+"""What every cache worker shares: its runner adopted into the cache, finishes reported, stats.
+
+A worker class is `PrefixCacheWorkerMixin` first, then a vLLM (or vllm-ascend)
+worker. vLLM releases build the model runner in `init_device` in different ways:
+a module-level class name (the CPU worker, vllm-ascend's), a local import (the
+GPU worker of 0.26 and earlier), a `_make_model_runner` factory (later GPU
+workers). Rather than intercept each, the worker adopts the runner once it is
+built: its class becomes the runner mixin over its own class. The mixin keeps its
+state in class-level defaults until `load_model`, so the runner needs nothing
+from a constructor. A runner the cache cannot hook refuses the engine at start,
+naming the vLLM release; a worker never serves without the cache silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
+from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
+from prefix_cache.workers.finishes import report_finishes
+
+
+@functools.cache
+def cache_runner_class(base: type) -> type:
+    """`base` (a vLLM model runner class) with the stage-output cache: the mixin first."""
+    return type(f"PrefixCache{base.__name__}", (PrefixCacheRunnerMixin, base),
+                {"__module__": __name__,
+                 "__doc__": f"{base.__qualname__} with the stage-output cache."})
+
+
+def vllm_release() -> str:
+    import vllm
+    return getattr(vllm, "__version__", "(unknown release)")
+
+
+def adopt_runner(worker: Any, runner_base: type, runner_cls: type | None = None
+                 ) -> PrefixCacheRunnerMixin:
+    """Make the runner `worker.init_device` built carry the cache, or refuse the engine.
+
+    Its class becomes `runner_cls` (a subclass of its class with the mixin, whose
+    constructor adds nothing), else the mixin over its own class.
+    """
+    runner = getattr(worker, "model_runner", None)
+    if isinstance(runner, PrefixCacheRunnerMixin):
+        return runner
+    if not isinstance(runner, runner_base):
+        v2 = getattr(worker, "use_v2_model_runner", False)
+        raise OmniPrefixCacheUnmatchError(
+            f"{type(worker).__name__} on vLLM {vllm_release()}: init_device built "
+            f"{'no model runner' if runner is None else type(runner).__qualname__}, not a "
+            f"{runner_base.__qualname__} the omni prefix cache can hook"
+            + ("; this engine uses Model Runner V2: start it with VLLM_USE_V2_MODEL_RUNNER=0"
+               if v2 else ""))
+    target = runner_cls or cache_runner_class(type(runner))
+    if not (issubclass(target, type(runner)) and issubclass(target, PrefixCacheRunnerMixin)):
+        raise OmniPrefixCacheUnmatchError(
+            f"{type(worker).__name__}.runner_cls {target.__qualname__} must subclass both "
+            f"PrefixCacheRunnerMixin and the runner vLLM {vllm_release()} built, "
+            f"{type(runner).__qualname__}")
+    try:
+        runner.__class__ = target
+    except TypeError as exc:  # a base class whose instance layout a subclass changes
+        raise OmniPrefixCacheUnmatchError(
+            f"{type(worker).__name__} on vLLM {vllm_release()}: cannot give the built "
+            f"{type(runner).__qualname__} the cache's class {target.__qualname__}: {exc}") from exc
+    return runner
+
+
+class PrefixCacheWorkerMixin:
+    """Put first in a vLLM worker's bases, with `runner_base` the runner class it builds;
+    a subclass may name its own runner class in `runner_cls` (see `adopt_runner`)."""
+
+    runner_base: type
+    runner_cls: type | None = None
+
+    def init_device(self) -> None:
+        super().init_device()
+        runner = adopt_runner(self, self.runner_base, self.runner_cls)
+        if not report_finishes(self.vllm_config, runner.omni_requests_finished):
+            from vllm import envs
+            if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+                raise OmniPrefixCacheUnmatchError(
+                    f"{type(self).__name__}: an in-process engine core "
+                    f"(VLLM_ENABLE_V1_MULTIPROCESSING=0) with workers in processes of their "
+                    f"own ({self.vllm_config.parallel_config.distributed_executor_backend!r} "
+                    f"executor) tells a worker of a finish only at its next step, which may "
+                    f"never run; run the engine core in its own process "
+                    f"(VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+
+    def prefix_cache_stats(self) -> dict[str, int | float]:
+        """The cache's and the delivery's counters, and this worker process's resident bytes
+        (numbers only: reachable through `llm.collective_rpc("prefix_cache_stats")`)."""
+        stats = self.model_runner.prefix_cache_stats()
+        with open("/proc/self/statm") as statm:  # resident pages, the second field
+            stats["worker_rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return stats

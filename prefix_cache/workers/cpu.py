@@ -1,0 +1,16 @@
+"""vLLM's CPU worker with the stage-output cache (imports vLLM's CPU worker: CPU engines only)."""
+
+from __future__ import annotations
+
+import vllm.v1.worker.cpu_worker as cpu_worker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from prefix_cache.workers.base import PrefixCacheWorkerMixin, cache_runner_class
+
+PrefixCacheCPUModelRunner = cache_runner_class(CPUModelRunner)
+
+
+class PrefixCacheCPUWorker(PrefixCacheWorkerMixin, cpu_worker.CPUWorker):
+    """vLLM's CPU worker whose `CPUModelRunner` carries the stage-output cache."""
+
+    runner_base = CPUModelRunner

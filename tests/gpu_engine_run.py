@@ -1,0 +1,129 @@
+"""One run of a real vLLM GPU engine with the cache's worker, for `tests/test_gpu_engine.py`.
+
+Each run is a process of its own (`python -m tests.gpu_engine_run CASE on|off MP MODEL OUT`): it
+starts one stage-1 engine on the GPU with prefix caching on or off, drives a case's workload
+through `prefix_cache.pipeline.run_pipeline` (which takes each request's entry off the stage
+channel as soon as vLLM returns its final output), and saves the entries, cached-token counts
+and the cache's stats to OUT for the test to compare.
+
+Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
+
+- `main`: two waves of six prompts sharing 64-token prefixes (the second wave hits the first's
+  blocks), two decode-heavy requests (48 tokens each), and a 512-token prompt aborted
+  mid-prefill;
+- `preempt`: four requests whose decodes outgrow a 13-block KV cache, so vLLM preempts and
+  recomputes;
+- `mm`: `main` on a runner whose forward also emits a per-token multimodal key, which the
+  model's attributes declare deferred (`deferred_prefix_cache_mm_keys`);
+- `graphs`: `main` with CUDA graphs captured for decode (no torch.compile).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefix_cache.engines import EngineShape, multiprocessing_mode, start_thinker
+from prefix_cache.pipeline import StageRequest, run_pipeline
+from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
+
+MAIN_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                         long_prefill_token_threshold=32, num_blocks=97, dtype="bfloat16")
+PREEMPT_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                            long_prefill_token_threshold=32, num_blocks=14, max_model_len=192,
+                            dtype="bfloat16")
+MM_KEY = "codes.audio"
+
+
+def main_workload(seed: int = 0) -> list[StageRequest]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(64)] for _ in range(3)]
+    requests = [StageRequest("long-aborted", [rng.randrange(1, 1000) for _ in range(512)], 4,
+                             arrive_at_step=0, abort_at_step=3)]
+    for wave in range(2):
+        for i in range(6):
+            prompt = prefixes[i % 3] + [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 30))]
+            requests.append(StageRequest(f"w{wave}-{i}", prompt, rng.randrange(2, 6),
+                                         arrive_at_step=40 * wave + i))
+    requests += [StageRequest(f"decode-{i}", prefixes[i] + [rng.randrange(1, 1000)
+                                                             for _ in range(9)],
+                              48, arrive_at_step=80 + i) for i in range(2)]
+    return requests
+
+
+def preempt_workload(seed: int = 1) -> list[StageRequest]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 1000) for _ in range(32)]
+    return [StageRequest(f"p{i}", prefix + [rng.randrange(1, 1000) for _ in range(16)], 100,
+                         arrive_at_step=0) for i in range(4)]
+
+
+class _EmitsMM:
+    """Below the mixin: the model declares its policy by attributes, and its forward returns
+    (hidden, {"codes": {"audio": ...}}) as an omni model's does."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        self.model.deferred_prefix_cache_mm_keys = [MM_KEY]
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = super()._model_forward(*args, **kwargs)
+        return hidden, {"codes": {"audio": hidden[:, :4] * 2}}
+
+
+class _Unwrap:
+    """Above the mixin: vLLM's sampler gets the hidden states alone."""
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return super()._model_forward(*args, **kwargs)[0]
+
+
+@functools.cache
+def _mm_worker() -> type:
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from prefix_cache.engines import default_worker
+    worker = resolve_obj_by_qualname(default_worker())  # this platform's cache worker
+    runner = type("MMRunner", (_Unwrap, PrefixCacheRunnerMixin, _EmitsMM, worker.runner_base),
+                  {})
+    return type("MMWorker", (worker,), {"runner_cls": runner})
+
+
+def __getattr__(name: str) -> Any:  # the engine process imports the mm worker by name
+    if name == "MMWorker":
+        return _mm_worker()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: Path) -> None:
+    from prefix_cache.channel import open_channel
+    shape, requests, args = MAIN_SHAPE, main_workload(), {}
+    if case == "preempt":
+        shape, requests = PREEMPT_SHAPE, preempt_workload()
+    elif case == "mm":
+        args["worker_cls"] = f"{__name__}.MMWorker"
+    elif case == "graphs":
+        args.update(enforce_eager=False, compilation_config={
+            "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]})
+    with multiprocessing_mode(multiprocessing), open_channel() as channel:
+        engine = start_thinker(model_dir, channel, prefix_caching=caching, shape=shape, **args)
+        try:
+            result = run_pipeline(engine, channel, requests)
+            stats = engine.stats()
+        finally:
+            engine.close()
+    torch.save({"stats": stats,
+                "cached": {k: r.cached_tokens for k, r in result.results.items()},
+                "entries": {k: {"aborted": r.entry.aborted, "meta": dict(r.entry.meta),
+                                "outputs": dict(r.entry.outputs)}
+                            for k, r in result.results.items()}}, out)
+
+
+if __name__ == "__main__":
+    case, caching, mp, model_dir, out = sys.argv[1:]
+    run(case, caching == "on", mp == "1", Path(model_dir), Path(out))

@@ -1,0 +1,245 @@
+"""The cache's vLLM workers on vLLM's real CPU engine: the runner is adopted however a release
+builds it (or the engine is refused), naming a GPU worker leaves torch's CUDA classes alone, and
+every finished request's entry reaches the channel without another engine step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm  # noqa: E402
+import vllm.v1.worker.cpu_worker as cpu_worker  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
+
+from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
+from prefix_cache.channel import open_channel  # noqa: E402
+from prefix_cache.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
+from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
+from prefix_cache.workers.base import adopt_runner  # noqa: E402
+from prefix_cache.workers.finishes import FinishReporting, report_finishes  # noqa: E402
+from tests.vllm_fixtures import (FAKE_TOKEN_ID, engine_runner, fake_model_step,  # noqa: E402
+                                 make_request, make_scheduler, thinker_model_dir)  # noqa: F401
+
+pytestmark = [pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- import hygiene
+
+#: Prints which of torch's device classes a set of imports rebinds, and whether vLLM's CPU
+#: worker got loaded (one JSON object). argv: a setup snippet, then the imports.
+IMPORT_PROBE = textwrap.dedent("""
+    import importlib, json, operator, sys
+    import torch
+    NAMES = ("cuda.Stream", "cuda.Event", "cuda.current_stream", "Event", "Stream")
+    before = {n: operator.attrgetter(n)(torch) for n in NAMES}
+    exec(sys.argv[1])
+    for name in sys.argv[2:]:
+        module, _, attr = name.partition(":")
+        loaded = importlib.import_module(module)
+        if attr:
+            getattr(loaded, attr)
+    print(json.dumps({
+        "rebound": [n for n in NAMES if operator.attrgetter(n)(torch) is not before[n]],
+        "cpu_worker": "vllm.v1.worker.cpu_worker" in sys.modules}))
+""")
+
+#: Stands in for vllm-ascend (not installable here): its worker and V1 runner modules, as
+#: plain subclasses of vLLM's base worker and GPU runner, importing nothing of the CPU worker.
+FAKE_VLLM_ASCEND = textwrap.dedent("""
+    import types
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+    runner = types.ModuleType("vllm_ascend.worker.model_runner_v1")
+    runner.NPUModelRunner = type("NPUModelRunner", (GPUModelRunner,), {})
+    worker = types.ModuleType("vllm_ascend.worker.worker")
+    worker.NPUWorker = type("NPUWorker", (WorkerBase,), {})
+    for name, module in {"vllm_ascend": types.ModuleType("vllm_ascend"),
+                         "vllm_ascend.worker": types.ModuleType("vllm_ascend.worker"),
+                         runner.__name__: runner, worker.__name__: worker}.items():
+        sys.modules[name] = module
+""")
+
+
+def probe_imports(*imports: str, setup: str = "") -> dict[str, Any]:
+    """What `imports` ("module" or "module:attribute") do to torch, in a fresh interpreter."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE, setup, *imports], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gpu_worker_modules() -> list[str]:
+    """Every module a GPU worker process may load of this package (all but the CPU and NPU
+    workers), and the vLLM GPU worker and runner modules it builds on."""
+    import pkgutil
+
+    import prefix_cache
+    ours = [m.name for m in pkgutil.walk_packages(prefix_cache.__path__, "prefix_cache.")
+            if m.name not in ("prefix_cache.workers.cpu", "prefix_cache.workers.npu",
+                              "prefix_cache.__main__")]
+    return ["prefix_cache.vllm_runners:PrefixCacheGPUWorker", *ours,
+            "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"]
+
+
+def test_loading_the_gpu_worker_leaves_torchs_cuda_classes_alone() -> None:
+    assert probe_imports(*gpu_worker_modules()) == {"rebound": [], "cpu_worker": False}
+
+
+def test_loading_the_npu_worker_leaves_torchs_cuda_classes_alone() -> None:
+    assert probe_imports("prefix_cache.vllm_runners:PrefixCacheNPUWorker",
+                         setup=FAKE_VLLM_ASCEND) == {"rebound": [], "cpu_worker": False}
+
+
+def test_the_probe_sees_vllms_cpu_worker_rebind_them() -> None:
+    # vLLM's CPU worker imports cpu/shm.py, which swaps in placeholders process-wide: the
+    # hazard the GPU and NPU workers avoid, shown so the probes above can be trusted
+    probe = probe_imports("prefix_cache.vllm_runners:PrefixCacheCPUWorker")
+    assert probe["cpu_worker"] and {"cuda.Stream", "cuda.Event", "Event"} <= set(
+        probe["rebound"])
+
+
+# ---------------------------------------------------------------------- runner adoption
+
+class _BuildsByItsOwnReference(cpu_worker.CPUWorker):
+    """A worker that builds its runner as vLLM 0.26's GPU worker does: through a reference of
+    its own (a local import there), so swapping a module-level name changes nothing."""
+
+    def init_device(self) -> None:
+        own = CPUModelRunner
+        original = cpu_worker.CPUModelRunner
+        cpu_worker.CPUModelRunner = lambda *args, **kwargs: own(*args, **kwargs)
+        try:
+            super().init_device()
+        finally:
+            cpu_worker.CPUModelRunner = original
+
+
+class LocalImportWorker(PrefixCacheCPUWorker, _BuildsByItsOwnReference):
+    """The cache's CPU worker over a release that builds its runner by its own reference."""
+
+
+class _BuildsNoRunner(cpu_worker.CPUWorker):
+    """A release whose init_device leaves the runner for later."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        del self.model_runner
+
+
+class NoRunnerWorker(PrefixCacheCPUWorker, _BuildsNoRunner):
+    """The cache's CPU worker over a release it cannot hook."""
+
+
+def test_a_runner_built_through_a_releases_own_reference_carries_the_cache(
+        thinker_model_dir: Path) -> None:
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,
+                               worker_cls=f"{__name__}.LocalImportWorker")
+        try:
+            assert isinstance(engine_runner(engine), PrefixCacheRunnerMixin)
+            from vllm import SamplingParams
+            [out] = engine.llm.generate([{"prompt_token_ids": list(range(1, 41))}],
+                                        SamplingParams(max_tokens=3, ignore_eos=True),
+                                        use_tqdm=False)
+            rows = channel.get(out.request_id, timeout_s=10)[HIDDEN_KEY]
+        finally:
+            engine.close()
+    assert rows.shape == (40 + 3 - 1, 256)
+
+
+def test_a_worker_whose_runner_cannot_carry_the_cache_refuses_at_start_naming_the_release(
+        thinker_model_dir: Path) -> None:
+    with multiprocessing_mode(False), open_channel() as channel, \
+            pytest.raises(Exception) as refused:
+        start_thinker(thinker_model_dir, channel, prefix_caching=True,
+                      worker_cls=f"{__name__}.NoRunnerWorker")
+    chain = [refused.value, *iter_causes(refused.value)]
+    message = next(str(e) for e in chain if isinstance(e, OmniPrefixCacheUnmatchError))
+    assert f"vLLM {vllm.__version__}" in message and "no model runner" in message
+
+
+def iter_causes(error: BaseException) -> list[BaseException]:
+    out = []
+    while (error := error.__cause__ or error.__context__) is not None:
+        out.append(error)
+    return out
+
+
+def test_model_runner_v2_is_refused_naming_the_setting() -> None:
+    # vLLM's CPU build has no V2 runner before 0.33: a worker that built one is stood in
+    worker = SimpleNamespace(model_runner=object(), use_v2_model_runner=True)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        adopt_runner(worker, CPUModelRunner)
+
+
+# ---------------------------------------------------------------------- finishes
+
+def test_the_scheduler_reports_each_finish_once_as_it_decides_it() -> None:
+    heard: list[list[str]] = []
+
+    def listener(req_ids: Any) -> None:
+        heard.append(list(req_ids))
+
+    def in_process_worker(vllm_config: Any) -> None:  # what the worker's init_device does
+        vllm_config.parallel_config.distributed_executor_backend = "uni"
+        assert report_finishes(vllm_config, listener)
+
+    scheduler = make_scheduler(num_blocks=16, block_size=16, max_num_seqs=4,
+                               max_num_batched_tokens=64, configure=in_process_worker)
+    assert isinstance(scheduler, FinishReporting)
+    for req_id, max_tokens in (("a", 1), ("b", 3), ("c", 5)):
+        scheduler.add_request(make_request(req_id, [5] * 20, max_tokens))
+    output = scheduler.schedule()
+    fake_model_step(scheduler, output, FAKE_TOKEN_ID)
+    assert heard == [["a"]]  # at update_from_output, before any later step
+    scheduler.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    assert heard == [["a"], ["c"]]
+    output = scheduler.schedule()
+    assert set(output.finished_req_ids) == {"a", "c"}  # the runner still hears of both
+    fake_model_step(scheduler, output, FAKE_TOKEN_ID)
+    fake_model_step(scheduler, scheduler.schedule(), FAKE_TOKEN_ID)
+    assert heard == [["a"], ["c"], ["b"]]  # each once
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])
+def test_every_entry_arrives_though_the_engine_never_steps_again(
+        thinker_model_dir: Path, multiprocessing: bool) -> None:
+    from vllm import SamplingParams
+    prefix = list(range(100, 164))
+    prompts = [{"prompt_token_ids": prefix + list(range(1, 3 + i))} for i in range(6)]
+    with multiprocessing_mode(multiprocessing), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True)
+        try:
+            outs = engine.llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
+                                       use_tqdm=False)
+            # nothing steps the engine from here on
+            entries = {o.request_id: channel.get_entry(o.request_id, timeout_s=10)
+                       for o in outs}
+            engine.engine.add_request("aborted", {"prompt_token_ids": prefix * 10},
+                                      SamplingParams(max_tokens=4))
+            if not multiprocessing:  # a multiprocess engine core steps on its own
+                engine.step()  # the first of its 20 prefill chunks
+            engine.engine.abort_request(["aborted"])
+            aborted = channel.get_entry("aborted", timeout_s=10)
+        finally:
+            engine.close()
+    for out in outs:
+        entry = entries[out.request_id]
+        expected = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+        assert not entry.aborted and entry.outputs[HIDDEN_KEY].shape[0] == expected
+    assert aborted.aborted  # mid-prefill, or before its first step (prompt_len None)
+    assert aborted.meta["prompt_len"] in (None, 640)
+    assert aborted.meta["num_rows"] < 640
