@@ -36,8 +36,11 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m prefix_cache")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("demo", help="the two-stage pipeline (thinker -> channel -> talker) on vLLM's "
-                                "CPU engine, stage 1's prefix caching on vs off")
+    demo = sub.add_parser("demo", help="the two-stage pipeline (thinker -> channel -> talker) on "
+                                       "vLLM's engine, stage 1's prefix caching on vs off")
+    demo.add_argument("--device", choices=("cpu", "cuda", "npu"),
+                      help="the device the engines must run on (default: vLLM's platform here, "
+                           "a GPU where vLLM's GPU build is installed); another is an error")
     bench = sub.add_parser(
         "bench", help="measure the cache's metrics (M1-M8) beside their references",
         description="Measure each metric beside its reference, in this process, and print one\n"
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         from prefix_cache import demo
-        return demo.main()
+        return demo.main(device=args.device)
     from prefix_cache import bench
     problem = bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
     if problem:

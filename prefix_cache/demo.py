@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-#: float32 rows of the same tokens computed in different batch shapes (chunk
-#: boundaries, batch composition) may differ in reduction order; measured 0 here.
-TOLERANCE = 1e-4
+#: Largest |on - off| row difference accepted, per device: float32 rows of the same tokens
+#: computed in different batch shapes (chunk boundaries, batch composition) differ in
+#: reduction order. Measured: 0 on CPU; up to 3.7e-4 on an H200 (vLLM 0.26, Triton kernels).
+TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
+DEFAULT_TOLERANCE = 1e-3
 TALKER_TOKENS = 8
 #: Noise (relative to the rows' RMS) added to one request's rows to show the talker
 #: depends on its input; the largest must change its tokens.
@@ -72,17 +74,18 @@ class RequestCheck:
     aborted: bool
     tokens_match: bool
     min_margin: float
+    tolerance: float
 
     @property
     def ok(self) -> bool:
         if self.aborted:  # mid-prefill in both runs (maybe a step apart); common rows agree
             return 0 < self.rows_on < self.prompt_len and 0 < self.rows_off < self.prompt_len \
-                and self.max_diff <= TOLERANCE
+                and self.max_diff <= self.tolerance
         return self.rows_on == self.rows_off >= self.prompt_len \
-            and self.max_diff <= TOLERANCE and self.tokens_match
+            and self.max_diff <= self.tolerance and self.tokens_match
 
 
-def compare(on: Any, off: Any) -> list[RequestCheck]:
+def compare(on: Any, off: Any, tolerance: float) -> list[RequestCheck]:
     """Per request, the cache-on run (`PipelineRun`) against the cache-off one."""
     checks = []
     for req_id, a in on.results.items():
@@ -94,7 +97,7 @@ def compare(on: Any, off: Any) -> list[RequestCheck]:
         diff = float((rows_a[:common] - rows_b[:common]).abs().max()) if common else 0.0
         checks.append(RequestCheck(
             req_id, a.prompt_len, a.cached_tokens, n_on, n_off, diff, a.aborted or b.aborted,
-            a.tokens == b.tokens, min(a.min_margin, b.min_margin)))
+            a.tokens == b.tokens, min(a.min_margin, b.min_margin), tolerance))
     return checks
 
 
@@ -172,7 +175,8 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
             for level in PERTURBATIONS}
 
 
-def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int:
+def run_demo(progress: Callable[[str], None], say: Callable[[str], None],
+             device: str = "cpu") -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
     from prefix_cache import engines
     from prefix_cache import pipeline as pl
@@ -209,7 +213,8 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
                      f"{runs[label].thinker_seconds:.2f}s); {stats.get('hit_tokens', 0)} "
                      f"prompt tokens from the cache")
         on, off = runs["on"], runs["off"]
-        checks = compare(on, off)
+        tolerance = TOLERANCE.get(device, DEFAULT_TOLERANCE)
+        checks = compare(on, off, tolerance)
         probe = max((c for c in checks if not c.aborted), key=lambda c: c.rows_on)
         progress(f"stage 2 on {probe.req_id}'s rows with noise added ...")
         changed = perturbation_effect(talker, on.results[probe.req_id])
@@ -247,11 +252,19 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None]) -> int
         return 1
     say(f"OK: {len(checks)} requests, {hits} with prefix hits. Stage 2's tokens are identical "
         f"with stage 1's\n    prefix caching on and off; every row matches within "
-        f"{TOLERANCE:g} (float32).")
+        f"{tolerance:g} (float32 on {device}).")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def vllm_device() -> str:
+    """The device vLLM's engines run on here (its platform: cpu, cuda, npu, ...)."""
+    from prefix_cache.engines import apply_engine_env
+    apply_engine_env()
+    from vllm.platforms import current_platform
+    return current_platform.device_type
+
+
+def main(device: str | None = None) -> int:
     missing = missing_packages()
     if missing:
         print(f"the demo needs {' and '.join(missing)}: run `bash ci/setup-cpu.sh` and use "
@@ -262,8 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         def say(text: str) -> None:
             print(text, file=terminal, flush=True)
 
+        found = vllm_device()  # vLLM's import logs go to the log
+        if device is not None and device != found:
+            say(f"the demo was asked for --device {device}, but the installed vLLM runs on "
+                f"{found}: install vLLM's {device} build")
+            return 2
         try:
-            return run_demo(lambda msg: say(f"[demo] {msg}"), say)
+            say(f"[demo] stage 1 and stage 2 run on vLLM's {found} engine")
+            return run_demo(lambda msg: say(f"[demo] {msg}"), say, found)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             import traceback
             traceback.print_exc()

@@ -11,6 +11,7 @@ prefix caches are emptied, so every run starts cold.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -25,12 +26,19 @@ from prefix_cache.engines import (Engine, EngineShape, multiprocessing_mode, sta
                                   start_thinker, write_random_qwen2)
 from prefix_cache.pipeline import StageRequest, run_pipeline, warm_up
 
-#: A prefill-dominated stage 1 (about 100 M parameters) and a light stage 2 of its width.
-M8_THINKER = dict(hidden_size=1024, num_layers=8, intermediate_size=2816, num_heads=16,
-                  num_kv_heads=4)
-M8_TALKER = dict(M8_THINKER, num_layers=2)
+#: A prefill-dominated stage 1 (about 100 M parameters) and a light stage 2 of its width
+#: (2 layers), per vLLM platform: on a GPU, hidden 2048 in bf16 (about 400 M parameters).
+M8_THINKER = {
+    "cpu": dict(hidden_size=1024, num_layers=8, intermediate_size=2816, num_heads=16,
+                num_kv_heads=4),
+    "cuda": dict(hidden_size=2048, num_layers=8, intermediate_size=5632, num_heads=16,
+                 num_kv_heads=4),
+}
 M8_SHAPE = EngineShape(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
                        long_prefill_token_threshold=0, num_blocks=129)
+#: vLLM's own worker (no cache) per platform, for the step-time comparison.
+PLAIN_WORKER = {"cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
+                "cuda": "vllm.v1.worker.gpu_worker.Worker"}
 #: The no-recompute limit: stage 1's time with caching on / off <= SLACK x (1 - hit fraction).
 SLACK = 1.15
 TALKER_TOKENS = 8
@@ -45,6 +53,20 @@ def m8_workload(*, families: int = 2, per_family: int = 8, prefix: int = 192, su
     return [StageRequest(f"m8-{f}-{i}", heads[f] + [rng.randrange(1, 1000)
                                                     for _ in range(suffix)], 1)
             for i in range(per_family) for f in range(families)]
+
+
+def m8_stage_one() -> tuple[str, dict[str, Any], EngineShape]:
+    """This platform's name, its M8 stage-1 model and engine shape (bf16 on a GPU)."""
+    from vllm.platforms import current_platform
+    device = current_platform.device_type
+    if device not in M8_THINKER:
+        raise RuntimeError(f"no M8 model for vLLM platform {device!r} (cpu and cuda have one)")
+    shape = M8_SHAPE if device == "cpu" else dataclasses.replace(M8_SHAPE, dtype="bfloat16")
+    return device, M8_THINKER[device], shape
+
+
+def describe_model(model: dict[str, Any], shape: EngineShape) -> str:
+    return f"hidden {model['hidden_size']} x {model['num_layers']} layers, {shape.dtype}"
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -63,17 +85,20 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
     """M8 on the real CPU engine: stage 1 with its prefix caching on / off, and the two-stage
     pipeline on / off; `multiprocessing` None is vLLM's default (an engine-core process each)."""
     from prefix_cache.channel import open_channel
+    device, model, shape = m8_stage_one()
     requests = m8_workload()
     prompt_tokens = sum(len(r.prompt) for r in requests)
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m8-") as tmp, \
             multiprocessing_mode(multiprocessing), open_channel() as channel:
-        progress("writing the M8 models (hidden 1024; thinker 8 layers, talker 2) ...")
-        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **M8_THINKER)
-        talker_dir = write_random_qwen2(Path(tmp) / "talker", seed=1, **M8_TALKER)
+        progress(f"writing the M8 models on {device} ({describe_model(model, shape)}; "
+                 f"talker 2 layers) ...")
+        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **model)
+        talker_dir = write_random_qwen2(Path(tmp) / "talker", seed=1,
+                                        **dict(model, num_layers=2))
         progress("starting three engines (thinker with caching on and off, talker) ...")
         engines = {caching: start_thinker(thinker_dir, channel, prefix_caching=caching,
-                                          shape=M8_SHAPE) for caching in (True, False)}
-        talker = start_talker(talker_dir, M8_SHAPE)
+                                          shape=shape) for caching in (True, False)}
+        talker = start_talker(talker_dir, shape)
         try:
             for engine in engines.values():
                 warm_up(engine, channel, talker)
@@ -103,8 +128,8 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
     ratio = statistics.median(times["on"]) / statistics.median(times["off"])
     return {
         "workload": f"{len(requests)} requests of {len(requests[0].prompt)} tokens, 75% in "
-                    f"shared prefixes; stage 1 hidden 1024 x 8 layers, stage 2 x 2 layers "
-                    f"({TALKER_TOKENS} tokens each)",
+                    f"shared prefixes; stage 1 {describe_model(model, shape)} on {device}, "
+                    f"stage 2 x 2 layers ({TALKER_TOKENS} tokens each)",
         "runs": runs, "hit_fraction": hit_fraction,
         "stage1_on_s": spread(times["on"]), "stage1_off_s": spread(times["off"]),
         "ratio": ratio, "ratio_per_run": spread(ratios), "target": target,
@@ -135,16 +160,17 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
     cache's worker against vLLM's plain CPU worker, both with prefix caching on, on the M8
     stage-1 model and workload with `decode_tokens` generated per request."""
     from prefix_cache.channel import open_channel
+    device, model, shape = m8_stage_one()
     requests = [StageRequest(r.req_id, r.prompt, decode_tokens) for r in m8_workload()]
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-steps-") as tmp, \
             multiprocessing_mode(False), open_channel() as channel:
-        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **M8_THINKER)
-        progress("starting vLLM's plain CPU worker and the cache's worker (in-process) ...")
+        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **model)
+        progress(f"starting vLLM's plain {device} worker and the cache's worker "
+                 f"(in-process) ...")
         engines = {"plain": start_thinker(thinker_dir, channel, prefix_caching=True,
-                                          shape=M8_SHAPE,
-                                          worker_cls="vllm.v1.worker.cpu_worker.CPUWorker"),
+                                          shape=shape, worker_cls=PLAIN_WORKER[device]),
                    "cache": start_thinker(thinker_dir, channel, prefix_caching=True,
-                                          shape=M8_SHAPE)}
+                                          shape=shape)}
         try:
             warm_up(engines["cache"], channel)
             _timed_steps(engines["plain"], requests[:1])
@@ -165,7 +191,8 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
     calls = stats["calls.save_outputs"]
     library = (stats["time_s.new_step_starts"] + stats["time_s.save_outputs"]) / calls
     return {
-        "workload": f"M8 stage 1 (hidden 1024 x 8 layers), {len(requests)} requests of "
+        "workload": f"M8 stage 1 ({describe_model(model, shape)} on {device}), "
+                    f"{len(requests)} requests of "
                     f"{len(requests[0].prompt)} tokens, {decode_tokens} generated each",
         "runs": runs, "steps_per_run": len(steps["cache"]) // runs,
         "step_s_plain": spread(steps["plain"]), "step_s_cache": spread(steps["cache"]),

@@ -1,6 +1,7 @@
-"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner (GPU, CPU, NPU) via the cache.
+"""PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner V1 (GPU, CPU, NPU) via the cache.
 
-Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`). It
+Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`); Model Runner
+V2 has its own mixin over the same base (`prefix_cache.runner_v2`). It
 snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
 the gate, builds the manager (allocating the hidden pool there, off the request
 path) when prefix caching is on, and opens the stage channel; per step it calls
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -57,13 +59,17 @@ def _outputs_leave_this_rank() -> bool:
     return get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0
 
 
-class PrefixCacheRunnerMixin:
-    """Carries one stage's outputs to the next stage; the cache serves prefix hits when it is on."""
+class StageRunnerBase:
+    """What every cache runner mixin shares: the policy, the stage's output path, finishes.
+
+    A model-runner flavour (V1, V2) supplies `_omni_view` (the cache's group view over its
+    batch) and `_omni_prompt_len`, and calls the stage driver at its own hook points.
+    """
 
     omni_prefix_cache: OmniPrefixCacheManager | None = None
     _omni_policy: ModelCachePolicy = ModelCachePolicy()
     _omni_stage: StageOutputDriver | None = None
-    _omni_in_step = False
+    _omni_paused = False  # warm-up steps with made-up requests: neither cached nor published
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -76,33 +82,41 @@ class PrefixCacheRunnerMixin:
         if not kwargs.get("is_profiling", False):  # a minimal KV cache for graph profiling
             self._ensure_omni_prefix_cache()
 
+    def _omni_view(self, config: Any, backend: Any) -> Any:
+        """The manager's view of the runner's batch (see `prefix_cache.layout.GroupView`)."""
+        raise NotImplementedError
+
+    def _omni_prompt_len(self, req_id: str) -> int | None:
+        """A live request's prompt length (None: the runner holds no such request)."""
+        raise NotImplementedError
+
     def _ensure_omni_prefix_cache(self) -> OmniPrefixCacheManager | None:
         """Build the stage's output path once, on the rank whose outputs leave the stage."""
         if self._omni_stage is not None or not _outputs_leave_this_rank():
             return self.omni_prefix_cache
         from prefix_cache.channel import open_channel
+        vllm_config = self.vllm_config
         config = stage_prefix_cache_config(
-            kv_cache_config=self.kv_cache_config, cache_config=self.cache_config,
-            kv_transfer_config=self.vllm_config.kv_transfer_config,
-            scheduler_config=self.scheduler_config, model_config=self.model_config,
-            speculative_config=self.speculative_config, parallel_config=self.parallel_config,
+            kv_cache_config=self.kv_cache_config, cache_config=vllm_config.cache_config,
+            kv_transfer_config=vllm_config.kv_transfer_config,
+            scheduler_config=vllm_config.scheduler_config,
+            model_config=vllm_config.model_config,
+            speculative_config=vllm_config.speculative_config,
+            parallel_config=vllm_config.parallel_config,
             is_pooling_model=self.is_pooling_model)
         backend = devices.get_backend(self.device.type)
-        hidden_size = self.model_config.get_hidden_size()
-        dtype = self.model_config.dtype
+        hidden_size = vllm_config.model_config.get_hidden_size()
+        dtype = vllm_config.model_config.dtype
         manager = None
         if config is not None:
-            kernel_sizes = getattr(self, "_kernel_block_sizes", None)
-            view = FullAttentionGroupView(
-                self.input_batch, config.block_size, backend=backend,
-                kernel_block_size=kernel_sizes[0] if kernel_sizes else None)
-            manager = OmniPrefixCacheManager(config, view, backend=backend)
+            manager = OmniPrefixCacheManager(config, self._omni_view(config, backend),
+                                             backend=backend)
             manager.register_policy(self._omni_policy)
             if self._omni_policy.needs_full_hidden_states:
                 manager.preallocate(HIDDEN_KEY, (hidden_size,), dtype)
             logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
                         config.num_blocks, config.block_size)
-        channel = open_channel(channel_spec(self.vllm_config))
+        channel = open_channel(channel_spec(vllm_config))
         self._omni_stage = StageOutputDriver(
             StageDelivery(channel), backend, cache=manager,
             policy=self._omni_policy,
@@ -121,11 +135,84 @@ class PrefixCacheRunnerMixin:
         finally:
             super().shutdown()
 
+    @contextmanager
+    def omni_paused(self) -> Iterator[None]:
+        """Steps run meanwhile (a worker's kernel warm-up with made-up requests) pass by the
+        stage: nothing is cached or published."""
+        self._omni_paused = True
+        try:
+            yield
+        finally:
+            self._omni_paused = False
+
+    def _omni_stepping(self, dummy: bool = False) -> StageOutputDriver | None:
+        """The stage driver when this step is a real one it should see, else None."""
+        stage = self._omni_stage
+        if stage is None or not stage.active or self._omni_paused or dummy:
+            return None
+        return stage
+
+    # ------------------------------------------------------------------ finishes
+
+    def omni_requests_finished(self, req_ids: Sequence[str]) -> None:
+        """The scheduler just retired `req_ids` (before vLLM returns their last outputs): publish
+        them now, not when the next step tells this runner (that step may never run)."""
+        stage = self._omni_stage
+        if stage is not None and stage.active:
+            stage.finish_now([self._omni_finished(r) for r in req_ids])
+
+    def _omni_finished(self, req_id: str) -> FinishedRequest:
+        # prompt length None: aborted before it was ever scheduled
+        return FinishedRequest(req_id, external_request_id(req_id), self._omni_prompt_len(req_id))
+
+    # ------------------------------------------------------------------ outputs
+
+    def omni_mm_outputs(self, model_output: Any) -> Mapping[str, Any] | None:
+        """Per-token multimodal outputs of an omni model's forward (None for plain LMs).
+
+        Override for a model that hands its multimodal outputs over another way.
+        """
+        read = read_forward_output(model_output)
+        return None if read is None else read.mm
+
+    def _omni_turn_off(self, reason: str) -> None:
+        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
+                       "published: %s", reason)
+        self._omni_stage.turn_off()  # closed (cache shut down) at the runner's shutdown
+        self.omni_prefix_cache = None
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)
+        stage = self._omni_stepping()
+        if stage is not None:
+            stage.end_step()
+        return output
+
+    def prefix_cache_stats(self) -> dict[str, int | float]:
+        """Counters of the cache and the delivery (numbers only: safe over collective_rpc)."""
+        return {} if self._omni_stage is None else self._omni_stage.stats()
+
+
+class PrefixCacheRunnerMixin(StageRunnerBase):
+    """Model runner V1 (`GPUModelRunner`, `CPUModelRunner`, vllm-ascend's `NPUModelRunner`)
+    with the stage-output cache: put it first in the bases."""
+
+    _omni_in_step = False
+
+    def _omni_view(self, config: Any, backend: Any) -> FullAttentionGroupView:
+        kernel_sizes = getattr(self, "_kernel_block_sizes", None)
+        return FullAttentionGroupView(self.input_batch, config.block_size, backend=backend,
+                                      kernel_block_size=kernel_sizes[0] if kernel_sizes else None)
+
+    def _omni_prompt_len(self, req_id: str) -> int | None:
+        state = self.requests.get(req_id)
+        return None if state is None else state.num_prompt_tokens
+
     # ------------------------------------------------------------------ per step
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        stage = self._omni_stage
-        if stage is None or not stage.active:
+        stage = self._omni_stepping()
+        if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
         # before the runner drops the finished requests' states
         stage.begin_step(scheduler_output, [self._omni_finished(r)
@@ -138,18 +225,6 @@ class PrefixCacheRunnerMixin:
         if output is not None:  # no sample_tokens follows (no forward, pooling, PP)
             stage.end_step()
         return output
-
-    def omni_requests_finished(self, req_ids: Sequence[str]) -> None:
-        """The scheduler just retired `req_ids` (before vLLM returns their last outputs): publish
-        them now, not when the next step tells this runner (that step may never run)."""
-        stage = self._omni_stage
-        if stage is not None and stage.active:
-            stage.finish_now([self._omni_finished(r) for r in req_ids])
-
-    def _omni_finished(self, req_id: str) -> FinishedRequest:
-        state = self.requests.get(req_id)  # absent: aborted before it was ever scheduled
-        return FinishedRequest(req_id, external_request_id(req_id),
-                               None if state is None else state.num_prompt_tokens)
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         output = super()._model_forward(*args, **kwargs)
@@ -175,27 +250,3 @@ class PrefixCacheRunnerMixin:
             num_tokens_padded=read.hidden.shape[0],
             slot_mapping=view.device_slot_mapping()
             if isinstance(view, FullAttentionGroupView) else None)
-
-    def omni_mm_outputs(self, model_output: Any) -> Mapping[str, Any] | None:
-        """Per-token multimodal outputs of an omni model's forward (None for plain LMs).
-
-        Override for a model that hands its multimodal outputs over another way.
-        """
-        read = read_forward_output(model_output)
-        return None if read is None else read.mm
-
-    def _omni_turn_off(self, reason: str) -> None:
-        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
-                       "published: %s", reason)
-        self._omni_stage.turn_off()  # closed (cache shut down) at the runner's shutdown
-        self.omni_prefix_cache = None
-
-    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().sample_tokens(*args, **kwargs)
-        if self._omni_stage is not None and self._omni_stage.active:
-            self._omni_stage.end_step()
-        return output
-
-    def prefix_cache_stats(self) -> dict[str, int | float]:
-        """Counters of the cache and the delivery (numbers only: safe over collective_rpc)."""
-        return {} if self._omni_stage is None else self._omni_stage.stats()

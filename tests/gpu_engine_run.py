@@ -15,12 +15,14 @@ Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
   recomputes;
 - `mm`: `main` on a runner whose forward also emits a per-token multimodal key, which the
   model's attributes declare deferred (`deferred_prefix_cache_mm_keys`);
-- `graphs`: `main` with CUDA graphs captured for decode (no torch.compile).
+- `graphs`: `main` with CUDA graphs captured for decode (no torch.compile);
+- `v2-main`, `v2-preempt`: `main` and `preempt` on Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import random
 import sys
 from pathlib import Path
@@ -89,8 +91,8 @@ def _mm_worker() -> type:
 
     from prefix_cache.engines import default_worker
     worker = resolve_obj_by_qualname(default_worker())  # this platform's cache worker
-    runner = type("MMRunner", (_Unwrap, PrefixCacheRunnerMixin, _EmitsMM, worker.runner_base),
-                  {})
+    v1_runner = next(iter(worker.runner_hooks))  # the V1 runner class it builds
+    runner = type("MMRunner", (_Unwrap, PrefixCacheRunnerMixin, _EmitsMM, v1_runner), {})
     return type("MMWorker", (worker,), {"runner_cls": runner})
 
 
@@ -103,6 +105,8 @@ def __getattr__(name: str) -> Any:  # the engine process imports the mm worker b
 def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: Path) -> None:
     from prefix_cache.channel import open_channel
     shape, requests, args = MAIN_SHAPE, main_workload(), {}
+    v2, case = case.startswith("v2-"), case.removeprefix("v2-")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     if case == "preempt":
         shape, requests = PREEMPT_SHAPE, preempt_workload()
     elif case == "mm":
@@ -113,11 +117,14 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
     with multiprocessing_mode(multiprocessing), open_channel() as channel:
         engine = start_thinker(model_dir, channel, prefix_caching=caching, shape=shape, **args)
         try:
+            core = getattr(engine.engine.engine_core, "engine_core", None)  # in-process only
+            runner = None if core is None else \
+                type(core.model_executor.driver_worker.worker.model_runner).__mro__[1]
             result = run_pipeline(engine, channel, requests)
             stats = engine.stats()
         finally:
             engine.close()
-    torch.save({"stats": stats,
+    torch.save({"stats": stats, "runner": None if runner is None else runner.__module__,
                 "cached": {k: r.cached_tokens for k, r in result.results.items()},
                 "entries": {k: {"aborted": r.entry.aborted, "meta": dict(r.entry.meta),
                                 "outputs": dict(r.entry.outputs)}

@@ -9,6 +9,7 @@ build in `shared/tools/vllm-gpu`); skipped elsewhere.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -116,6 +117,20 @@ def test_a_multimodal_key_declared_by_model_attributes_matches(
 
 
 def test_cuda_graphs_for_decode_keep_the_rows(model_dir: Path, tmp_path: Path) -> None:
+    if importlib.util.find_spec("vllm._C") is None:
+        # the offline build for the H200 machine: its graph capture fails in vLLM itself with
+        # "'_OpNamespace' '_C' object has no attribute 'weak_ref_tensor'" (seen 2026-12-01)
+        pytest.skip("this vLLM build has no compiled kernels (vllm._C); CUDA graph capture "
+                    "needs torch.ops._C.weak_ref_tensor")
     on, off = run_on_and_off("graphs", False, model_dir, tmp_path)
     assert hits(on) >= 4
+    assert_entries_match(on, off)
+
+
+@pytest.mark.parametrize("case", ["v2-main", "v2-preempt"])
+def test_model_runner_v2_entries_match(model_dir: Path, tmp_path: Path, case: str) -> None:
+    on, off = run_on_and_off(case, False, model_dir, tmp_path)
+    # the cache's mixin sits over vLLM's V2 runner, not V1's
+    assert on["runner"] == off["runner"] == "prefix_cache.runner_v2"
+    assert hits(on) >= (4 if case == "v2-main" else 1)
     assert_entries_match(on, off)

@@ -140,7 +140,7 @@ def test_npu_worker_refuses_model_runner_v2(ascend_runners: types.ModuleType) ->
     # runner) when VLLM_USE_V2_MODEL_RUNNER is set: not an NPUModelRunner, so refused
     worker = SimpleNamespace(model_runner=object(), use_v2_model_runner=True)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        adopt_runner(worker, ascend_runners.PrefixCacheNPUWorker.runner_base)
+        adopt_runner(worker, ascend_runners.PrefixCacheNPUWorker.runner_hooks)
 
 
 def test_without_vllm_ascend_the_npu_worker_names_what_to_install(

@@ -182,7 +182,7 @@ def test_model_runner_v2_is_refused_naming_the_setting() -> None:
     # vLLM's CPU build has no V2 runner before 0.33: a worker that built one is stood in
     worker = SimpleNamespace(model_runner=object(), use_v2_model_runner=True)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        adopt_runner(worker, CPUModelRunner)
+        adopt_runner(worker, PrefixCacheCPUWorker.runner_hooks)
 
 
 # ---------------------------------------------------------------------- finishes

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
+from prefix_cache.runner_mixin import StageRunnerBase
 from prefix_cache.workers.finishes import report_finishes
 
 
 @functools.cache
-def cache_runner_class(base: type) -> type:
-    """`base` (a vLLM model runner class) with the stage-output cache: the mixin first."""
-    return type(f"PrefixCache{base.__name__}", (PrefixCacheRunnerMixin, base),
+def cache_runner_class(base: type, mixin: type) -> type:
+    """`base` (a vLLM model runner class) with the stage-output cache: `mixin` first."""
+    return type(f"PrefixCache{base.__name__}", (mixin, base),
                 {"__module__": __name__,
                  "__doc__": f"{base.__qualname__} with the stage-output cache."})
 
@@ -35,29 +36,32 @@ def vllm_release() -> str:
     return getattr(vllm, "__version__", "(unknown release)")
 
 
-def adopt_runner(worker: Any, runner_base: type, runner_cls: type | None = None
-                 ) -> PrefixCacheRunnerMixin:
+def adopt_runner(worker: Any, hooks: Mapping[type, type], runner_cls: type | None = None
+                 ) -> StageRunnerBase:
     """Make the runner `worker.init_device` built carry the cache, or refuse the engine.
 
-    Its class becomes `runner_cls` (a subclass of its class with the mixin, whose
-    constructor adds nothing), else the mixin over its own class.
+    `hooks` maps each vLLM runner class the worker may build to the mixin that hooks it.
+    The runner's class becomes `runner_cls` (a subclass of its class with a mixin, whose
+    constructor adds nothing), else the hooking mixin over its own class.
     """
     runner = getattr(worker, "model_runner", None)
-    if isinstance(runner, PrefixCacheRunnerMixin):
+    if isinstance(runner, StageRunnerBase):
         return runner
-    if not isinstance(runner, runner_base):
+    mixin = next((m for base, m in hooks.items() if isinstance(runner, base)), None)
+    if mixin is None:
         v2 = getattr(worker, "use_v2_model_runner", False)
         raise OmniPrefixCacheUnmatchError(
             f"{type(worker).__name__} on vLLM {vllm_release()}: init_device built "
             f"{'no model runner' if runner is None else type(runner).__qualname__}, not a "
-            f"{runner_base.__qualname__} the omni prefix cache can hook"
+            f"runner the omni prefix cache can hook "
+            f"({', '.join(f'{b.__module__}.{b.__qualname__}' for b in hooks)})"
             + ("; this engine uses Model Runner V2: start it with VLLM_USE_V2_MODEL_RUNNER=0"
                if v2 else ""))
-    target = runner_cls or cache_runner_class(type(runner))
-    if not (issubclass(target, type(runner)) and issubclass(target, PrefixCacheRunnerMixin)):
+    target = runner_cls or cache_runner_class(type(runner), mixin)
+    if not (issubclass(target, type(runner)) and issubclass(target, StageRunnerBase)):
         raise OmniPrefixCacheUnmatchError(
-            f"{type(worker).__name__}.runner_cls {target.__qualname__} must subclass both "
-            f"PrefixCacheRunnerMixin and the runner vLLM {vllm_release()} built, "
+            f"{type(worker).__name__}.runner_cls {target.__qualname__} must subclass both a "
+            f"cache runner mixin and the runner vLLM {vllm_release()} built, "
             f"{type(runner).__qualname__}")
     try:
         runner.__class__ = target
@@ -69,15 +73,15 @@ def adopt_runner(worker: Any, runner_base: type, runner_cls: type | None = None
 
 
 class PrefixCacheWorkerMixin:
-    """Put first in a vLLM worker's bases, with `runner_base` the runner class it builds;
-    a subclass may name its own runner class in `runner_cls` (see `adopt_runner`)."""
+    """Put first in a vLLM worker's bases, with `runner_hooks` the runner classes it may build
+    and their mixins; a subclass may name its own runner class in `runner_cls`."""
 
-    runner_base: type
+    runner_hooks: Mapping[type, type]
     runner_cls: type | None = None
 
     def init_device(self) -> None:
         super().init_device()
-        runner = adopt_runner(self, self.runner_base, self.runner_cls)
+        runner = adopt_runner(self, self.runner_hooks, self.runner_cls)
         if not report_finishes(self.vllm_config, runner.omni_requests_finished):
             from vllm import envs
             if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
@@ -88,6 +92,12 @@ class PrefixCacheWorkerMixin:
                     f"executor) tells a worker of a finish only at its next step, which may "
                     f"never run; run the engine core in its own process "
                     f"(VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's warm-up, which may run real steps with made-up requests (Model Runner V2's
+        kernel warm-up): the stage lets them pass, uncached and unpublished."""
+        with self.model_runner.omni_paused():
+            return super().compile_or_warm_up_model(*args, **kwargs)
 
     def prefix_cache_stats(self) -> dict[str, int | float]:
         """The cache's and the delivery's counters, and this worker process's resident bytes

@@ -5,12 +5,13 @@ from __future__ import annotations
 import vllm.v1.worker.cpu_worker as cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
 from prefix_cache.workers.base import PrefixCacheWorkerMixin, cache_runner_class
 
-PrefixCacheCPUModelRunner = cache_runner_class(CPUModelRunner)
+PrefixCacheCPUModelRunner = cache_runner_class(CPUModelRunner, PrefixCacheRunnerMixin)
 
 
 class PrefixCacheCPUWorker(PrefixCacheWorkerMixin, cpu_worker.CPUWorker):
     """vLLM's CPU worker whose `CPUModelRunner` carries the stage-output cache."""
 
-    runner_base = CPUModelRunner
+    runner_hooks = {CPUModelRunner: PrefixCacheRunnerMixin}

@@ -19,12 +19,13 @@ except ImportError as exc:  # pragma: no cover - exercised on machines without v
         f"prefix_cache's NPU worker needs vllm-ascend (and torch_npu with CANN) on an Ascend "
         f"machine: pip install vllm-ascend ({exc})") from exc
 
+from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
 from prefix_cache.workers.base import PrefixCacheWorkerMixin, cache_runner_class
 
-PrefixCacheNPUModelRunner = cache_runner_class(NPUModelRunner)
+PrefixCacheNPUModelRunner = cache_runner_class(NPUModelRunner, PrefixCacheRunnerMixin)
 
 
 class PrefixCacheNPUWorker(PrefixCacheWorkerMixin, npu_worker.NPUWorker):
     """vllm-ascend's NPU worker whose `NPUModelRunner` (V1) carries the stage-output cache."""
 
-    runner_base = NPUModelRunner
+    runner_hooks = {NPUModelRunner: PrefixCacheRunnerMixin}

@@ -1,0 +1,75 @@
+"""Model Runner V2's block-id mirror and step view, on CPU (the engine itself needs a GPU: its
+end-to-end test is in tests/test_gpu_engine.py).
+
+`FakeBlockTables` stands in for `vllm.v1.worker.gpu.block_table.BlockTables`, whose table lives on
+the device: it keeps what `append_block_ids` was given (per group; `overwrite` restarts the row),
+the way vLLM's does before expanding to kernel blocks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from prefix_cache import OmniPrefixCacheUnmatchError
+from prefix_cache.runner_v2 import BlockIdMirror, StepBatchGroupView
+
+BLOCK = 16
+
+
+class FakeBlockTables:
+    """append_block_ids(req_index, new_block_ids per group, overwrite), kept as Python lists."""
+
+    def __init__(self, groups: int = 2) -> None:
+        self.rows: dict[tuple[int, int], list[int]] = {}
+        self.groups = groups
+
+    def append_block_ids(self, req_index: int, new_block_ids: tuple[list[int], ...],
+                         overwrite: bool) -> None:
+        for g in range(self.groups):
+            row = [] if overwrite else self.rows.get((g, req_index), [])
+            self.rows[(g, req_index)] = row + list(new_block_ids[g])
+
+
+def expected_slots(blocks: list[int], start: int, count: int) -> list[int]:
+    return [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + count)]
+
+
+def test_the_mirror_follows_appends_and_overwrites_of_its_group() -> None:
+    tables = FakeBlockTables()
+    mirror = BlockIdMirror(tables, group_id=1, max_num_reqs=4, max_blocks=8)
+    tables.append_block_ids(2, ([9], [3, 4]), overwrite=True)
+    tables.append_block_ids(2, ([10], [5]), overwrite=False)
+    assert mirror.ids[2, :3].tolist() == tables.rows[(1, 2)] == [3, 4, 5]
+    tables.append_block_ids(2, ([11], [7]), overwrite=True)  # a request re-added (resumed)
+    assert mirror.counts[2] == 1 and mirror.ids[2, 0] == 7
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="more than the 8"):
+        tables.append_block_ids(0, ([], list(range(1, 10))), overwrite=True)
+
+
+def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> None:
+    rng = random.Random(0)
+    tables = FakeBlockTables(groups=1)
+    mirror = BlockIdMirror(tables, group_id=0, max_num_reqs=8, max_blocks=16)
+    blocks, computed, scheduled = {}, {}, {}
+    for row in range(8):
+        blocks[row] = rng.sample(range(1, 200), 12)
+        half = rng.randrange(1, 12)
+        tables.append_block_ids(row, (blocks[row][:half],), overwrite=True)
+        tables.append_block_ids(row, (blocks[row][half:],), overwrite=False)
+    batch = [5, 0, 3]  # V2's per-step order: rows of the request states, not 0..n
+    req_ids = [f"r{row}" for row in batch]
+    for req_id, row in zip(req_ids, batch):
+        computed[req_id] = rng.randrange(0, 100)
+        scheduled[req_id] = rng.randrange(1, 60)
+    view = StepBatchGroupView(mirror, BLOCK)
+    slot_mapping = torch.arange(10)
+    view.bind(req_ids, np.array([computed[r] for r in req_ids], dtype=np.int32),
+              np.array(batch, dtype=np.int32), slot_mapping)
+    assert view.batch_req_ids() == req_ids and view.device_slot_mapping() is slot_mapping
+    want = [s for req_id, row in zip(req_ids, batch)
+            for s in expected_slots(blocks[row], computed[req_id], scheduled[req_id])]
+    assert view.step_slots_cpu(req_ids, scheduled).tolist() == want
