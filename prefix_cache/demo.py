@@ -201,17 +201,18 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None],
             progress(f"starting stage 1, the thinker engine (prefix caching {label}) ...")
             start = time.perf_counter()
             thinker = engines.start_thinker(thinker_dir, channel, prefix_caching=caching)
-            progress(f"thinker ready in {time.perf_counter() - start:.0f}s; warming up, then "
-                     f"{len(requests)} requests through thinker -> channel -> talker ...")
-            pl.warm_up(thinker, channel, talker)
+            progress(f"thinker ready in {time.perf_counter() - start:.0f}s; warming up on the "
+                     f"workload, then {len(requests)} requests through thinker -> channel -> "
+                     f"talker ...")
+            pl.warm_up(thinker, channel, talker, requests)
             runs[label] = pl.run_pipeline(thinker, channel, requests, talker=talker,
                                           talker_tokens=TALKER_TOKENS)
-            stats = thinker.stats()
             thinker.close()
             talker.engine.reset_prefix_cache()
+            cached = sum(r.cached_tokens for r in runs[label].results.values())
             progress(f"caching {label}: {runs[label].seconds:.2f}s end to end (stage 1: "
-                     f"{runs[label].thinker_seconds:.2f}s); {stats.get('hit_tokens', 0)} "
-                     f"prompt tokens from the cache")
+                     f"{runs[label].thinker_seconds:.2f}s); {cached} prompt tokens from the "
+                     f"cache")
         on, off = runs["on"], runs["off"]
         tolerance = TOLERANCE.get(device, DEFAULT_TOLERANCE)
         checks = compare(on, off, tolerance)

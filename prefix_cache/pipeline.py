@@ -7,8 +7,8 @@ second vLLM engine with `enable_prompt_embeds=True` that generates greedily
 from each request's rows as soon as they arrive. The driver steps the thinker
 by hand so arrivals and aborts land at fixed steps; it takes a request's rows as
 soon as the thinker returns its final output (or the driver aborted it): the
-worker publishes them whether or not the thinker steps again. Nothing crosses vLLM's RPC but the channel spec, in
-`additional_config` (see `prefix_cache.engines`).
+worker publishes them whether or not the thinker steps again. Nothing crosses
+vLLM's RPC but the channel spec, in `additional_config` (see `prefix_cache.engines`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -157,16 +157,15 @@ def talk(talker: Engine, prompts: dict[str, torch.Tensor], max_tokens: int
     return out
 
 
-def warm_up(thinker: Engine, channel: StageChannel, talker: Engine | None = None) -> None:
-    """Two short requests through the engines, untimed, the second hitting the first's prefix
-    where caching is on (vLLM's GPU attention compiles its kernels for a cached prefix on first
-    use: 1.3 s of an H200 run's first timed pipeline before); then the prefix caches are
-    emptied."""
+def warm_up(thinker: Engine, channel: StageChannel, talker: Engine | None = None,
+            requests: Sequence[StageRequest] = ()) -> None:
+    """`requests` (default: one short request) through the engines, untimed, under ids of
+    their own; then the prefix caches are emptied. vLLM's GPU kernels compile on first use for
+    each batch shape, on the first engine of a machine (about 1.3 s of an H200 run's first
+    timed pipeline): warming up on the workload itself keeps that out of the timed run."""
     rng = random.Random(12345)
-    first = [rng.randrange(1, 1000) for _ in range(72)]
-    requests = [StageRequest("warm-up-0", first, 2),
-                StageRequest("warm-up-1", first[:64] + [rng.randrange(1, 1000) for _ in range(8)],
-                             2, arrive_at_step=4)]
+    requests = [replace(r, req_id=f"warm-up-{r.req_id}") for r in requests] or \
+        [StageRequest("warm-up", [rng.randrange(1, 1000) for _ in range(40)], 2)]
     run_pipeline(thinker, channel, requests, talker=talker, talker_tokens=2)
     for engine in (thinker, talker):
         if engine is not None:

@@ -40,24 +40,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_on_and_off(case: str, multiprocessing: bool, model_dir: Path, tmp: Path
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The case's engine with prefix caching on and off, in two processes side by side."""
+    """The case's engine with prefix caching on, then off, each in a process of its own (one
+    at a time: vLLM's start-up memory profiling fails when another engine on the GPU frees
+    memory meanwhile)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    procs = {}
-    for caching in ("on", "off"):
-        out = tmp / f"{case}-{caching}.pt"
-        log = open(tmp / f"{case}-{caching}.log", "w")
-        procs[caching] = (out, log, subprocess.Popen(
-            [sys.executable, "-m", "tests.gpu_engine_run", case, caching,
-             "1" if multiprocessing else "0", str(model_dir), str(out)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     results = {}
-    for caching, (out, log, proc) in procs.items():
-        code = proc.wait(timeout=RUN_TIMEOUT_S)
-        log.close()
+    for caching in ("on", "off"):
+        out, log_path = tmp / f"{case}-{caching}.pt", tmp / f"{case}-{caching}.log"
+        with open(log_path, "w") as log:
+            code = subprocess.run(
+                [sys.executable, "-m", "tests.gpu_engine_run", case, caching,
+                 "1" if multiprocessing else "0", str(model_dir), str(out)],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                timeout=RUN_TIMEOUT_S).returncode
         if code != 0:
-            tail = (tmp / f"{case}-{caching}.log").read_text()[-4000:]
-            pytest.fail(f"{case} with caching {caching} exited {code}:\n{tail}")
+            pytest.fail(f"{case} with caching {caching} exited {code}:\n"
+                        f"{log_path.read_text()[-4000:]}")
         results[caching] = torch.load(out, weights_only=False)
     return results["on"], results["off"]
 

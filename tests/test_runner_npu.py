@@ -35,8 +35,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 import prefix_cache.workers  # noqa: E402
 from prefix_cache import OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import open_channel  # noqa: E402
-from prefix_cache.engines import (EngineShape, multiprocessing_mode,  # noqa: E402
-                                  start_thinker)
+from prefix_cache.engines import EngineShape, multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.workers.base import adopt_runner  # noqa: E402
 from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401

@@ -62,7 +62,7 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
         tables.append_block_ids(row, (blocks[row][half:],), overwrite=False)
     batch = [5, 0, 3]  # V2's per-step order: rows of the request states, not 0..n
     req_ids = [f"r{row}" for row in batch]
-    for req_id, row in zip(req_ids, batch):
+    for req_id in req_ids:
         computed[req_id] = rng.randrange(0, 100)
         scheduled[req_id] = rng.randrange(1, 60)
     view = StepBatchGroupView(mirror, BLOCK)
@@ -70,6 +70,6 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
     view.bind(req_ids, np.array([computed[r] for r in req_ids], dtype=np.int32),
               np.array(batch, dtype=np.int32), slot_mapping)
     assert view.batch_req_ids() == req_ids and view.device_slot_mapping() is slot_mapping
-    want = [s for req_id, row in zip(req_ids, batch)
+    want = [s for req_id, row in zip(req_ids, batch, strict=True)
             for s in expected_slots(blocks[row], computed[req_id], scheduled[req_id])]
     assert view.step_slots_cpu(req_ids, scheduled).tolist() == want

@@ -28,8 +28,14 @@ from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
 from prefix_cache.workers.base import adopt_runner  # noqa: E402
 from prefix_cache.workers.finishes import FinishReporting, report_finishes  # noqa: E402
-from tests.vllm_fixtures import (FAKE_TOKEN_ID, engine_runner, fake_model_step,  # noqa: E402
-                                 make_request, make_scheduler, thinker_model_dir)  # noqa: F401
+from tests.vllm_fixtures import (  # noqa: E402
+    FAKE_TOKEN_ID,
+    engine_runner,
+    fake_model_step,
+    make_request,  # noqa: F401
+    make_scheduler,
+    thinker_model_dir,
+)
 
 pytestmark = [pytest.mark.vllm]
 

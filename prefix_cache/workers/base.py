@@ -1,14 +1,14 @@
 """What every cache worker shares: its runner adopted into the cache, finishes reported, stats.
 
 A worker class is `PrefixCacheWorkerMixin` first, then a vLLM (or vllm-ascend)
-worker. vLLM releases build the model runner in `init_device` in different ways:
-a module-level class name (the CPU worker, vllm-ascend's), a local import (the
-GPU worker of 0.26 and earlier), a `_make_model_runner` factory (later GPU
-workers). Rather than intercept each, the worker adopts the runner once it is
-built: its class becomes the runner mixin over its own class. The mixin keeps its
-state in class-level defaults until `load_model`, so the runner needs nothing
-from a constructor. A runner the cache cannot hook refuses the engine at start,
-naming the vLLM release; a worker never serves without the cache silently.
+worker. vLLM releases (0.23 to 0.33) build the model runner in `init_device` in
+different ways: a module-level class name (the CPU worker, vllm-ascend's), a local
+import (the GPU worker up to 0.31), a `_make_model_runner` factory (the GPU worker
+of 0.32 and 0.33). Rather than intercept each, the worker adopts the runner once
+it is built: its class becomes the hooking mixin over its own class. The mixins
+keep their state in class-level defaults until `load_model`, so the runner needs
+nothing from a constructor. A runner the cache cannot hook refuses the engine at
+start, naming the vLLM release; a worker never serves without the cache silently.
 """
 
 from __future__ import annotations
