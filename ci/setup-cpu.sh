@@ -43,6 +43,8 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
 # Mooncake Store's client (pinned in the lock, for the stage channel) needs libibverbs.so.1 to
 # import, even over TCP.
 if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+    echo "ci/setup-cpu.sh: installing the system package libibverbs1 (Mooncake Store's client" \
+         "needs it) with apt-get"
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
     $sudo apt-get update -qq && $sudo apt-get install -y -qq libibverbs1
 fi

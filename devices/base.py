@@ -7,6 +7,7 @@ never touches a device API directly.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
@@ -76,10 +77,21 @@ class Transfer:
         return self.event is None and self.finish is None
 
 
+def check_timeout(timeout_s: float, what: str) -> float:
+    """`timeout_s` if it is a finite number of seconds >= 0; else a ValueError naming `what`
+    (a NaN deadline never passes, so a wait given one would never end)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s) or timeout_s < 0:
+        raise ValueError(f"{what}: timeout_s must be a finite number of seconds >= 0, "
+                         f"got {timeout_s!r}")
+    return timeout_s
+
+
 def poll_until(done: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception],
                *, max_pause_s: float = 1e-4) -> None:
     """Call `done` until it is true, backing off to `max_pause_s` between calls (the GIL is
     free meanwhile); raise `timed_out()` once `timeout_s` passed."""
+    check_timeout(timeout_s, "poll_until")
     if done():
         return
     deadline = time.monotonic() + timeout_s

@@ -18,7 +18,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _bench_epilog() -> str:
     lines = ["metrics and their targets ((GPU): judged on an NVIDIA GPU only, shown elsewhere):"]
-    lines += [f"  {name:<4} {spec.target.text:<16} {spec.summary}"
+    lines += [f"  {name:<4} {spec.targets_text:<16} {spec.summary}"
               for name, spec in METRICS.items()]
     return "\n".join(lines)
 

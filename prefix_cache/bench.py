@@ -657,13 +657,13 @@ def pipeline_m8(quick: bool) -> Metric:
 
 def _metric_json(name: str, metric: Metric, device: str) -> dict[str, Any]:
     """A measured metric with its target; `pass` is None where the target does not apply."""
-    return {"value": metric.value, "target": METRICS[name].target.text,
+    return {"value": metric.value, "target": METRICS[name].target_on(device).text,
             "reference": metric.reference, "note": metric.note,
             "pass": _judge(name, metric.value, device)}
 
 
 def _judge(name: str, value: float | None, device: str) -> bool | None:
-    target = METRICS[name].target
+    target = METRICS[name].target_on(device)
     return target.met_by(value) if value is not None and target.applies_to(device) else None
 
 
@@ -747,7 +747,7 @@ def _result_text(device: str, name: str, metric: dict[str, Any] | None) -> str:
         return "not run"
     if metric["pass"] is not None:
         return "pass" if metric["pass"] else "MISS"
-    if not METRICS[name].target.applies_to(device):
+    if not METRICS[name].target_on(device).applies_to(device):
         return "GPU only"
     return "n/a"
 
@@ -764,7 +764,8 @@ def report(result: dict[str, Any]) -> str:
         else:
             detail = "; ".join(t for t in (metric["reference"], metric["note"]) if t)
         rows.append([name, _value_text(name, metric),
-                     METRICS[name].target.text, _result_text(device, name, metric), detail])
+                     METRICS[name].target_on(device).text, _result_text(device, name, metric),
+                     detail])
     table = format_table(["metric", "value", "target", "result", "measured against; how"], rows)
     parts = [header, table]
     if device != "cuda":

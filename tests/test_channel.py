@@ -25,6 +25,7 @@ import torch
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
 from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelTimeoutError,
                                   StageChannel, open_channel)
+from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
 from prefix_cache.channel.mooncake import MooncakeChannel
 from prefix_cache.channel.shm import ShmChannel
 from tests.mooncake_store import MooncakeStoreProcesses, free_port
@@ -157,6 +158,49 @@ def test_get_times_out_with_one_line_naming_request_and_channel(channel: StageCh
     assert "req-never-published" in message and channel.spec in message and "\n" not in message
 
 
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1, "5", True])
+def test_a_timeout_that_is_not_finite_and_non_negative_is_refused_at_once(
+        channel: StageChannel, timeout_s: Any) -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="request req-t: timeout_s must be a finite number"):
+        channel.get("req-t", timeout_s=timeout_s)
+    assert time.monotonic() - start < 0.5
+
+
+def _retold(data: torch.Tensor, change: Callable[[dict[str, Any]], None]) -> torch.Tensor:
+    """`data` (an encoded entry) with its JSON header changed by `change`, payload kept."""
+    import json
+
+    from prefix_cache.channel.codec import _PREFIX, ALIGN, MAGIC
+    header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())[1]
+    header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes())
+    old_start = -(-(_PREFIX.size + header_len) // ALIGN) * ALIGN
+    change(header)
+    text = json.dumps(header).encode()
+    start = -(-(_PREFIX.size + len(text)) // ALIGN) * ALIGN
+    out = torch.zeros(start + data.numel() - old_start, dtype=torch.uint8)
+    out[:_PREFIX.size] = torch.frombuffer(bytearray(_PREFIX.pack(MAGIC, len(text))),
+                                          dtype=torch.uint8)
+    out[_PREFIX.size:_PREFIX.size + len(text)] = torch.frombuffer(bytearray(text),
+                                                                  dtype=torch.uint8)
+    out[start:] = data[old_start:]
+    return out
+
+
+@pytest.mark.parametrize("field, value", [("offset", -64), ("offset", 1.5), ("shape", [-2, 4]),
+                                          ("shape", [2.5, 4]), ("shape", "2x4"),
+                                          ("dtype", "Tensor"), ("dtype", "nonsense")])
+def test_a_malformed_entry_is_a_channel_error_naming_the_request(
+        channel: StageChannel, field: str, value: Any) -> None:
+    entry = StageEntry("req-bad", {"rows": torch.ones(2, 4)}, False, {}, time.time())
+    data = _retold(join(encode(entry)), lambda h: h["tensors"][0].__setitem__(field, value))
+    with pytest.raises(ValueError):
+        decode(data)
+    channel._publish("req-bad", EncodedEntry(data.numel(), [(0, memoryview(data.numpy()))]))
+    with pytest.raises(OmniPrefixCacheChannelError, match="request req-bad .* unreadable"):
+        channel.get("req-bad", timeout_s=5)
+
+
 def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published: IsPublished) -> None:
     channel.put("req-1", sample_outputs(1))
     assert is_published(channel, "req-1")
@@ -282,6 +326,8 @@ def test_bad_outputs_are_refused_naming_the_key(channel: StageChannel) -> None:
         channel.put("req-1", {}, meta={"when": object()})
     with pytest.raises(ValueError, match="request id"):
         channel.put("", {})
+    with pytest.raises(TypeError, match="request r: outputs must be a mapping .* got Tensor"):
+        channel.put("r", torch.zeros(1))
 
 
 def _listening_addresses(port: int) -> set[str]:

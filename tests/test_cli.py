@@ -128,3 +128,39 @@ def test_report_fits_100_columns_and_says_pass_miss_gpu_only_or_not_run() -> Non
         assert m2_result in rows["M2"] and f"{measured['M2']['value']:.0f} µs" in rows["M2"]
         assert "MISS" in rows["M3"]  # a target for every device is judged on CPU too
         assert "not run" in rows["M2p"] and "not run" in rows["M4"]
+
+
+def test_each_demo_run_logs_to_a_file_of_its_own() -> None:
+    from prefix_cache import demo
+    first, second = demo.new_log_path(), demo.new_log_path()
+    try:
+        assert first != second and first.exists() and second.exists()
+    finally:
+        first.unlink()
+        second.unlink()
+
+
+def test_demo_for_a_device_vllm_does_not_run_on_is_one_line_exit_2() -> None:
+    pytest.importorskip("vllm")
+    done = subprocess.run([sys.executable, "-m", "prefix_cache", "demo", "--device", "npu"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    [line] = done.stdout.strip().splitlines()
+    assert line.startswith("the demo was asked for --device npu, but the installed vLLM runs on ")
+    assert line.endswith(": install vLLM's npu build")
+
+
+def test_pipeline_bench_help_says_what_it_measures_and_how_long_it_takes(capsys) -> None:
+    from prefix_cache import pipeline_bench
+    with pytest.raises(SystemExit) as done:
+        pipeline_bench.main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "M8" in text and "plain worker" in text and "minutes" in text
+
+
+def test_cpu_m5_is_judged_against_the_cpu_target() -> None:
+    m5 = METRICS["M5"]
+    assert m5.target_on("cuda").bound == 0.99 and m5.target_on("cpu").bound == 0.95
+    assert bench._judge("M5", 0.96, "cpu") and not bench._judge("M5", 0.96, "cuda")
+    assert "CPU >= 0.95" in m5.targets_text

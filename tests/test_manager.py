@@ -424,3 +424,20 @@ def test_resumed_request_within_its_own_rows_gets_only_what_it_recomputes(backen
         out = run_step(manager, d, so, backend.device)
         assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2)[4:12])
         assert manager.stats().get("hit_tokens", 0) == 0
+
+
+def test_stats_reads_the_pool_keys_under_the_lock_the_engine_thread_installs_them_under(backend):
+    # stats() runs on another thread (the worker's RPC) while a step may install a key
+    manager, driver = make(backend)
+    with manager:
+        locked: list[bool] = []
+        nbytes = manager.pool.nbytes
+
+        def observed_nbytes() -> dict[str, int]:
+            locked.append(manager._lock.locked())
+            return nbytes()
+
+        manager.pool.nbytes = observed_nbytes
+        manager.preallocate(HIDDEN_KEY, (2,), torch.float32)
+        assert "pool_bytes." + HIDDEN_KEY in manager.stats()
+    assert locked == [True]

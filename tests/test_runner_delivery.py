@@ -17,6 +17,7 @@ from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
 from prefix_cache.channel import open_channel
 from prefix_cache.delivery import FinishedRequest, StageDelivery
 from prefix_cache.devices import get_backend
+from prefix_cache.devices.base import poll_until
 from prefix_cache.output_thread import OutputThread
 from prefix_cache.stage_outputs import StageOutputDriver, StepBatch
 
@@ -104,6 +105,20 @@ def test_a_failed_job_surfaces_at_the_next_submit_and_stops_later_jobs() -> None
         thread.submit("next step", lambda: ran.append(2))
     assert ran == []
     with pytest.raises(OmniPrefixCacheError):
+        thread.close()
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -0.5])
+def test_bounded_waits_refuse_a_timeout_that_would_never_end(timeout_s: float) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds >= 0"):
+        OutputThread("rows", max_pending=1, timeout_s=timeout_s)
+    with pytest.raises(ValueError, match="poll_until: timeout_s must be a finite"):
+        poll_until(lambda: False, timeout_s, lambda: TimeoutError("never"))
+    thread = OutputThread("rows", max_pending=1, timeout_s=1.0)
+    try:
+        with pytest.raises(ValueError, match="rows: timeout_s"):
+            thread.drain(timeout_s)
+    finally:
         thread.close()
 
 

@@ -17,6 +17,7 @@ import torch
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                         OmniPrefixCacheChannelTimeoutError)
+from prefix_cache.devices.base import check_timeout
 
 DEFAULT_TTL_S = 600.0
 _FIRST_POLL_S = 0.001
@@ -46,6 +47,9 @@ class StageChannel(ABC):
         self._check_open()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
+                            f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(outputs).__name__}")
         entry = StageEntry(request_id, dict(outputs), aborted, dict(meta or {}), time.time())
         self._publish(request_id, encode(entry))
         self._maybe_sweep()
@@ -59,6 +63,7 @@ class StageChannel(ABC):
 
     def get_entry(self, request_id: str, timeout_s: float = 30.0) -> StageEntry:
         """The entry published for `request_id`, waiting up to `timeout_s`; consumes it."""
+        check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open()
         deadline = time.monotonic() + timeout_s
         pause = _FIRST_POLL_S
@@ -96,7 +101,7 @@ class StageChannel(ABC):
             return None
         try:
             entry = decode(data)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise OmniPrefixCacheChannelError(
                 f"entry for request {request_id} on channel {self.spec} is unreadable: {e}") from e
         if entry.request_id != request_id:

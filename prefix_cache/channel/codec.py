@@ -95,6 +95,10 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def decode(data: torch.Tensor) -> StageEntry:
     """The entry in `data` (flat uint8, handed over by the caller); tensors are views of `data`.
 
@@ -111,10 +115,14 @@ def decode(data: torch.Tensor) -> StageEntry:
     header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes())
     outputs = {}
     for row in header["tensors"]:
-        dtype, shape = _dtype(row["dtype"]), torch.Size(row["shape"])
-        start = data_start + row["offset"]
+        dtype, offset, dims = _dtype(row["dtype"]), row["offset"], row["shape"]
+        if not _whole(offset) or not isinstance(dims, list) or not all(map(_whole, dims)):
+            raise ValueError(f"tensor {row['key']!r}: offset {offset!r} and shape {dims!r} must "
+                             f"be whole numbers >= 0")
+        shape = torch.Size(dims)
+        start = data_start + offset
         end = start + shape.numel() * dtype.itemsize
-        if row["offset"] % ALIGN or end > data.numel():
+        if offset % ALIGN or end > data.numel():
             raise ValueError(f"tensor {row['key']!r} at bytes {start}..{end} lies outside the "
                              f"entry's {data.numel()} bytes or is misaligned")
         outputs[row["key"]] = data[start:end].view(dtype).view(shape)
