@@ -584,10 +584,8 @@ class OmniPrefixCacheManager:
                 if req_id not in record.layout:
                     continue
                 start, end = record.layout.rows(req_id)
-                record.hit_reads[req_id] = {
-                    key: self._reads.plan_hit(f"request {req_id} step {record.step_id}", key,
-                                              hit_slots, end - start)
-                    for key in record.per_token}
+                record.hit_reads[req_id] = self._plan_hit_keys(
+                    f"request {req_id} step {record.step_id}", record, hit_slots, end - start)
                 self._stats.add(hit_tokens=h, hit_requests=1)
         hit_reads = [read for per_key in record.hit_reads.values() for read in per_key.values()]
         if hit_reads:
@@ -597,6 +595,16 @@ class OmniPrefixCacheManager:
             # hit gathers (random blocks, the large ones) start ahead of materialize; the
             # step's own rows are gathered by their consumer, off the engine thread either way
             self._reads.prefetch(hit_reads)
+
+    def _plan_hit_keys(self, what: str, record: _StepRecord, hit_slots: np.ndarray,
+                       step_rows: int) -> dict[str, RowRead]:
+        """A hit's reads: every key this step emits, and every other per-token key the pool
+        has rows of at `hit_slots` (a cached image's rows when the new tokens are text); the
+        step's rows of a key it does not emit read zeros (caller holds the lock)."""
+        others = [k for k in self.pool.keys  # no rows of it here: the request never had any
+                  if k not in record.per_token and self.pool.present(k, hit_slots).any()]
+        return {key: self._reads.plan_hit(what, key, hit_slots, step_rows)
+                for key in (*record.per_token, *others)}
 
     # ------------------------------------------------------------------ materialize
 
@@ -638,20 +646,24 @@ class OmniPrefixCacheManager:
         for req_id in req_ids:
             start, end = record.layout.rows(req_id)
             hits = record.hit_reads.get(req_id, {})
-            for key, feat in record.per_token.items():
-                mine = step_rows[key][start:end]
+            for key in (*record.per_token, *(k for k in hits if k not in record.per_token)):
                 read = hits.get(key)
+                mine = step_rows[key][start:end] if key in step_rows else None
                 if read is not None:
                     self._reads.resolve(read)
                     h = len(read.slots)
-                    read.out[h:].copy_(mine)
+                    if mine is None:  # a key this step does not emit: no rows of its own
+                        read.out[h:].zero_()
+                    else:
+                        read.out[h:].copy_(mine)
                     mine = read.out
                     hit_bytes += h * mine.shape[1] * mine.element_size()
+                feat = record.per_token.get(key) or self.pool.keys[key].feat_shape
                 value = mine.view(mine.shape[0], *feat)
                 if key == HIDDEN_KEY:
                     hidden[req_id] = value
                 else:
-                    mm[key][req_id] = value
+                    mm.setdefault(key, {})[req_id] = value
         self._stats.add(hit_bytes_gathered=hit_bytes)
         return StageCacheOutputs(hidden if self.policy.needs_full_hidden_states else None, mm,
                                  leftover)

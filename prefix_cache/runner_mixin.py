@@ -11,7 +11,7 @@ engine thread never waits for rows. Each finished request's rows from position 0
 go to the channel under its external request id.
 
 The channel is `vllm_config.additional_config["prefix_cache"]["channel"]`, else
-`$PREFIX_CACHE_CHANNEL`, else "shm" (see `prefix_cache.channel.open_channel`).
+`$PREFIX_CACHE_CHANNEL`; with neither the engine is refused (see `channel_spec`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from prefix_cache import devices
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
 from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.forward_output import describe, read_forward_output
 from prefix_cache.gate import stage_prefix_cache_config
 from prefix_cache.group_view import FullAttentionGroupView
@@ -39,10 +40,20 @@ CHANNEL_ENV = "PREFIX_CACHE_CHANNEL"
 
 
 def channel_spec(vllm_config: Any) -> str:
-    """The stage channel this engine publishes to (additional_config, then the environment)."""
+    """The stage channel this engine publishes to (additional_config, then the environment).
+
+    There is no default: a namespace of the worker's own would be one no consumer knows, and
+    the stage's rows would sit there unread until they expire, so the engine is refused.
+    """
     extra = getattr(vllm_config, "additional_config", None) or {}
-    spec = (extra.get("prefix_cache") or {}).get("channel")
-    return spec or os.environ.get(CHANNEL_ENV) or "shm"
+    spec = (extra.get("prefix_cache") or {}).get("channel") or os.environ.get(CHANNEL_ENV)
+    if not spec:
+        raise OmniPrefixCacheUnmatchError(
+            f"no stage channel is configured, so no consumer could read this stage's outputs: "
+            f"open one where they are consumed (prefix_cache.channel.open_channel()) and start "
+            f"the engine with additional_config={{'prefix_cache': {{'channel': channel.spec}}}}, "
+            f"or set {CHANNEL_ENV} to its spec")
+    return spec
 
 
 def external_request_id(req_id: str) -> str:

@@ -70,6 +70,27 @@ def test_seed_partial_block_multimodal_prefix_hits_only_the_full_block(backend):
         assert torch.equal(out.mm_outputs["mm_feature"]["b"], token_rows(second, 16, salt=1))
 
 
+def test_a_hit_keeps_its_cached_mm_rows_when_its_step_emits_no_such_key(backend):
+    """a: 8 tokens with an `mm_feature` row each; b hits a's first block and its step emits
+    hidden states only: b still gets a's mm rows there, then zeros (rules 5 and 6)."""
+    manager, d = make(backend)
+    first = list(range(100, 108))                    # blocks 1, 2
+    second = first[:4] + [900, 901, 902, 903]        # shares block 1, then block 3
+    with manager:
+        run_step(manager, d, d.step(new=[("a", first, [1, 2], 0, 8)]), backend.device)
+        out = run_step(manager, d, d.step(new=[("b", second, [1, 3], 4, 4)]), backend.device,
+                       mm_width=None)
+        rows = out.mm_outputs["mm_feature"]["b"]
+        assert rows.shape == (8, 16)
+        assert torch.equal(rows[:4], token_rows(first[:4], 16, salt=1))
+        assert not rows[4:].any()
+        assert torch.equal(out.hidden_states["b"], token_rows(second, 2))
+        # a hit on blocks that never had such rows gets no such key
+        out = run_step(manager, d, d.step(new=[("c", second[4:] + [7], [3, 4], 4, 1)]),
+                       backend.device, mm_width=None)
+        assert "c" not in out.mm_outputs.get("mm_feature", {})
+
+
 # --------------------------------------------------------------------------- step rules
 
 def test_finished_request_blocks_handed_to_new_tenant_in_same_step(backend):

@@ -177,6 +177,18 @@ def test_a_worker_whose_runner_cannot_carry_the_cache_refuses_at_start_naming_th
     assert f"vLLM {vllm.__version__}" in message and "no model runner" in message
 
 
+def test_a_worker_with_no_channel_configured_refuses_at_start_saying_how_to_configure_one(
+        thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefix_cache.engines import Engine, EngineShape, default_worker
+    monkeypatch.delenv("PREFIX_CACHE_CHANNEL", raising=False)
+    with multiprocessing_mode(False), pytest.raises(Exception) as refused:
+        Engine(thinker_model_dir, EngineShape(), enable_prefix_caching=True,
+               worker_cls=default_worker())
+    chain = [refused.value, *iter_causes(refused.value)]
+    message = next(str(e) for e in chain if isinstance(e, OmniPrefixCacheUnmatchError))
+    assert "no stage channel is configured" in message and "PREFIX_CACHE_CHANNEL" in message
+
+
 def iter_causes(error: BaseException) -> list[BaseException]:
     out = []
     while (error := error.__cause__ or error.__context__) is not None:
