@@ -3,8 +3,10 @@
 A step hands over a request's rows from some position on: 0 for a prefix hit
 (hit rows, then the step's), the request's computed-token count otherwise. A
 request recomputed after preemption hands over rows it already delivered; they
-replace the earlier ones from that position. Rows that would leave a gap are
-refused, since the next stage would silently miss positions.
+replace the earlier ones from that position. Rows that would leave a gap break
+the request, since the next stage would silently miss positions: its entry is
+published as a failure naming the gap, as is one whose publish fails (a full
+`/dev/shm`, a store gone). Either way the stage goes on with other requests.
 
 When the request finishes, all its rows from position 0 go to the stage channel
 under its external id, and are forgotten here. The worker only learns that a
@@ -22,6 +24,7 @@ only forgets it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,12 +34,16 @@ import torch
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
+logger = logging.getLogger(__name__)
+
 
 class StageSink(Protocol):
     """Where finished requests' rows go (a `prefix_cache.channel.StageChannel`)."""
 
     def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *,
             aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None: ...
+
+    def fail(self, request_id: str, cause: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -69,23 +76,36 @@ class StageDelivery:
         self._lock = threading.Lock()
         self._parts: dict[str, list[_Part]] = {}
         self._published_early: set[str] = set()  # published; the runner's finish is to come
+        self._broken: dict[str, str] = {}  # requests whose rows can no longer come whole: why
         self._published = 0
+        self._failed = 0
 
     def stats(self) -> dict[str, int]:
-        """Requests and bytes held (waiting for their finish), requests published so far."""
+        """Requests and bytes held (waiting for their finish), requests published so far, and
+        requests whose entry failed (published as failures)."""
         with self._lock:
             held = sum(t.numel() * t.element_size() for parts in self._parts.values()
                        for p in parts for t in p.rows.values())
             return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
-                    "delivery_published": self._published}
+                    "delivery_published": self._published, "delivery_failed": self._failed}
 
     def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
-        """`rows` (every key the same row count) hold positions `start, start + 1, ...`."""
+        """`rows` (every key the same row count) hold positions `start, start + 1, ...`.
+
+        Rows that would leave a gap break the request: its entry becomes a failure naming
+        the gap, and the stage goes on.
+        """
         if not rows:
             return
         with self._lock:
-            if req_id not in self._published_early:
+            if req_id in self._published_early or req_id in self._broken:
+                return
+            try:
                 self._add(req_id, start, rows)
+            except OmniPrefixCacheUnmatchError as exc:
+                logger.error("%s", exc)
+                self._broken[req_id] = str(exc)
+                self._parts.pop(req_id, None)
 
     def _add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
         parts = self._parts.get(req_id, [])
@@ -134,12 +154,29 @@ class StageDelivery:
         self._publish(request)
 
     def _publish(self, request: FinishedRequest) -> None:
+        """Put the request's entry; if that fails, put a failure in its place (its consumer's
+        get raises, naming the cause) and go on: one request's failure is its own."""
         rows = self.pop(request.req_id)
+        with self._lock:
+            cause = self._broken.pop(request.req_id, None)
         if self._sink is None:
             return
-        num_rows = next(iter(rows.values())).shape[0] if rows else 0
-        aborted = request.prompt_len is None or num_rows < request.prompt_len
-        self._sink.put(request.external_id, rows, aborted=aborted,
-                       meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
+        if cause is None:
+            num_rows = next(iter(rows.values())).shape[0] if rows else 0
+            aborted = request.prompt_len is None or num_rows < request.prompt_len
+            try:
+                self._sink.put(request.external_id, rows, aborted=aborted,
+                               meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
+            except Exception as exc:  # a full /dev/shm, a store gone: this entry fails alone
+                cause = f"publishing its {num_rows} rows failed: {type(exc).__name__}: {exc}"
         with self._lock:
-            self._published += 1
+            if cause is None:
+                self._published += 1
+                return
+            self._failed += 1
+        logger.error("request %s (%s): %s", request.external_id, request.req_id, cause)
+        try:
+            self._sink.fail(request.external_id, cause)
+        except Exception as exc:
+            logger.error("request %s: its failure could not be published either: %s: %s",
+                         request.external_id, type(exc).__name__, exc)

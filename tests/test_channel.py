@@ -201,6 +201,16 @@ def test_a_malformed_entry_is_a_channel_error_naming_the_request(
         channel.get("req-bad", timeout_s=5)
 
 
+def test_a_failed_entry_raises_at_its_get_naming_the_request_and_the_cause(
+        channel: StageChannel) -> None:
+    channel.fail("req-f", "publishing its 9 rows failed: OSError: No space left on device")
+    with pytest.raises(OmniPrefixCacheChannelError,
+                       match="request req-f: .* could not publish .*No space left on device"):
+        channel.get("req-f", timeout_s=5)
+    with pytest.raises(OmniPrefixCacheChannelTimeoutError):  # consumed, like any entry
+        channel.get("req-f", timeout_s=0.1)
+
+
 def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published: IsPublished) -> None:
     channel.put("req-1", sample_outputs(1))
     assert is_published(channel, "req-1")

@@ -8,13 +8,14 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, PrefixCacheConfig)
-from prefix_cache.channel import open_channel
+from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
 from prefix_cache.delivery import FinishedRequest, StageDelivery
 from prefix_cache.devices import get_backend
 from prefix_cache.devices.base import poll_until
@@ -71,6 +72,51 @@ def test_a_finish_the_scheduler_reported_is_published_once_and_later_rows_are_dr
         with pytest.raises(OmniPrefixCacheError):  # published once, not twice
             channel.get_entry("d", timeout_s=0.2)
     assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 6)[HIDDEN_KEY])
+
+
+class FullOnce:
+    """A channel whose put fails for one request id, as a full /dev/shm would."""
+
+    def __init__(self, channel: Any, failing: str) -> None:
+        self.channel, self.failing = channel, failing
+
+    def put(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        if request_id == self.failing:
+            raise OSError(28, "No space left on device")
+        self.channel.put(request_id, *args, **kwargs)
+
+    def fail(self, request_id: str, cause: str) -> None:
+        self.channel.fail(request_id, cause)
+
+
+def test_a_failed_publish_fails_that_entry_alone_naming_its_cause() -> None:
+    with open_channel() as channel:
+        delivery = StageDelivery(FullOnce(channel, "b"))
+        for req in ("a", "b", "c"):
+            delivery.add(f"{req}-1", 0, rows(0, 3))
+            delivery.finish(FinishedRequest(f"{req}-1", req, prompt_len=3))
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request b: .*publishing its 3 rows failed: .*No space left"):
+            channel.get("b", timeout_s=1)
+        for req in ("a", "c"):
+            assert torch.equal(channel.get(req, timeout_s=1)[HIDDEN_KEY], rows(0, 3)[HIDDEN_KEY])
+    assert delivery.stats()["delivery_failed"] == 1
+    assert delivery.stats()["delivery_published"] == 2
+
+
+def test_rows_that_would_leave_a_gap_fail_that_request_alone() -> None:
+    with open_channel() as channel:
+        delivery = StageDelivery(channel)
+        delivery.add("g-1", 0, rows(0, 4))
+        delivery.add("g-1", 6, rows(6, 8))  # positions 4 and 5 never came
+        delivery.add("g-1", 8, rows(8, 9))  # nor does anything after, for this request
+        delivery.add("h-1", 0, rows(0, 2))
+        delivery.finish(FinishedRequest("g-1", "g", prompt_len=4))
+        delivery.finish(FinishedRequest("h-1", "h", prompt_len=2))
+        with pytest.raises(OmniPrefixCacheChannelError, match="positions 4..5 would be missing"):
+            channel.get("g", timeout_s=1)
+        assert channel.get("h", timeout_s=1)[HIDDEN_KEY].shape == (2, HIDDEN)
+    assert delivery.stats()["delivery_failed"] == 1
 
 
 def test_a_key_missing_from_some_steps_reads_zeros_there() -> None:

@@ -54,6 +54,13 @@ class StageChannel(ABC):
         self._publish(request_id, encode(entry))
         self._maybe_sweep()
 
+    def fail(self, request_id: str, cause: str) -> None:
+        """Publishes, in place of `request_id`'s rows, that they could not be published and why:
+        its consumer's get raises a channel error naming the request and `cause`."""
+        self._check_open()
+        entry = StageEntry(request_id, {}, True, {}, time.time(), error=str(cause))
+        self._publish(request_id, encode(entry))
+
     def get(self, request_id: str, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
         """The outputs published for `request_id`, waiting up to `timeout_s`; consumes the entry.
 
@@ -62,7 +69,8 @@ class StageChannel(ABC):
         return self.get_entry(request_id, timeout_s).outputs
 
     def get_entry(self, request_id: str, timeout_s: float = 30.0) -> StageEntry:
-        """The entry published for `request_id`, waiting up to `timeout_s`; consumes it."""
+        """The entry published for `request_id`, waiting up to `timeout_s`; consumes it. An
+        entry the publisher failed (`fail`) raises a channel error naming its cause."""
         check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open()
         deadline = time.monotonic() + timeout_s
@@ -70,6 +78,10 @@ class StageChannel(ABC):
         while True:
             self._maybe_sweep()
             entry = self._take_entry(request_id)
+            if entry is not None and entry.error is not None:
+                raise OmniPrefixCacheChannelError(
+                    f"request {request_id}: its stage could not publish its rows on channel "
+                    f"{self.spec}: {entry.error}")
             if entry is not None:
                 return entry
             left = deadline - time.monotonic()

@@ -30,6 +30,7 @@ class StageEntry:
     aborted: bool = False
     meta: dict[str, Any] = field(default_factory=dict)  # JSON values, defined by the publisher
     published_at: float = 0.0  # time.time() at publish
+    error: str | None = None  # the publisher could not publish the rows: why (no outputs then)
 
 
 class EncodedEntry(NamedTuple):
@@ -65,7 +66,8 @@ def encode(entry: StageEntry) -> EncodedEntry:
         payloads.append((offset, memoryview(raw.numpy())))
         offset = _align(offset + raw.numel())
     header = {"request_id": entry.request_id, "aborted": bool(entry.aborted),
-              "published_at": entry.published_at, "meta": entry.meta, "tensors": rows}
+              "published_at": entry.published_at, "meta": entry.meta, "tensors": rows,
+              "error": entry.error}
     try:
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
     except (TypeError, ValueError) as e:
@@ -126,5 +128,8 @@ def decode(data: torch.Tensor) -> StageEntry:
             raise ValueError(f"tensor {row['key']!r} at bytes {start}..{end} lies outside the "
                              f"entry's {data.numel()} bytes or is misaligned")
         outputs[row["key"]] = data[start:end].view(dtype).view(shape)
+    error = header.get("error")
+    if error is not None and not isinstance(error, str):
+        raise ValueError(f"error {error!r} is not a str")
     return StageEntry(header["request_id"], outputs, header["aborted"], header["meta"],
-                      header["published_at"])
+                      header["published_at"], error)
