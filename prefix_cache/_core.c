@@ -200,19 +200,27 @@ row_ends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *result = NULL;
-    PyObject *order = PySequence_Fast(args[0], "row_ends: order must be a sequence");
+    /* a tuple: the mapping's lookups may run Python code, which must not resize or free the
+     * sequence under the loop */
+    PyObject *order = PySequence_Tuple(args[0]);
     if (order == NULL) {
         goto done;
     }
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(order);
+    Py_ssize_t k = PyTuple_GET_SIZE(order);
     if (ends.len != k) {
         PyErr_Format(PyExc_ValueError, "row_ends: %zd ends for %zd requests", ends.len, k);
         goto done;
     }
     int64_t total = 0, smallest = INT64_MAX, count;
     for (Py_ssize_t i = 0; i < k; i++) {
-        if (mapping_int(args[1], PySequence_Fast_GET_ITEM(order, i), "scheduled tokens",
-                        &count) < 0) {
+        PyObject *req = PyTuple_GET_ITEM(order, i);
+        if (mapping_int(args[1], req, "scheduled tokens", &count) < 0) {
+            goto done;
+        }
+        if (count < 0 || total > INT64_MAX - count) {
+            PyErr_Format(count < 0 ? PyExc_ValueError : PyExc_OverflowError,
+                         "row_ends: request %R: %lld scheduled tokens%s", req, (long long)count,
+                         count < 0 ? "" : " overflow the step's total");
             goto done;
         }
         total += count;
@@ -282,14 +290,14 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      (long long)unit);
         goto done;
     }
-    req_ids = PySequence_Fast(args[0], "request_runs: req_ids must be a sequence");
+    req_ids = PySequence_Tuple(args[0]);  /* see row_ends */
     if (req_ids == NULL) {
         goto done;
     }
     RunsOut out = {int64s(&a[2]), 0, a[2].buf.shape[0], 0, -1};
     Py_ssize_t num_rows = table->buf.shape[0], width = table->buf.shape[1];
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(req_ids); i++) {
-        PyObject *req = PySequence_Fast_GET_ITEM(req_ids, i);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(req_ids); i++) {
+        PyObject *req = PyTuple_GET_ITEM(req_ids, i);
         int64_t count, row;
         if (mapping_int(args[1], req, "scheduled tokens", &count) < 0 ||
                 mapping_int(args[2], req, "batch row", &row) < 0) {
@@ -305,8 +313,14 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (long long)count);
             goto done;
         }
-        int64_t first = get_at(computed, row), last = first + count - 1;
-        if (count && (first < 0 || last / unit >= width)) {
+        int64_t first = get_at(computed, row);
+        if (first < 0 || count > INT64_MAX - first) {
+            PyErr_Format(PyExc_ValueError, "request %R: %lld computed and %lld scheduled tokens "
+                         "are not positions", req, (long long)first, (long long)count);
+            goto done;
+        }
+        int64_t last = first + count - 1;
+        if (count && last / unit >= width) {
             PyErr_Format(PyExc_IndexError, "request %R: positions %lld..%lld need blocks past "
                          "the table's %zd per request", req, (long long)first, (long long)last,
                          width);
@@ -316,7 +330,14 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int64_t offset = count ? first % unit : 0, left = count;
         for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
             int64_t run = unit - offset < left ? unit - offset : left;
-            int64_t slot = get_at(table, row * width + block) * unit + offset;
+            int64_t id = get_at(table, row * width + block);
+            if (id < 0 || id > (INT64_MAX - (offset + run)) / unit) {  /* slot + run fits */
+                PyErr_Format(PyExc_ValueError, "request %R: block id %lld at block %lld is not "
+                             "a block of %lld slots", req, (long long)id, (long long)block,
+                             (long long)unit);
+                goto done;
+            }
+            int64_t slot = id * unit + offset;
             if (add_run(&out, slot, slot + run) < 0) {
                 goto done;
             }
@@ -374,12 +395,17 @@ run_totals(const IntArray *runs, const char *name, RunTotals *out)
     const int64_t *r = int64s(runs);
     *out = (RunTotals){0, 0, -1};
     for (Py_ssize_t i = 0; i < runs->buf.shape[0]; i++) {
-        if (r[2 * i] >= r[2 * i + 1]) {
-            PyErr_Format(PyExc_ValueError, "%s: run %zd, %lld..%lld, is empty", name, i,
-                         (long long)r[2 * i], (long long)r[2 * i + 1]);
+        if (r[2 * i] < 0 || r[2 * i] >= r[2 * i + 1]) {
+            PyErr_Format(PyExc_ValueError, "%s: run %zd, %lld..%lld, is empty or negative", name,
+                         i, (long long)r[2 * i], (long long)r[2 * i + 1]);
             return -1;
         }
-        out->count += r[2 * i + 1] - r[2 * i];
+        int64_t len = r[2 * i + 1] - r[2 * i];  /* no overflow: 0 <= first < end */
+        if (out->count > INT64_MAX - len) {
+            PyErr_Format(PyExc_OverflowError, "%s: the runs hold more than 2**63 - 1 slots", name);
+            return -1;
+        }
+        out->count += len;
         out->low = i == 0 || r[2 * i] < out->low ? r[2 * i] : out->low;
         out->high = i == 0 || r[2 * i + 1] - 1 > out->high ? r[2 * i + 1] - 1 : out->high;
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefix_cache import _core
@@ -211,3 +211,83 @@ def test_add_counts_adds_into_totals() -> None:
     assert totals == {"a": 3, "b": 3, "c": 5}
     with pytest.raises(TypeError, match="must be dicts"):
         _core.add_counts(totals, [("a", 1)])
+
+
+# --------------------------------------------------------------------------- extreme inputs
+
+I64 = np.iinfo(np.int64)
+EXTREMES = st.sampled_from([I64.min, I64.min + 1, -(2**31), -1, 0, 1, 2**31 - 1, 2**31,
+                            I64.max - 1, I64.max])
+REFUSED = (ValueError, IndexError, KeyError, OverflowError, TypeError)
+
+
+@settings(max_examples=300, deadline=None)
+@example(count=1, first=0, block=1, unit=int(I64.max))  # the slot fits, its run's end does not
+@given(count=EXTREMES | st.integers(0, 40), first=EXTREMES | st.integers(0, 40),
+       block=EXTREMES | st.integers(0, 9), unit=EXTREMES | st.integers(1, 8))
+def test_request_runs_refuses_extreme_values_instead_of_wrapping(count, first, block,
+                                                                 unit) -> None:
+    table = np.full((1, 4), block, dtype=np.int64)
+    runs = np.zeros((64, 2), dtype=np.int64)
+    try:
+        k, low, high = _core.request_runs(["r"], {"r": count}, {"r": 0},
+                                          np.array([first], dtype=np.int64), table, unit, runs)
+    except REFUSED:
+        return
+    # accepted: the runs hold the formula's slots (block * unit + p % unit), none wrapped;
+    # worked out a block at a time, as a count near 2**63 cannot be listed
+    want: list[list[int]] = []
+    for b in range(first // unit, (first + count - 1) // unit + 1) if count else ():
+        start, end = max(first, b * unit), min(first + count, (b + 1) * unit)
+        run = [block * unit + start - b * unit, block * unit + end - b * unit]
+        if want and want[-1][1] == run[0]:
+            want[-1][1] = run[1]
+        else:
+            want.append(run)
+    assert runs[:k].tolist() == want
+    assert (low, high) == ((min(r[0] for r in want), max(r[1] for r in want) - 1)
+                           if want else (0, -1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(EXTREMES | st.integers(0, 9), min_size=1, max_size=4))
+def test_row_ends_refuses_counts_that_are_negative_or_overflow(counts) -> None:
+    names = [f"r{i}" for i in range(len(counts))]
+    ends = np.zeros(len(counts), dtype=np.int64)
+    try:
+        total, _ = _core.row_ends(names, dict(zip(names, counts, strict=True)), ends)
+    except REFUSED:
+        assert any(c < 0 for c in counts) or sum(counts) > I64.max
+        return
+    assert total == sum(counts) and ends.tolist() == np.cumsum(counts).tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(EXTREMES, EXTREMES), min_size=1, max_size=3))
+def test_run_stats_refuses_negative_empty_or_overflowing_runs(pairs) -> None:
+    runs = np.array(pairs, dtype=np.int64)
+    try:
+        count, low, high = _core.run_stats(runs)
+    except REFUSED:
+        assert any(a < 0 or a >= b for a, b in pairs) or sum(b - a for a, b in pairs) > I64.max
+        return
+    assert count == sum(b - a for a, b in pairs)
+    assert (low, high) == (min(a for a, _ in pairs), max(b for _, b in pairs) - 1)
+
+
+def test_a_lookup_that_mutates_the_request_list_cannot_pull_it_from_under_the_loop() -> None:
+    req_ids = ["a", "b", "c"]
+
+    class Shrinking(dict):
+        def __getitem__(self, key: str) -> int:
+            req_ids.clear()  # Python code run mid-call; the call works on its own snapshot
+            return super().__getitem__(key)
+
+    ends = np.zeros(3, dtype=np.int64)
+    assert _core.row_ends(req_ids, Shrinking(a=1, b=2, c=3), ends) == (6, 1)
+    req_ids[:] = ["a", "b"]
+    runs = np.zeros((8, 2), dtype=np.int64)
+    k, _, _ = _core.request_runs(req_ids, Shrinking(a=2, b=2), {"a": 0, "b": 1},
+                                 np.zeros(2, dtype=np.int64),
+                                 np.array([[1, 2], [3, 4]], dtype=np.int64), 4, runs)
+    assert runs_slots(runs[:k]).tolist() == [4, 5, 12, 13]
