@@ -12,6 +12,7 @@ import hashlib
 import multiprocessing
 import os
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -370,6 +371,18 @@ def test_mooncake_master_not_running_names_the_address(
                        match=f"cannot reach the Mooncake master at {master} "):
         open_channel(f"mooncake://{master}?metadata={mooncake_store.metadata_url}")
     assert time.monotonic() - start < 10
+
+
+def test_a_process_opening_a_mooncake_channel_logs_no_info_lines(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    script = ("import sys; from prefix_cache.channel import open_channel\n"
+              "with open_channel(sys.argv[1]) as channel: channel.put('r', {})\n")
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", script, mooncake_store.spec], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    info = [line for line in done.stderr.splitlines() if line[:1] == "I" and line[1:5].isdigit()]
+    assert info == []
 
 
 def test_mooncake_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

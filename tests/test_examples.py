@@ -26,3 +26,12 @@ def test_drive_manager_example_delivers_full_prompt_rows_on_a_prefix_hit(tmp_pat
     assert lines[1] == ("request b: 11 prompt tokens, 8 from the prefix cache, 3 computed, "
                         "11 rows delivered; equal to a run without the cache: True")
     assert lines[2] == "cache stats: 8 hit tokens, 15 computed"
+
+
+def test_channel_example_hands_rows_from_a_producer_process_to_the_consumer(
+        tmp_path: Path) -> None:
+    run = run_example("channel_two_processes.py", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "req-0: 5 rows of 4, as published: True; meta {'num_rows': 5}",
+        "req-1: 9 rows of 4, as published: True; meta {'num_rows': 9}"]

@@ -10,6 +10,9 @@ Mooncake has no authentication of its own: it belongs on a private network. The 
 metadata server and holder bind where their flags say; the transfer engine inside every client
 (this one included) listens on all interfaces, which Mooncake 0.3.13 cannot be told otherwise.
 A client advertises `$MC_TCP_BIND_ADDRESS`, else the local address that routes to the master.
+
+Mooncake's client logs about 17 INFO lines as it connects; its log level is `$MC_LOG_LEVEL`,
+which this channel sets to WARNING where it is unset (set `MC_LOG_LEVEL=INFO` to see them).
 """
 
 from __future__ import annotations
@@ -45,7 +48,12 @@ _INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU machines; -
                  "elsewhere), and libibverbs1")
 
 
+#: Mooncake's log level unless the environment names one: its INFO lines are start-up chatter.
+LOG_LEVEL = "WARNING"
+
+
 def _store_class() -> Any:
+    os.environ.setdefault("MC_LOG_LEVEL", LOG_LEVEL)  # read when the client starts logging
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
