@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+import re
+
 import torch
 
-from prefix_cache import OmniPrefixCacheUnmatchError
-from prefix_cache.delivery import StageDelivery
+from prefix_cache.delivery import FinishedRequest, StageDelivery
 
 
 def rows(start: int, end: int) -> dict[str, torch.Tensor]:
@@ -35,8 +35,29 @@ def test_rows_recomputed_after_preemption_replace_the_delivered_ones() -> None:
     assert torch.equal(hidden[4:], rows(4, 12)["hidden"] + 100)
 
 
-def test_rows_past_the_delivered_ones_are_refused_naming_the_gap() -> None:
-    delivery = StageDelivery()
+class Recording:
+    """A stage sink that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.put_ids: list[str] = []
+        self.failures: dict[str, str] = {}
+
+    def put(self, request_id: str, outputs: dict, **kwargs: object) -> None:
+        self.put_ids.append(request_id)
+
+    def fail(self, request_id: str, cause: str) -> None:
+        self.failures[request_id] = cause
+
+
+def test_rows_past_the_delivered_ones_fail_that_request_naming_the_gap() -> None:
+    sink = Recording()
+    delivery = StageDelivery(sink)
     delivery.add("a", 0, rows(0, 4))
-    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"request a: .*positions 4\.\.7"):
-        delivery.add("a", 8, rows(8, 9))
+    delivery.add("a", 8, rows(8, 9))  # positions 4..7 never came: no silent hole
+    delivery.add("b", 0, rows(0, 2))
+    assert delivery.stats()["delivery_requests_held"] == 1  # a's rows are gone, b's held
+    delivery.finish(FinishedRequest("a", "a", prompt_len=4))
+    delivery.finish(FinishedRequest("b", "b", prompt_len=2))
+    assert sink.put_ids == ["b"]
+    assert re.search(r"request a: .*positions 4\.\.7 would be missing", sink.failures["a"])
+    assert delivery.stats()["delivery_failed"] == 1
