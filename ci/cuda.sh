@@ -25,7 +25,7 @@ command -v "$PYTHON" >/dev/null || fail "no '$PYTHON' on PATH; set PYTHON to the
 source ci/install-test-deps.sh
 "$PYTHON" -m pytest -m "not npu and not vllm" "$@"
 # The GPU worker in a real vLLM GPU engine, where a vLLM GPU build imports (on the H200 machine:
-# eval "$(bash shared/tools/vllm-gpu/install.sh)" first)
+# eval "$(bash ../shared/tools/vllm-gpu/install.sh)" first)
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
     "$PYTHON" -m pytest -m "cuda and vllm" "$@"
 else
