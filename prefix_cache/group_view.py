@@ -79,16 +79,24 @@ class FullAttentionGroupView:
         table = self._table()
         ids = table.get_numpy_array() if hasattr(table, "get_numpy_array") \
             else table.get_cpu_tensor().numpy()
-        unit = int(table.block_size)
-        # a request's positions span at most count // unit + 2 blocks
-        tokens = sum(map(num_scheduled_tokens.__getitem__, req_ids))
-        runs = np.empty((tokens // unit + 2 * len(req_ids), 2), dtype=np.int64)
-        try:
-            k, _, _ = _core.request_runs(req_ids, num_scheduled_tokens,
-                                         self.input_batch.req_id_to_index,
-                                         np.asarray(self.input_batch.num_computed_tokens_cpu),
-                                         ids, unit, runs)
-        except (IndexError, KeyError) as exc:
-            raise OmniPrefixCacheUnmatchError(
-                f"the runner's batch does not hold the scheduled positions: {exc}") from None
-        return runs[:k]
+        return request_slot_runs(req_ids, num_scheduled_tokens, self.input_batch.req_id_to_index,
+                                 np.asarray(self.input_batch.num_computed_tokens_cpu), ids,
+                                 int(table.block_size), "the runner's batch")
+
+
+def request_slot_runs(req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int],
+                      index_of: Mapping[str, int], computed: np.ndarray, table: np.ndarray,
+                      unit: int, batch: str) -> np.ndarray:
+    """The slots of each request's next scheduled positions, from `computed[index_of[r]]` on,
+    `slot = table[index_of[r], p // unit] * unit + p % unit`, as `[k, 2]` runs of consecutive
+    slots found a block at a time; `batch` names the batch in the error."""
+    # a request's positions span at most count // unit + 2 blocks
+    tokens = sum(map(num_scheduled_tokens.__getitem__, req_ids))
+    runs = np.empty((tokens // unit + 2 * len(req_ids), 2), dtype=np.int64)
+    try:
+        k, _, _ = _core.request_runs(req_ids, num_scheduled_tokens, index_of, computed, table,
+                                     unit, runs)
+    except (IndexError, KeyError) as exc:
+        raise OmniPrefixCacheUnmatchError(
+            f"{batch} does not hold the scheduled positions: {exc}") from None
+    return runs[:k]

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefix_cache import _core
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
+from prefix_cache.group_view import request_slot_runs
 from prefix_cache.runner_mixin import StageRunnerBase
 from prefix_cache.runs import runs_slots
 from prefix_cache.stage_outputs import StepBatch
@@ -97,15 +97,8 @@ class StepBatchGroupView:
     def step_slot_runs(self, req_ids: Sequence[str],
                        num_scheduled_tokens: Mapping[str, int]) -> np.ndarray:
         """The slots as runs (`[k, 2]` of (first, end)), a block at a time."""
-        tokens = sum(map(num_scheduled_tokens.__getitem__, req_ids))
-        runs = np.empty((tokens // self.block_size + 2 * len(req_ids), 2), dtype=np.int64)
-        try:
-            k, _, _ = _core.request_runs(req_ids, num_scheduled_tokens, self._index,
-                                         self._computed, self._ids, self.block_size, runs)
-        except (IndexError, KeyError) as exc:
-            raise OmniPrefixCacheUnmatchError(
-                f"the V2 step's batch does not hold the scheduled positions: {exc}") from None
-        return runs[:k]
+        return request_slot_runs(req_ids, num_scheduled_tokens, self._index, self._computed,
+                                 self._ids, self.block_size, "the V2 step's batch")
 
 
 class PrefixCacheV2RunnerMixin(StageRunnerBase):
