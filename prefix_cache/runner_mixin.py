@@ -172,6 +172,12 @@ class StageRunnerBase:
         if stage is not None and stage.active:
             stage.finish_now([self._omni_finished(r) for r in req_ids])
 
+    def _omni_begin_step(self, stage: StageOutputDriver, scheduler_output: Any) -> None:
+        """Start the step on the stage, before the runner drops the finished requests' states
+        (their prompt lengths are read here)."""
+        stage.begin_step(scheduler_output, [self._omni_finished(r)
+                                            for r in scheduler_output.finished_req_ids])
+
     def _omni_finished(self, req_id: str) -> FinishedRequest:
         # prompt length None: aborted before it was ever scheduled
         return FinishedRequest(req_id, external_request_id(req_id), self._omni_prompt_len(req_id))
@@ -225,9 +231,7 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         stage = self._omni_stepping()
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
-        # before the runner drops the finished requests' states
-        stage.begin_step(scheduler_output, [self._omni_finished(r)
-                                            for r in scheduler_output.finished_req_ids])
+        self._omni_begin_step(stage, scheduler_output)
         self._omni_in_step = True
         try:
             output = super().execute_model(scheduler_output, *args, **kwargs)

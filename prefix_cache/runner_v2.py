@@ -120,9 +120,7 @@ class PrefixCacheV2RunnerMixin(StageRunnerBase):
         stage = self._omni_stepping(dummy=bool(kwargs.get("dummy_run")))
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
-        # before `finish_requests` inside drops the finished requests' states
-        stage.begin_step(scheduler_output, [self._omni_finished(r)
-                                            for r in scheduler_output.finished_req_ids])
+        self._omni_begin_step(stage, scheduler_output)  # before `finish_requests` inside
         output = super().execute_model(scheduler_output, *args, **kwargs)
         state = self.execute_model_state
         if output is not None:  # no forward here, or not the last pipeline rank: no sampling

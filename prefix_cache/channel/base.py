@@ -50,16 +50,18 @@ class StageChannel(ABC):
         if not isinstance(outputs, Mapping):
             raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
                             f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(outputs).__name__}")
-        entry = StageEntry(request_id, dict(outputs), aborted, dict(meta or {}), time.time())
-        self._publish(request_id, encode(entry))
-        self._maybe_sweep()
+        self._put_entry(StageEntry(request_id, dict(outputs), aborted, dict(meta or {}),
+                                   time.time()))
 
     def fail(self, request_id: str, cause: str) -> None:
         """Publishes, in place of `request_id`'s rows, that they could not be published and why:
         its consumer's get raises a channel error naming the request and `cause`."""
         self._check_open()
-        entry = StageEntry(request_id, {}, True, {}, time.time(), error=str(cause))
-        self._publish(request_id, encode(entry))
+        self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)))
+
+    def _put_entry(self, entry: StageEntry) -> None:
+        self._publish(entry.request_id, encode(entry))
+        self._maybe_sweep()
 
     def get(self, request_id: str, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
         """The outputs published for `request_id`, waiting up to `timeout_s`; consumes the entry.
