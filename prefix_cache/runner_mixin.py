@@ -182,21 +182,7 @@ class StageRunnerBase:
         # prompt length None: aborted before it was ever scheduled
         return FinishedRequest(req_id, external_request_id(req_id), self._omni_prompt_len(req_id))
 
-    # ------------------------------------------------------------------ outputs
-
-    def omni_mm_outputs(self, model_output: Any) -> Mapping[str, Any] | None:
-        """Per-token multimodal outputs of an omni model's forward (None for plain LMs).
-
-        Override for a model that hands its multimodal outputs over another way.
-        """
-        read = read_forward_output(model_output)
-        return None if read is None else read.mm
-
-    def _omni_turn_off(self, reason: str) -> None:
-        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
-                       "published: %s", reason)
-        self._omni_stage.turn_off()  # closed (cache shut down) at the runner's shutdown
-        self.omni_prefix_cache = None
+    # ------------------------------------------------------------------ per step
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         output = super().sample_tokens(*args, **kwargs)
@@ -265,3 +251,17 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
             num_tokens_padded=read.hidden.shape[0],
             slot_mapping=view.device_slot_mapping()
             if isinstance(view, FullAttentionGroupView) else None)
+
+    def omni_mm_outputs(self, model_output: Any) -> Mapping[str, Any] | None:
+        """Per-token multimodal outputs of an omni model's forward (None for plain LMs).
+
+        Override for a model that hands its multimodal outputs over another way.
+        """
+        read = read_forward_output(model_output)
+        return None if read is None else read.mm
+
+    def _omni_turn_off(self, reason: str) -> None:
+        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
+                       "published: %s", reason)
+        self._omni_stage.turn_off()  # closed (cache shut down) at the runner's shutdown
+        self.omni_prefix_cache = None
