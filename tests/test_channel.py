@@ -27,7 +27,7 @@ from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
 from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelTimeoutError,
                                   StageChannel, open_channel)
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
-from prefix_cache.channel.mooncake import MooncakeChannel
+from prefix_cache.channel.mooncake import MooncakeChannel, unconsumed_keys
 from prefix_cache.channel.shm import ShmChannel
 from tests.mooncake_store import MooncakeStoreProcesses, free_port
 
@@ -108,7 +108,7 @@ def is_published(request: pytest.FixtureRequest) -> IsPublished:
         if isinstance(channel, ShmChannel):
             return channel.entry_path(request_id).exists()
         client = request.getfixturevalue("mooncake_client")
-        return client.is_exist(channel.entry_key(request_id)) == 1
+        return bool(unconsumed_keys(client, channel.entry_key(request_id)))
     return check
 
 
@@ -197,7 +197,8 @@ def test_a_malformed_entry_is_a_channel_error_naming_the_request(
     data = _retold(join(encode(entry)), lambda h: h["tensors"][0].__setitem__(field, value))
     with pytest.raises(ValueError):
         decode(data)
-    channel._publish("req-bad", EncodedEntry(data.numel(), [(0, memoryview(data.numpy()))]))
+    channel._publish("req-bad", EncodedEntry(data.numel(), [(0, memoryview(data.numpy()))]),
+                     channel._reserve(data.numel(), force=True))
     with pytest.raises(OmniPrefixCacheChannelError, match="request req-bad .* unreadable"):
         channel.get("req-bad", timeout_s=5)
 
@@ -415,4 +416,164 @@ def test_2000_entries_leave_memory_flat(channel: StageChannel, is_published: IsP
     assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 1800 entries of 68 KiB"
     assert not any(is_published(channel, f"req-{i}") for i in range(0, 2000, 97))
     if isinstance(channel, ShmChannel):
-        assert [p.name for p in channel.directory.iterdir()] == [".key"]
+        assert sorted(p.name for p in channel.directory.iterdir()) == [".budget", ".key", ".lock"]
+        assert channel.used_bytes() == 0
+
+
+# ---------------------------------------------------------------- duplicate ids, capacity
+
+def _marked(i: int, rows: int = 4) -> dict[str, torch.Tensor]:
+    return {HIDDEN_KEY: torch.full((rows, 8), float(i))}
+
+
+def _mark(outputs: dict[str, torch.Tensor]) -> int:
+    return int(outputs[HIDDEN_KEY][0, 0])
+
+
+def test_entries_under_one_id_are_taken_in_put_order_each_once(channel: StageChannel) -> None:
+    for i in range(3):
+        channel.put("req-dup", _marked(i))
+    assert _mark(channel.get("req-dup", timeout_s=5)) == 0
+    channel.put("req-dup", _marked(3))  # joins behind the two unconsumed ones
+    assert [_mark(channel.get("req-dup", timeout_s=5)) for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+        channel.get("req-dup", timeout_s=0.1)
+    channel.put("req-dup", _marked(4))  # a drained id starts over
+    assert _mark(channel.get("req-dup", timeout_s=5)) == 4
+
+
+def test_readers_racing_for_one_id_get_each_entry_exactly_once(channel: StageChannel) -> None:
+    count = 60
+    taken: list[list[int]] = [[], []]
+    with open_channel(channel.spec) as other:
+        def read(handle: StageChannel, into: list[int]) -> None:
+            while len(taken[0]) + len(taken[1]) < count:
+                try:
+                    into.append(_mark(handle.get("req-shared", timeout_s=0.2)))
+                except OmniPrefixCacheChannelTimeoutError:
+                    pass
+
+        readers = [threading.Thread(target=read, args=(h, t))
+                   for h, t in ((channel, taken[0]), (other, taken[1]))]
+        for r in readers:
+            r.start()
+        for i in range(count):
+            channel.put("req-shared", _marked(i))
+        for r in readers:
+            r.join(60)
+    assert sorted(taken[0] + taken[1]) == list(range(count))  # none lost, none twice
+    assert taken[0] == sorted(taken[0]) and taken[1] == sorted(taken[1])  # each in put order
+
+
+def test_mooncake_a_put_between_a_takes_read_and_remove_survives(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    with open_channel(mooncake_store.spec) as publisher, \
+            open_channel(publisher.spec) as reader:
+        publisher.put("req-race", _marked(1))
+        store = reader._store
+        real_get_into = store.get_into
+
+        class Interleaved:  # the reader's store, with a put landing right after its read
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def get_into(self, key: str, ptr: int, size: int) -> int:
+                read = real_get_into(key, ptr, size)
+                if "/" in key[len(reader.namespace) + 1:]:  # an entry, not a tail
+                    publisher.put("req-race", _marked(2))
+                return read
+
+        reader._store = Interleaved()
+        try:
+            assert _mark(reader.get("req-race", timeout_s=5)) == 1
+        finally:
+            reader._store = store
+        assert _mark(reader.get("req-race", timeout_s=5)) == 2
+
+
+def test_a_put_larger_than_the_capacity_fails_at_once(new_spec: str) -> None:
+    with open_channel(new_spec + "&capacity=4096&wait=30") as channel:
+        started = time.monotonic()
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request req-big: its entry of .* exceeds the whole capacity"):
+            channel.put("req-big", _marked(0, rows=1024))
+        assert time.monotonic() - started < 5
+
+
+def test_a_full_channel_waits_bounded_then_fails_that_entry_alone(new_spec: str) -> None:
+    with open_channel(new_spec + "&capacity=8192&wait=0.3") as channel:
+        channel.put("req-a", _marked(1, rows=100))  # 3.2 KiB of rows, each
+        channel.put("req-b", _marked(2, rows=100))
+        started = time.monotonic()
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request req-c: channel .* stayed full for 0.3 s"):
+            channel.put("req-c", _marked(3, rows=100))
+        assert 0.3 <= time.monotonic() - started < 5
+        channel.fail("req-c", "the channel stayed full")  # a failure marker goes in regardless
+        with pytest.raises(OmniPrefixCacheChannelError, match="req-c: .* stayed full"):
+            channel.get("req-c", timeout_s=5)
+        assert _mark(channel.get("req-a", timeout_s=5)) == 1  # the others are intact
+        channel.put("req-d", _marked(4, rows=100))  # room again once one was consumed
+        assert _mark(channel.get("req-b", timeout_s=5)) == 2
+        assert _mark(channel.get("req-d", timeout_s=5)) == 4
+
+
+def test_a_full_put_goes_in_once_the_consumer_makes_room(new_spec: str) -> None:
+    with open_channel(new_spec + "&capacity=8192&wait=30") as channel:
+        channel.put("req-a", _marked(1, rows=100))
+        channel.put("req-b", _marked(2, rows=100))
+        consumer = threading.Timer(0.3, lambda: channel.get("req-a", timeout_s=5))
+        consumer.start()
+        started = time.monotonic()
+        channel.put("req-c", _marked(3, rows=100))
+        assert time.monotonic() - started >= 0.25
+        consumer.join()
+        assert [_mark(channel.get(r, timeout_s=5)) for r in ("req-b", "req-c")] == [2, 3]
+
+
+def test_shm_capacity_defaults_to_a_share_of_free_space_and_belongs_to_the_namespace() -> None:
+    with open_channel("shm") as owner:
+        st = os.statvfs(owner.directory)
+        assert 0 < owner.capacity_bytes <= st.f_blocks * st.f_frsize
+        with open_channel(owner.spec) as joined:
+            assert joined.capacity_bytes == owner.capacity_bytes
+        with pytest.raises(ValueError, match="capacity is set when a namespace is created"):
+            open_channel(owner.spec + "&capacity=10")
+
+
+def test_shm_bytes_a_dead_publisher_left_counted_are_recounted() -> None:
+    with open_channel("shm://?capacity=8192&wait=0.2") as channel:
+        channel.put("req-a", _marked(1, rows=100))
+        with channel._locked():
+            channel._add_used(8192)  # as a publisher killed between its reserve and its put
+        channel.put("req-b", _marked(2, rows=100))  # the recount finds the room
+        assert _mark(channel.get("req-a", timeout_s=5)) == 1
+        assert _mark(channel.get("req-b", timeout_s=5)) == 2
+        assert channel.used_bytes() == 0
+
+
+@pytest.mark.slow
+def test_2000_entries_through_a_tiny_channel_to_a_slow_consumer(new_spec: str) -> None:
+    """A soak: the publisher outruns the consumer, so most puts wait for room; every entry
+    arrives once, in order, and the channel never holds more than its capacity."""
+    count, capacity = 2000, 16 << 10  # entries of 1.1 KiB: at most 14 unconsumed
+    ids = [f"req-{i % 50}" for i in range(count)]  # ids reused 40 times each
+    with open_channel(new_spec + f"&capacity={capacity}&wait=30") as channel, \
+            open_channel(channel.spec) as reader:
+        got: list[int] = []
+
+        def consume() -> None:
+            for i, rid in enumerate(ids):
+                got.append(_mark(reader.get(rid, timeout_s=60)))
+                if i % 100 == 0:
+                    time.sleep(0.05)  # slower than the publisher now and then
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        most = 0
+        for i, rid in enumerate(ids):
+            channel.put(rid, _marked(i, rows=32))
+            most = max(most, channel.used_bytes())
+        consumer.join(120)
+    assert got == list(range(count))
+    assert 0 < most <= capacity

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from prefix_cache.delivery import FinishedRequest, StageDelivery
@@ -61,3 +62,22 @@ def test_rows_past_the_delivered_ones_fail_that_request_naming_the_gap() -> None
     assert sink.put_ids == ["b"]
     assert re.search(r"request a: .*positions 4\.\.7 would be missing", sink.failures["a"])
     assert delivery.stats()["delivery_failed"] == 1
+
+
+def test_a_full_channel_fails_that_request_alone_and_its_consumer_is_told() -> None:
+    from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
+
+    with open_channel("shm://?capacity=4096&wait=0.1") as channel:
+        delivery = StageDelivery(channel)
+        delivery.add("a", 0, rows(0, 4))
+        delivery.add("big", 0, rows(0, 1000))  # 12 KiB of rows: more than the channel holds
+        delivery.add("c", 0, rows(0, 3))
+        for rid in ("a", "big", "c"):
+            delivery.finish(FinishedRequest(rid, f"ext-{rid}", prompt_len=3))
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match=r"request ext-big: .*exceeds the whole capacity"):
+            channel.get("ext-big", timeout_s=5)
+        assert torch.equal(channel.get("ext-a", timeout_s=5)["hidden"], rows(0, 4)["hidden"])
+        assert torch.equal(channel.get("ext-c", timeout_s=5)["hidden"], rows(0, 3)["hidden"])
+        assert delivery.stats()["delivery_failed"] == 1
+        assert delivery.stats()["delivery_published"] == 2

@@ -4,11 +4,14 @@
 passes to `open_channel` to reach the same namespace. Specs:
 
 - `None`, `"shm"` or `"shm://"`: a new shared-memory namespace on this machine, owned (and
-  removed on close) by the returned handle; `shm://NAMESPACE?dir=ROOT&ttl=S` joins one.
+  removed on close) by the returned handle (`shm://?capacity=BYTES` sizes it);
+  `shm://NAMESPACE?dir=ROOT&ttl=S&wait=S` joins one.
 - `mooncake://HOST:PORT?metadata=URL`: a new namespace in the Mooncake Store whose master listens
-  at HOST:PORT; `&namespace=NS` joins one. Options: `ttl`, `protocol`, `device`.
+  at HOST:PORT; `&namespace=NS` joins one. Options: `ttl`, `wait`, `capacity`, `protocol`,
+  `device`.
 
-`ttl` is each entry's time to live in seconds (default 600).
+`ttl` is each entry's time to live in seconds (default 600); `capacity` the bytes of unconsumed
+entries a namespace holds, `wait` how long a put waits for room before it fails (default 10 s).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from urllib.parse import urlsplit
 from prefix_cache.channel.base import DEFAULT_TTL_S, StageChannel
 from prefix_cache.channel.codec import StageEntry
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
+                                         OmniPrefixCacheChannelFullError,
                                          OmniPrefixCacheChannelTimeoutError)
 
 __all__ = [
-    "DEFAULT_TTL_S", "OmniPrefixCacheChannelError", "OmniPrefixCacheChannelTimeoutError",
+    "DEFAULT_TTL_S", "OmniPrefixCacheChannelError", "OmniPrefixCacheChannelFullError",
+    "OmniPrefixCacheChannelTimeoutError",
     "StageChannel", "StageEntry", "open_channel",
 ]
 

@@ -1,12 +1,18 @@
-"""The stage channel: one entry per request id, published whole, taken once, freed after a TTL.
+"""The stage channel: per request id a queue of entries, each published whole and taken once.
 
-A backend supplies four primitives: publish an encoded entry atomically, take (claim, free and
-return) the entry of a request if it is there, sweep entries older than the time to live, and
-release its resources. This class builds the bounded wait, expiry and lifecycle on them.
+A put never replaces an unconsumed entry: entries under one id are taken in put order, each
+exactly once (clients reuse request ids). A namespace holds at most `capacity_bytes` of
+unconsumed entries; a put that finds no room waits up to `full_wait_s`, then fails that entry
+alone. Entries expire `ttl_s` after their put, by the clock of the machine that published them.
+
+A backend supplies the primitives: reserve room and publish an encoded entry atomically behind
+the id's earlier ones, take (claim, free and return) the id's oldest entry, sweep expired
+entries, release its resources. This class builds the bounded waits and lifecycle on them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -16,21 +22,31 @@ import torch
 
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
-                                        OmniPrefixCacheChannelTimeoutError)
+                                         OmniPrefixCacheChannelFullError,
+                                         OmniPrefixCacheChannelTimeoutError)
 from prefix_cache.devices.base import check_timeout
 
 DEFAULT_TTL_S = 600.0
+#: How long a put waits for room in a full channel before it fails the entry.
+DEFAULT_FULL_WAIT_S = 10.0
 _FIRST_POLL_S = 0.001
 _MAX_POLL_S = 0.02
 
 
 class StageChannel(ABC):
-    """Entries live from their put until one get consumes them or `ttl_s` passes, never longer."""
+    """Entries live from their put until one get consumes them or `ttl_s` passes, never longer;
+    unconsumed entries never hold more than `capacity_bytes` (failure markers aside)."""
 
-    def __init__(self, *, ttl_s: float) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"channel ttl must be > 0 seconds, got {ttl_s}")
+    def __init__(self, *, ttl_s: float, capacity_bytes: int, full_wait_s: float) -> None:
+        if not ttl_s > 0 or not math.isfinite(ttl_s):
+            raise ValueError(f"channel ttl must be a finite number of seconds > 0, got {ttl_s}")
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
+                or capacity_bytes <= 0:
+            raise ValueError(f"channel capacity must be a positive number of bytes, "
+                             f"got {capacity_bytes!r}")
         self.ttl_s = ttl_s
+        self.capacity_bytes = capacity_bytes
+        self.full_wait_s = check_timeout(full_wait_s, "channel full wait")
         self._sweep_every_s = min(ttl_s, 60.0) / 4
         self._next_sweep = 0.0
         self._closed = False
@@ -42,8 +58,10 @@ class StageChannel(ABC):
 
     def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *,
             aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None:
-        """Publishes `outputs` (CPU tensors by key) for `request_id`, replacing an unconsumed
-        entry of the same id. `aborted` marks a request that ended early; `meta` is JSON."""
+        """Publishes `outputs` (CPU tensors by key) for `request_id`, behind any unconsumed
+        entries of the same id. `aborted` marks a request that ended early; `meta` is JSON.
+        Waits up to `full_wait_s` for room; then raises `OmniPrefixCacheChannelFullError`
+        and publishes nothing."""
         self._check_open()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
@@ -51,17 +69,46 @@ class StageChannel(ABC):
             raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
                             f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(outputs).__name__}")
         self._put_entry(StageEntry(request_id, dict(outputs), aborted, dict(meta or {}),
-                                   time.time()))
+                                   time.time()), bounded=True)
 
     def fail(self, request_id: str, cause: str) -> None:
         """Publishes, in place of `request_id`'s rows, that they could not be published and why:
-        its consumer's get raises a channel error naming the request and `cause`."""
+        its consumer's get raises a channel error naming the request and `cause`. A failure
+        marker is a few hundred bytes and is published even into a full channel."""
         self._check_open()
-        self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)))
+        self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)),
+                        bounded=False)
 
-    def _put_entry(self, entry: StageEntry) -> None:
-        self._publish(entry.request_id, encode(entry))
+    def _put_entry(self, entry: StageEntry, *, bounded: bool) -> None:
+        encoded = encode(entry)
         self._maybe_sweep()
+        reservation = (self._wait_for_room(entry.request_id, encoded.nbytes) if bounded
+                       else self._reserve(encoded.nbytes, force=True))
+        try:
+            self._publish(entry.request_id, encoded, reservation)
+        except BaseException:
+            self._unreserve(reservation)
+            raise
+
+    def _wait_for_room(self, request_id: str, nbytes: int) -> Any:
+        """A reservation of `nbytes` of the capacity, waiting up to `full_wait_s`; else raises."""
+        if nbytes > self.capacity_bytes:
+            raise OmniPrefixCacheChannelFullError(
+                f"request {request_id}: its entry of {nbytes} bytes exceeds the whole capacity "
+                f"({self.capacity_bytes} bytes) of channel {self.spec}")
+        deadline = time.monotonic() + self.full_wait_s
+        pause = _FIRST_POLL_S
+        while (reservation := self._reserve(nbytes, force=False)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OmniPrefixCacheChannelFullError(
+                    f"request {request_id}: channel {self.spec} stayed full for "
+                    f"{self.full_wait_s:g} s (capacity {self.capacity_bytes} bytes, entry "
+                    f"{nbytes} bytes); is its consumer reading?")
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _MAX_POLL_S)
+            self._maybe_sweep()
+        return reservation
 
     def get(self, request_id: str, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
         """The outputs published for `request_id`, waiting up to `timeout_s`; consumes the entry.
@@ -122,8 +169,6 @@ class StageChannel(ABC):
             raise OmniPrefixCacheChannelError(
                 f"entry taken for request {request_id} on channel {self.spec} belongs to "
                 f"request {entry.request_id}")
-        if time.time() - entry.published_at > self.ttl_s:
-            return None  # expired before it was consumed: freed by the take, as a sweep would
         return entry
 
     def _maybe_sweep(self) -> None:
@@ -137,12 +182,28 @@ class StageChannel(ABC):
             raise OmniPrefixCacheChannelError(f"channel {self.spec} is closed")
 
     @abstractmethod
-    def _publish(self, request_id: str, encoded: EncodedEntry) -> None:
-        """Stores the entry so that a reader sees all of it or none of it."""
+    def used_bytes(self) -> int:
+        """Bytes of the capacity in use: unconsumed entries and puts in flight (on Mooncake,
+        this handle's, as far as it has seen them consumed)."""
+
+    @abstractmethod
+    def _reserve(self, nbytes: int, *, force: bool) -> Any:
+        """Room for an entry of `nbytes`, counted against the capacity (always given if
+        `force`); None when it does not fit. `_publish` consumes it; `_unreserve` returns it."""
+
+    @abstractmethod
+    def _unreserve(self, reservation: Any) -> None:
+        """Returns the room of a reservation whose publish failed."""
+
+    @abstractmethod
+    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Any) -> None:
+        """Stores the entry in its reserved room behind the id's unconsumed entries, so that a
+        reader sees all of it or none of it; never replaces one."""
 
     @abstractmethod
     def _take(self, request_id: str) -> torch.Tensor | None:
-        """Claims and frees the request's entry; its bytes (flat uint8, the caller's) or None."""
+        """Claims and frees the id's oldest unexpired entry; its bytes (flat uint8, the
+        caller's) or None. Exactly one take, of all handles, claims each entry."""
 
     @abstractmethod
     def _sweep(self) -> None:

@@ -9,3 +9,7 @@ class OmniPrefixCacheChannelError(OmniPrefixCacheError):
 
 class OmniPrefixCacheChannelTimeoutError(OmniPrefixCacheChannelError):
     """No entry for the request arrived on the channel within the caller's timeout."""
+
+
+class OmniPrefixCacheChannelFullError(OmniPrefixCacheChannelError):
+    """The channel's byte capacity had no room for an entry within the put's bounded wait."""

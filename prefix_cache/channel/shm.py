@@ -3,14 +3,22 @@
 The namespace is a directory (mode 0700) with a random name, created by the channel opened
 without one (its owner). Entries are files (mode 0600) named by an HMAC of the request id under
 a random key kept in the directory, so neither a request id nor the namespace's name alone
-gives a file's name. A put writes a temporary file and renames it into place; a get renames the
-file to a private name (so exactly one reader claims it), maps it and unlinks it: the tensors it
-returns are views of a mapping no one else can reach. Any handle frees entries older than the
-time to live as it puts or gets; the owner's close removes the whole directory.
+gives a file's name. The entries of one id form a chain, `NAME` (the oldest), `NAME.1`,
+`NAME.2`...: a put appends, a get takes `NAME` and moves the rest up one.
+
+A put reserves its bytes and creates its file under the namespace lock (a `flock` on `.lock`,
+shared by every process on the machine), writes it without the lock, and renames it onto the
+chain's end under the lock. A get renames the head to a private name under the lock (so exactly
+one reader claims it), maps it and unlinks it: the tensors it returns are views of a mapping no
+one else can reach. `.budget` holds the namespace's capacity and the bytes its unconsumed
+entries and in-flight puts use. Any handle frees entries older than the time to live (by file
+modification time, this machine's clock) as it puts or gets; the owner's close removes the
+whole directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import mmap
@@ -19,23 +27,33 @@ import re
 import secrets
 import shutil
 import stat
+import struct
 import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode
 
 import torch
 
-from prefix_cache.channel.base import DEFAULT_TTL_S, StageChannel
+from prefix_cache.channel.base import DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel
 from prefix_cache.channel.codec import EncodedEntry
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
 NAMESPACE_PREFIX = "omni-prefix-cache-"
 _KEY_FILE = ".key"
+_LOCK_FILE = ".lock"
+_BUDGET_FILE = ".budget"
 _TEMP_PREFIX = ".tmp-"
 _CLAIM_PREFIX = ".claim-"
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([1-9][0-9]*))?")
+_BUDGET = struct.Struct("<QQ")  # capacity, bytes in use
+#: The share of the file system's free space a new namespace may fill unless told otherwise.
+DEFAULT_CAPACITY_SHARE = 0.5
 
 
 def default_root() -> Path:
@@ -44,9 +62,14 @@ def default_root() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
-def _remove_namespace(directory: Path, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
-        shutil.rmtree(directory, ignore_errors=True)
+def default_capacity(root: Path) -> int:
+    """`DEFAULT_CAPACITY_SHARE` of the free bytes of the file system under `root`."""
+    st = os.statvfs(root)
+    return max(1, int(st.f_bavail * st.f_frsize * DEFAULT_CAPACITY_SHARE))
+
+
+def _chain_name(head: str, index: int) -> str:
+    return head if index == 0 else f"{head}.{index}"
 
 
 def _create_private_file(path: Path) -> int:
@@ -63,37 +86,56 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 
 class ShmChannel(StageChannel):
     """Entries of one namespace directory; the directory exists from create until the owner
-    closes, and only this user can list or read it."""
+    closes, and only this user can list or read it. Chains and `.budget` change only under
+    the namespace lock."""
 
-    def __init__(self, directory: Path, *, ttl_s: float, owner: bool) -> None:
-        super().__init__(ttl_s=ttl_s)
+    def __init__(self, directory: Path, *, ttl_s: float, full_wait_s: float, owner: bool
+                 ) -> None:
         self.directory = directory
-        self._key = self._read_key()
-        self._finalizer = (weakref.finalize(self, _remove_namespace, directory, os.getpid())
-                           if owner else None)
+        key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
+        try:
+            self._key = os.read(key_fd, 64)
+        finally:
+            os.close(key_fd)
+        self._budget_fd = self._open_private(_BUDGET_FILE, os.O_RDWR)
+        self._lock_fd = self._open_private(_LOCK_FILE, os.O_RDWR)
+        self._thread_lock = threading.Lock()  # flock excludes processes, not this one's threads
+        capacity, _ = self._read_budget()
+        super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
+        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(), owner,
+                                           (self._budget_fd, self._lock_fd))
 
     @classmethod
-    def create(cls, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S) -> ShmChannel:
-        """A new namespace under `root` (default `default_root()`), owned by the returned handle."""
+    def create(cls, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
+               capacity_bytes: int | None = None,
+               full_wait_s: float = DEFAULT_FULL_WAIT_S) -> ShmChannel:
+        """A new namespace under `root` (default `default_root()`), owned by the returned handle,
+        holding at most `capacity_bytes` (default `default_capacity(root)`)."""
         root = root or default_root()
         directory = root / (NAMESPACE_PREFIX + secrets.token_hex(16))
         try:
+            capacity = default_capacity(root) if capacity_bytes is None else capacity_bytes
+            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+                raise ValueError(f"shm channel capacity must be a positive number of bytes, "
+                                 f"got {capacity!r}")
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # exact, whatever the umask
-            fd = _create_private_file(directory / _KEY_FILE)
-            try:
-                _write_all(fd, memoryview(secrets.token_bytes(32)), 0)
-            finally:
-                os.close(fd)
+            for name, data in ((_KEY_FILE, secrets.token_bytes(32)), (_LOCK_FILE, b""),
+                               (_BUDGET_FILE, _BUDGET.pack(capacity, 0))):
+                fd = _create_private_file(directory / name)
+                try:
+                    _write_all(fd, memoryview(data), 0)
+                finally:
+                    os.close(fd)
         except OSError as e:
             shutil.rmtree(directory, ignore_errors=True)
             raise OmniPrefixCacheChannelError(
                 f"shm channel: cannot create a namespace under {root}: {e}") from e
-        return cls(directory, ttl_s=ttl_s, owner=True)
+        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=True)
 
     @classmethod
-    def join(cls, name: str, root: Path | None = None, *,
-             ttl_s: float = DEFAULT_TTL_S) -> ShmChannel:
+    def join(cls, name: str, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
+             full_wait_s: float = DEFAULT_FULL_WAIT_S) -> ShmChannel:
         """The existing namespace `name` under `root`; refused unless private to this user."""
         if not _NAMESPACE_RE.fullmatch(name):
             raise ValueError(f"shm channel namespace {name!r} is not a plain directory name")
@@ -108,105 +150,222 @@ class ShmChannel(StageChannel):
             raise OmniPrefixCacheChannelError(
                 f"shm channel namespace {directory} is not a directory private to this user "
                 f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing it")
-        return cls(directory, ttl_s=ttl_s, owner=False)
+        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=False)
 
     @classmethod
     def from_spec(cls, namespace: str, query: str) -> ShmChannel:
-        """`shm://[NAMESPACE][?dir=ROOT&ttl=SECONDS]`: no namespace creates one."""
+        """`shm://[NAMESPACE][?dir=ROOT&ttl=SECONDS&wait=SECONDS&capacity=BYTES]`: no namespace
+        creates one (`capacity` is the new namespace's; a joiner uses the namespace's own)."""
         options = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
-        unknown = options.keys() - {"dir", "ttl"}
+        unknown = options.keys() - {"dir", "ttl", "wait", "capacity"}
         if unknown:
             raise ValueError(f"shm channel spec: unknown option(s) {sorted(unknown)}; "
-                             f"known: dir, ttl")
+                             f"known: dir, ttl, wait, capacity")
         root = Path(options["dir"]) if "dir" in options else None
         ttl_s = float(options.get("ttl", DEFAULT_TTL_S))
+        wait_s = float(options.get("wait", DEFAULT_FULL_WAIT_S))
         if namespace:
-            return cls.join(namespace, root, ttl_s=ttl_s)
-        return cls.create(root, ttl_s=ttl_s)
+            if "capacity" in options:
+                raise ValueError("shm channel spec: capacity is set when a namespace is created; "
+                                 "a handle joining one uses its capacity")
+            return cls.join(namespace, root, ttl_s=ttl_s, full_wait_s=wait_s)
+        capacity = int(options["capacity"]) if "capacity" in options else None
+        return cls.create(root, ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=wait_s)
 
     @property
     def spec(self) -> str:
-        query = urlencode({"dir": str(self.directory.parent), "ttl": f"{self.ttl_s:g}"},
-                          safe="/")
+        query = urlencode({"dir": str(self.directory.parent), "ttl": f"{self.ttl_s:g}",
+                           "wait": f"{self.full_wait_s:g}"}, safe="/")
         return f"shm://{self.directory.name}?{query}"
 
     def entry_path(self, request_id: str) -> Path:
-        """Where the entry of `request_id` lies while it is published and unconsumed."""
+        """Where the oldest unconsumed entry of `request_id` lies (later ones: `.1`, `.2`...)."""
         name = hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
         return self.directory / name
 
-    def _read_key(self) -> bytes:
-        path = self.directory / _KEY_FILE
+    def used_bytes(self) -> int:
+        """Bytes of the capacity held by unconsumed entries and puts in flight."""
+        with self._locked():
+            return self._read_budget()[1]
+
+    def _open_private(self, name: str, flags: int) -> int:
+        """A descriptor of the namespace's file `name`, refused unless private to this user."""
+        path = self.directory / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, flags | os.O_NOFOLLOW)
         except OSError as e:
             raise OmniPrefixCacheChannelError(
-                f"shm channel namespace {self.directory} has no readable key: {e}") from e
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise OmniPrefixCacheChannelError(
-                    f"shm channel key {path} is not private to this user "
-                    f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing it")
-            return os.read(fd, 64)
-        finally:
+                f"shm channel namespace {self.directory} has no usable {name}: {e}") from e
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             os.close(fd)
+            raise OmniPrefixCacheChannelError(
+                f"shm channel file {path} is not private to this user "
+                f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing it")
+        return fd
 
-    def _publish(self, request_id: str, encoded: EncodedEntry) -> None:
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _read_budget(self) -> tuple[int, int]:
+        return _BUDGET.unpack(os.pread(self._budget_fd, _BUDGET.size, 0))
+
+    def _add_used(self, delta: int) -> None:
+        """Adds `delta` to the bytes in use (caller holds the lock)."""
+        capacity, used = self._read_budget()
+        os.pwrite(self._budget_fd, _BUDGET.pack(capacity, max(0, used + delta)), 0)
+
+    def _recount_used(self) -> int:
+        """The bytes in use, counted from the files (caller holds the lock): corrects what a
+        process that died mid-operation left counted."""
+        used = 0
+        for f in os.scandir(self.directory):
+            if _ENTRY_RE.fullmatch(f.name) or f.name.startswith(_TEMP_PREFIX):
+                try:
+                    used += f.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    pass
+        capacity, _ = self._read_budget()
+        os.pwrite(self._budget_fd, _BUDGET.pack(capacity, used), 0)
+        return used
+
+    def _reserve(self, nbytes: int, *, force: bool) -> Path | None:
         temp = self.directory / (_TEMP_PREFIX + secrets.token_hex(8))
         try:
-            fd = _create_private_file(temp)
+            with self._locked():
+                capacity, used = self._read_budget()
+                if not force and used + nbytes > capacity \
+                        and self._recount_used() + nbytes > capacity:
+                    return None
+                fd = _create_private_file(temp)
+                try:
+                    os.ftruncate(fd, nbytes)
+                finally:
+                    os.close(fd)
+                self._add_used(nbytes)
+        except OSError as e:
+            temp.unlink(missing_ok=True)
+            raise self._gone_or(e, f"cannot reserve {nbytes} bytes for an entry") from e
+        return temp
+
+    def _unreserve(self, reservation: Path) -> None:
+        with self._locked():
             try:
-                os.ftruncate(fd, encoded.nbytes)
+                size = os.stat(reservation, follow_symlinks=False).st_size
+            except FileNotFoundError:
+                return  # swept as expired meanwhile, and uncounted then
+            reservation.unlink()
+            self._add_used(-size)
+
+    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Path) -> None:
+        try:
+            fd = os.open(reservation, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
                 for offset, piece in encoded.pieces:
                     _write_all(fd, piece, offset)
             finally:
                 os.close(fd)
-            os.rename(temp, self.entry_path(request_id))
+            head = self.entry_path(request_id).name
+            with self._locked():
+                index = 0
+                while os.path.lexists(self.directory / _chain_name(head, index)):
+                    index += 1
+                os.rename(reservation, self.directory / _chain_name(head, index))
         except OSError as e:
-            temp.unlink(missing_ok=True)
-            raise OmniPrefixCacheChannelError(
-                f"shm channel {self.spec}: cannot publish the entry for request {request_id} "
-                f"({encoded.nbytes} bytes): {e}") from e
+            raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
+                                   f"({encoded.nbytes} bytes)") from e
 
     def _take(self, request_id: str) -> torch.Tensor | None:
+        head = self.entry_path(request_id).name
         claim = self.directory / (_CLAIM_PREFIX + secrets.token_hex(8))
+        expired_before = time.time() - self.ttl_s
+        with self._locked():
+            while True:
+                try:
+                    os.rename(self.directory / head, claim)
+                except FileNotFoundError:
+                    if not self.directory.is_dir():
+                        raise OmniPrefixCacheChannelError(
+                            f"shm channel namespace {self.directory} is gone (its owner closed "
+                            f"it) while waiting for request {request_id}") from None
+                    return None
+                self._move_up(head)
+                fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW)
+                os.unlink(claim)
+                st = os.fstat(fd)
+                self._add_used(-st.st_size)
+                if st.st_mtime >= expired_before:
+                    break
+                os.close(fd)  # expired before it was consumed: freed, as a sweep would
         try:
-            os.rename(self.entry_path(request_id), claim)
-        except FileNotFoundError:
-            if not self.directory.is_dir():
-                raise OmniPrefixCacheChannelError(
-                    f"shm channel namespace {self.directory} is gone (its owner closed it) while "
-                    f"waiting for request {request_id}") from None
-            return None
-        try:
-            fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None  # swept as expired between the claim and the open
-        try:
-            os.unlink(claim)
-            size = os.fstat(fd).st_size
-            if size == 0:
+            if st.st_size == 0:
                 return torch.empty(0, dtype=torch.uint8)  # not an entry: decode says so
-            view = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+            view = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return torch.frombuffer(view, dtype=torch.uint8)  # the mapping lives as long as it
 
+    def _move_up(self, head: str, index: int = 1) -> None:
+        """Renames the chain's entries from `index` on one place up (caller holds the lock)."""
+        while True:
+            try:
+                os.rename(self.directory / _chain_name(head, index),
+                          self.directory / _chain_name(head, index - 1))
+            except FileNotFoundError:
+                return
+            index += 1
+
     def _sweep(self) -> None:
         expired_before = time.time() - self.ttl_s
+        chains: dict[str, list[int]] = {}  # heads of chains that lost entries: survivors
         try:
-            files = list(os.scandir(self.directory))
+            with self._locked():
+                files = list(os.scandir(self.directory))
+                for f in files:
+                    entry = _ENTRY_RE.fullmatch(f.name)
+                    try:
+                        st = f.stat(follow_symlinks=False)
+                        if not (entry or f.name.startswith((_TEMP_PREFIX, _CLAIM_PREFIX))) \
+                                or st.st_mtime >= expired_before:
+                            continue
+                        os.unlink(f.path)
+                    except FileNotFoundError:
+                        continue  # consumed meanwhile
+                    if not f.name.startswith(_CLAIM_PREFIX):  # a claim was uncounted at its take
+                        self._add_used(-st.st_size)
+                    if entry:
+                        chains.setdefault(entry[1], [])
+                for f in files:
+                    entry = _ENTRY_RE.fullmatch(f.name)
+                    if entry and entry[1] in chains and os.path.lexists(f.path):
+                        chains[entry[1]].append(int(entry[2] or 0))
+                for head, survivors in chains.items():
+                    for index, old in enumerate(sorted(survivors)):
+                        if old != index:
+                            os.rename(self.directory / _chain_name(head, old),
+                                      self.directory / _chain_name(head, index))
         except FileNotFoundError:
             return  # the owner closed the namespace
-        for f in files:
-            try:
-                if f.name != _KEY_FILE and f.stat(follow_symlinks=False).st_mtime < expired_before:
-                    os.unlink(f.path)
-            except FileNotFoundError:
-                pass  # consumed or swept meanwhile
+
+    def _gone_or(self, error: OSError, what: str) -> OmniPrefixCacheChannelError:
+        if not self.directory.is_dir():
+            return OmniPrefixCacheChannelError(
+                f"shm channel namespace {self.directory} is gone (its owner closed it): {what}")
+        return OmniPrefixCacheChannelError(f"shm channel {self.spec}: {what}: {error}")
 
     def _close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
+        self._finalizer()
+
+
+def _release(directory: Path, owner_pid: int, owner: bool, fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        os.close(fd)
+    if owner and os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
+        shutil.rmtree(directory, ignore_errors=True)
