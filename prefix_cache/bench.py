@@ -245,11 +245,12 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
 
 
 def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int
-                ) -> tuple[float, float, float]:
+                ) -> tuple[float, float, float, float]:
     """GB/s of a hit read (random blocks of the pool into a new tensor the caller owns, whose
-    memory the cache recycles once the caller drops it, as a pipeline does), of a host memcpy
-    of the same bytes out of the same pool into a new tensor (contiguous rows), and of that
-    memcpy into one tensor reused (what recycling can reach)."""
+    memory the cache recycles once the caller drops it, as a pipeline does), of that read
+    into fresh memory (no recycling, `output_cache_bytes=0`), of a host memcpy of the same
+    bytes out of the same pool into a new tensor (contiguous rows), and of that memcpy into
+    one tensor reused (what recycling can reach)."""
     from prefix_cache.block_pool import PrefixBlockPool
     num_blocks = 4 * hit_tokens // BLOCK + 2
     pool = PrefixBlockPool(num_blocks, BLOCK, devices.get_backend("cpu"))
@@ -259,10 +260,11 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int
     slots = _random_slots(num_blocks, hit_tokens, np.random.default_rng(1)).numpy()
     nbytes = hit_tokens * WIDTH * flat.element_size()
 
-    outputs = OutputBuffers(PrefixCacheConfig.output_cache_bytes)  # the default
+    recycled = OutputBuffers(PrefixCacheConfig.output_cache_bytes)  # the default
+    fresh = OutputBuffers(0)  # keeps nothing: every output is new memory
     reused = torch.empty((hit_tokens, WIDTH), dtype=dtype)
 
-    def read() -> None:
+    def read(outputs: OutputBuffers) -> None:
         RowRead("bench", HIDDEN_KEY, slots, np.ones(len(slots), bool), [], hit_tokens + 1,
                 WIDTH, dtype).resolve(pool, outputs, 10, lambda r: None)
 
@@ -270,10 +272,12 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int
         out = torch.empty((hit_tokens, WIDTH), dtype=dtype) if out is None else out
         out.copy_(flat[BLOCK: BLOCK + hit_tokens])
 
-    result = (nbytes / _timeit(read, repeat) / 1e9, nbytes / _timeit(memcpy, repeat) / 1e9,
+    result = (nbytes / _timeit(lambda: read(recycled), repeat) / 1e9,
+              nbytes / _timeit(lambda: read(fresh), repeat) / 1e9,
+              nbytes / _timeit(memcpy, repeat) / 1e9,
               nbytes / _timeit(lambda: memcpy(reused), repeat) / 1e9)
     pool.close()
-    outputs.clear()
+    recycled.clear()
     return result
 
 
@@ -582,10 +586,13 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     metrics["M5"] = Metric(figures["compute"]["M5"], f"cache off {off:.0f} steps/s",
                            "256-token steps of an MLP-stack forward, 0% hits"
                            + _other_stream(figures, "M5", "{:.3f}"))
-    hit_gbs, memcpy_gbs, reused_gbs = measure_hit(2048 if quick else 8192, dtype, repeat)
+    hit_gbs, fresh_gbs, memcpy_gbs, reused_gbs = measure_hit(2048 if quick else 8192, dtype,
+                                                             repeat)
     metrics["M3"] = Metric(hit_gbs / memcpy_gbs,
                            f"memcpy of the pool's rows into a new tensor {memcpy_gbs:.1f} GB/s",
-                           f"hit gather (random blocks, outputs recycled) {hit_gbs:.1f} GB/s; "
+                           f"hit gather (random blocks, outputs recycled) {hit_gbs:.1f} GB/s, "
+                           f"into fresh outputs {fresh_gbs:.1f} GB/s "
+                           f"({fresh_gbs / memcpy_gbs:.2f}); "
                            f"memcpy into one reused tensor {reused_gbs:.1f} GB/s")
     allocations, syncs, counted = engine_thread_stalls(backend, dtype, 200 if quick else 1000)
     metrics["M4"] = Metric(allocations + syncs,

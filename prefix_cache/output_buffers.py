@@ -35,6 +35,7 @@ class OutputBuffers:
     gets there from the finalizer of the array its tensor was made from, which
     runs when torch drops the last tensor over that memory, on whichever thread
     drops it.
+    Invariant: memory swapped out of a live output (`share_memory_`, `set_`) is never reused.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -42,6 +43,7 @@ class OutputBuffers:
         self._free: dict[int, list[np.ndarray]] = defaultdict(list)
         self._free_bytes = 0
         self.reused = 0  # outputs served from a recycled buffer
+        self.swapped_out = 0  # buffers freed, not kept: torch swapped them out of a live tensor
         self._lock = threading.RLock()  # a finalizer may run inside a locked call's GC
 
     @property
@@ -65,8 +67,10 @@ class OutputBuffers:
         if buffer is None:
             buffer = np.empty(size, dtype=np.uint8)
         handed = buffer[:nbytes]  # the array torch holds; its end returns `buffer` here
-        weakref.finalize(handed, self._give_back, buffer).atexit = False
         out = torch.from_numpy(handed).view(dtype).view(shape)
+        # either alive when `handed` ends: torch swapped the memory out under a live output
+        holders = (weakref.ref(out), weakref.ref(out.untyped_storage()))
+        weakref.finalize(handed, self._give_back, buffer, holders).atexit = False
         if zeroed:
             out.zero_()
         return out
@@ -78,8 +82,13 @@ class OutputBuffers:
             self._free_bytes = 0
             self.capacity_bytes = 0  # buffers given back from now on are dropped
 
-    def _give_back(self, buffer: np.ndarray) -> None:
+    def _give_back(self, buffer: np.ndarray,
+                   holders: tuple[weakref.ref[torch.Tensor], weakref.ref[torch.UntypedStorage]]
+                   ) -> None:
+        """Keeps `buffer` only if the tensor and the storage handed out over it are gone."""
         with self._lock:
-            if self._free_bytes + buffer.nbytes <= self.capacity_bytes:
+            if holders[0]() is not None or holders[1]() is not None:
+                self.swapped_out += 1
+            elif self._free_bytes + buffer.nbytes <= self.capacity_bytes:
                 self._free[buffer.nbytes].append(buffer)
                 self._free_bytes += buffer.nbytes

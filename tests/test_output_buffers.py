@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
+import torch.multiprocessing
 
 from prefix_cache.output_buffers import MIN_RECYCLED_BYTES, OutputBuffers, size_class
 from tests.sim import token_rows
@@ -77,6 +80,81 @@ def test_capacity_bounds_what_is_kept_and_small_outputs_are_not_recycled() -> No
     del_me = none_kept.empty((ROWS, WIDTH), torch.float32)
     del del_me
     assert none_kept.free_bytes == 0
+
+
+def _share(out: torch.Tensor) -> None:
+    out.share_memory_()
+
+
+def _share_a_view(out: torch.Tensor) -> None:
+    out[ROWS // 2:].share_memory_()
+
+
+def _queue_put(out: torch.Tensor) -> None:
+    queue = torch.multiprocessing.Queue()
+    queue.put(out)  # pickling it moves its storage into shared memory
+    assert torch.equal(queue.get(timeout=30), out) and out.is_shared()
+    queue.close()
+    queue.join_thread()
+
+
+def _overlaps(out: torch.Tensor, start: int, nbytes: int) -> bool:
+    return out.data_ptr() < start + nbytes and start < out.data_ptr() + out.nbytes
+
+
+@pytest.mark.parametrize("swap", [_share, _share_a_view, _queue_put])
+def test_memory_swapped_out_under_a_numpy_view_is_never_handed_out_again(
+        swap: Callable[[torch.Tensor], None]) -> None:
+    """torch frees an output's pages when it moves them into shared memory, while a numpy view
+    still points at them: they go back to the system, not to the next output."""
+    buffers = OutputBuffers(8 << 20)
+    spare = buffers.empty((ROWS, WIDTH), torch.float32)
+    spare_address = spare.data_ptr()
+    out = buffers.empty((ROWS, WIDTH), torch.float32)
+    stale = out.numpy()  # never read below: once swapped out, its memory may be unmapped
+    start, nbytes = stale.__array_interface__["data"][0], stale.nbytes
+    del spare  # dropped as a caller does: its memory serves the next output
+    swap(out)
+    assert out.data_ptr() != start and buffers.swapped_out == 1
+    del out
+    gc.collect()
+    again = buffers.empty((ROWS, WIDTH), torch.float32)
+    assert not _overlaps(again, start, nbytes)
+    assert again.data_ptr() == spare_address and buffers.reused == 1 and buffers.free_bytes == 0
+
+
+@pytest.mark.parametrize("export", [torch.Tensor.numpy, torch.from_dlpack],
+                         ids=["numpy", "dlpack"])
+def test_an_export_keeps_the_memory_a_set_swaps_out(
+        export: Callable[[torch.Tensor], np.ndarray | torch.Tensor]) -> None:
+    """After `set_` on the output, an export taken before still holds the old memory (torch
+    keeps the storage for it); only once the export goes is that memory reused."""
+    buffers = OutputBuffers(8 << 20)
+    out = buffers.empty((ROWS, WIDTH), torch.float32)
+    out.fill_(4)
+    alias = export(out)
+    address, nbytes = out.data_ptr(), out.nbytes
+    out.set_(torch.zeros(3))
+    del out
+    gc.collect()
+    assert buffers.free_bytes == 0 and buffers.swapped_out == 0  # neither kept nor freed
+    other = buffers.empty((ROWS, WIDTH), torch.float32)
+    other.fill_(0)
+    assert not _overlaps(other, address, nbytes) and (alias == 4).all()
+    del alias
+    assert buffers.empty((ROWS, WIDTH), torch.float32).data_ptr() == address
+    assert buffers.reused == 1 and buffers.swapped_out == 0
+
+
+def test_memory_under_dropped_exports_is_reused() -> None:
+    buffers = OutputBuffers(8 << 20)
+    out = buffers.empty((ROWS, WIDTH), torch.float32)
+    address = out.data_ptr()
+    exports = [out.numpy(), torch.from_dlpack(out), out[1:].numpy(), out.untyped_storage()]
+    del out, exports
+    gc.collect()
+    assert buffers.empty((ROWS, WIDTH), torch.float32).data_ptr() == address
+    assert buffers.reused == 1 and buffers.swapped_out == 0
 
 
 @pytest.mark.parametrize("nbytes", [MIN_RECYCLED_BYTES, MIN_RECYCLED_BYTES + 1, 3 << 20,
