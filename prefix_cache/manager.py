@@ -269,6 +269,7 @@ class OmniPrefixCacheManager:
         out["copy_on_write_reads"] = self._reads.copy_on_write_reads
         out["output_cache_bytes"] = self._reads.outputs.free_bytes
         out["outputs_reused"] = self._reads.outputs.reused
+        out["outputs_swapped_out"] = self._reads.outputs.swapped_out
         with self._lock:
             out["tasks_in_flight"] = len(self._tasks)
             out["steps_unconsumed"] = len(self._steps)
