@@ -396,13 +396,13 @@ class OmniPrefixCacheManager:
 
     def _check_hits(self, spans: Mapping[str, tuple[int, np.ndarray]], layout: StepLayout,
                     outputs: StepOutputs) -> None:
-        """A hit on hidden rows nobody wrote, or on any rows a failed write lost (and this
-        step does not write again), is fatal; checked before any claim."""
-        keys = outputs.feature_shapes()
+        """A hit on hidden rows nobody wrote, or on rows of any key a failed write lost (and
+        this step does not write again; a key the step omits included), is fatal; checked
+        before any claim."""
         for req_id, (h, hit_slots) in spans.items():
             rewritten = np.isin(hit_slots, layout.slots)
             with self._lock:
-                for key in keys:
+                for key in self.pool.keys:
                     lost = self.pool.lost(key, hit_slots) & ~rewritten
                     if lost.any():
                         raise OmniPrefixCacheUnmatchError(
