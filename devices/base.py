@@ -19,6 +19,12 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 
+#: Set to 1: every zero-copy scatter checks its slots against the pool on the host before it
+#: launches (a device slot mapping is copied to the host for it: a synchronization, so for
+#: debugging only); the cache core compares the runner's mapping with the view's slots too.
+CHECK_SLOTS_ENV = "OMNI_PREFIX_CACHE_CHECK_SLOTS"
+
+
 class DeviceEvent(Protocol):
     """The part of a torch device event the core relies on."""
 
@@ -65,12 +71,16 @@ class Transfer:
 
     Done once `event` has completed (None: complete at creation) and `finish`
     (the host half of a staged move) has run. `keepalive` holds device tensors
-    the copy still reads until the event completes.
+    the copy still reads until the event completes. `verify`, where the device
+    side can find the move wrong (a slot outside the pool: those rows were not
+    written), runs once the event has completed, before `finish`, when the write
+    lands; it raises to fail the write. It must not wait on the device.
     """
 
     event: DeviceEvent | None = None
     finish: Callable[[], None] | None = None
     keepalive: tuple[Any, ...] = field(default_factory=tuple)
+    verify: Callable[[], None] | None = None
 
     @property
     def complete_at_launch(self) -> bool:

@@ -1,7 +1,8 @@
 """The committer: lands launched writes in launch order, by sweeps rather than a wake-up per write.
 
-Landing a task means: its device copies completed, its host half (the scatter out of
-staging on staged backends) ran, it is WRITTEN (FAILED on error) and `on_landed`
+Landing a task means: its device copies completed, their checks passed (`Transfer.verify`:
+a zero-copy scatter that refused slots outside the pool fails its task), its host half (the
+scatter out of staging on staged backends) ran, it is WRITTEN (FAILED on error) and `on_landed`
 ran. A write with no host half (a zero-copy scatter) is landed by whichever thread
 next sweeps: the engine thread at each save (the copies of the steps before have
 long completed by then, so it only queries their events), or a thread waiting on
@@ -104,6 +105,9 @@ class Committer:
                 raise error
             if task.launch_error is not None:  # its issued copies are done: now it may fail
                 raise task.launch_error
+            for transfer in task.transfers:  # what the copies found wrong (slots out of range)
+                if transfer.verify is not None:
+                    transfer.verify()
             task.transition(TaskState.HOST_READY)
             for transfer in task.transfers:
                 if transfer.finish is not None:

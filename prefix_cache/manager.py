@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from prefix_cache import _core, devices
-from prefix_cache.devices.base import DeviceBackend, Transfer
+from prefix_cache.devices.base import CHECK_SLOTS_ENV, DeviceBackend, Transfer
 from prefix_cache.adapter import StartedRequest, translate_step
 from prefix_cache.block_pool import PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
@@ -127,6 +127,9 @@ class OmniPrefixCacheManager:
         self._reads = ReadPlanner(self.pool, self._tasks, self._lock, timeout,
                                   config.output_cache_bytes)
         self._committer = Committer(timeout, self._on_landed, self.backend.bind_thread)
+        #: OMNI_PREFIX_CACHE_CHECK_SLOTS=1: compare the runner's slot mapping with the view's
+        #: slots every step (a copy to the host: a synchronization, for debugging only)
+        self._check_slots = os.environ.get(CHECK_SLOTS_ENV, "0") not in ("", "0")
 
     # ------------------------------------------------------------------ public API
 
@@ -226,6 +229,8 @@ class OmniPrefixCacheManager:
                 raise
             self._install_keys(new_keys)
             step_id = next(self._step_ids)
+            if device_slots is not None and self._check_slots:
+                self._check_slot_mapping(step_id, device_slots[:n], layout.slots)
             slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
                                       lambda: len(self._tasks))
             try:
@@ -436,6 +441,18 @@ class OmniPrefixCacheManager:
         if self._in_stream and self.backend.device_slots and slot_mapping.device.type != "cpu":
             return slot_mapping  # the write reads its first n entries
         return None
+
+    @staticmethod
+    def _check_slot_mapping(step_id: int, mapping: torch.Tensor, slots: np.ndarray) -> None:
+        """Refuse a runner slot mapping that differs from the view's slots (syncs: debug only)."""
+        mapped = mapping.cpu().numpy().astype(np.int64)
+        differ = np.flatnonzero(mapped != slots)
+        if differ.size:
+            i = int(differ[0])
+            raise OmniPrefixCacheInputError(
+                f"save_outputs (step {step_id}): slot_mapping differs from the view's slots in "
+                f"{differ.size} of {len(slots)} rows (first: row {i}, slot_mapping "
+                f"{int(mapped[i])}, view {int(slots[i])})")
 
     @property
     def _in_stream(self) -> bool:

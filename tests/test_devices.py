@@ -17,11 +17,16 @@ import torch
 
 from prefix_cache import devices
 import prefix_cache.devices.npu
-from prefix_cache.devices.base import DeviceBackend
+from prefix_cache.controller import Committer
+from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer
 from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.devices.cuda import CudaBackend
+from prefix_cache.devices.base import CHECK_SLOTS_ENV
+from prefix_cache.devices.cuda.slot_pages import SlotRangeError
 from prefix_cache.devices.kernel_blocks import MultipleOf, accepts
 from prefix_cache.devices.npu import NpuBackend
+from prefix_cache.errors import OmniPrefixCacheError
+from prefix_cache.tasks import TaskState, WriteTask
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = ("npu", "cuda", "cpu")  # the auto-detection order
@@ -303,3 +308,108 @@ def test_cuda_events_and_in_stream_writes_follow_the_callers_current_stream() ->
                     transfer.finish()
             assert torch.equal(pool.tensor[slots], rows.cpu())
             assert torch.equal(pool.tensor[slots + 32], rows.cpu())
+
+
+# ---------------------------------------------------------------- slots outside the pool (issue 21)
+
+def _guarded_pool(backend: CudaBackend, num_slots: int, width: int,
+                  guard: int) -> tuple[HostBuffer, HostBuffer]:
+    """A mapped pool of `num_slots` rows inside one registered buffer with `guard` rows of -7
+    before and after it: a write outside the pool would land in a guard, not in memory the
+    process does not own."""
+    outer = backend.alloc_host((num_slots + 2 * guard, width), torch.float32)
+    assert outer.device_view is not None, "host registration fell back to plain pinning"
+    outer.tensor.fill_(-7.0)
+    pool = HostBuffer(outer.tensor[guard:guard + num_slots], pinned=True)
+    pool.device_view = outer.device_view[guard:guard + num_slots]
+    return outer, pool
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slots_on", ["host", "device-int32"])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "index-copy"])
+def test_cuda_scatter_refuses_slots_outside_the_pool_and_its_landing_names_the_step(
+        slots_on: str, use_kernel: bool) -> None:
+    """Slots -1, num_slots and num_slots + 5: no byte outside the pool changes, the other rows
+    land, the write's landing fails naming its step and the problem, and the scatters after
+    it (their pages' flag cells zeroed again) land clean."""
+    num_slots, width, guard = 32, 64, 4
+    slots = [3, -1, 9, num_slots + 5, 31, 12, num_slots, 20]
+    bad = [1, 3, 6]
+    good = [i for i in range(len(slots)) if i not in bad]
+    with closing(devices.get_backend("cuda")) as backend:
+        assert backend.zero_copy
+        if use_kernel and not backend.use_kernel:
+            pytest.skip("triton is not installed")
+        backend.use_kernel = use_kernel
+        outer, pool = _guarded_pool(backend, num_slots, width, guard)
+        committer = Committer(10.0, lambda task: None, backend.bind_thread)
+        try:
+            rows = torch.arange(len(slots) * width, dtype=torch.float32,
+                                device=backend.device).view(len(slots), width) + 1
+
+            def scatter(rows: torch.Tensor, slots: list[int]) -> Transfer:
+                if slots_on == "host":
+                    return backend.scatter_rows(rows, torch.tensor(slots), pool,
+                                                ready=backend.record_event(), staging=None)
+                mapping = torch.tensor(slots + [-1, -1, 5], dtype=torch.int32)  # longer than n
+                return backend.scatter_rows(rows, mapping.to(backend.device), pool, ready=None,
+                                            staging=None, in_stream=True)
+
+            transfer = scatter(rows, slots)
+            transfer.event.synchronize()
+            host_rows = rows.cpu()
+            assert (outer.tensor[:guard] == -7).all() and (outer.tensor[-guard:] == -7).all()
+            assert torch.equal(pool.tensor[[slots[i] for i in good]], host_rows[good])
+            # the fallback sends refused rows to slot 0 (vLLM's null block), the kernel nowhere
+            untouched = [s for s in range(1 if not use_kernel else 0, num_slots)
+                         if s not in slots]
+            assert (pool.tensor[untouched] == -7).all()
+
+            task = WriteTask(1, "step 12", transfers=[transfer])
+            task.transition(TaskState.QUEUED)
+            committer.submit(task)
+            with pytest.raises(OmniPrefixCacheError,
+                               match=r"write task 1 \(step 12, state FAILED\) failed: cuda "
+                                     r"scatter: 3 of 8 rows had a slot out of range, outside "
+                                     r"\[0, 32\)"):
+                task.wait(10.0)
+            assert isinstance(task.error, SlotRangeError)
+
+            for turn in range(20):  # more launches than the backend has slot pages
+                clean = scatter(rows[:4] + turn, [2, 4, 6, 8])
+                clean.event.synchronize()
+                clean.verify()
+            assert torch.equal(pool.tensor[[2, 4, 6, 8]], host_rows[:4] + 19)
+            assert (outer.tensor[:guard] == -7).all() and (outer.tensor[-guard:] == -7).all()
+        finally:
+            committer.close(10.0)
+            torch.cuda.synchronize()
+            outer.close()
+
+
+@pytest.mark.cuda
+def test_cuda_slot_check_mode_refuses_a_scatter_before_it_launches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CHECK_SLOTS_ENV, "1")
+    with closing(CudaBackend()) as backend:
+        assert backend.zero_copy and backend.check_slots
+        outer, pool = _guarded_pool(backend, 16, 8, 2)
+        try:
+            rows = torch.ones(3, 8, device=backend.device)
+            mapping = torch.tensor([1, 16, 2, 99], dtype=torch.int32, device=backend.device)
+            with pytest.raises(SlotRangeError, match=r"1 of 3 rows had a slot out of range, "
+                                                     r"outside \[0, 16\) \(first: row 1, "
+                                                     r"slot 16\)"):
+                backend.scatter_rows(rows, mapping, pool, ready=None, staging=None,
+                                     in_stream=True)
+            torch.cuda.synchronize()
+            assert (outer.tensor == -7).all()  # nothing launched
+            written = backend.scatter_rows(rows[:2], mapping[[0, 2]], pool, ready=None,
+                                           staging=None, in_stream=True)
+            written.event.synchronize()
+            written.verify()
+            assert (pool.tensor[[1, 2]] == 1).all()
+        finally:
+            torch.cuda.synchronize()
+            outer.close()

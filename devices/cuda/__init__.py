@@ -4,21 +4,28 @@ A step's rows cross PCIe once, from the device clone straight into their pool
 slots, on the copy stream after the forward. If mapping host memory is not
 available (no unified addressing, a driver refusal, no Triton and no mapped
 view), a start-up self-test falls back to the staged path shared with NPU.
+
+No slot is trusted: a row whose slot lies outside its pool is not written (host
+memory outside the mapped pool is not the cache's), and the write's landing fails
+its task with a `SlotRangeError` (`Transfer.verify`), read from the launch's
+mapped flag cells without a device synchronization.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from prefix_cache.devices.accelerator import AcceleratorBackend
-from prefix_cache.devices.base import DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.base import CHECK_SLOTS_ENV, DeviceEvent, HostBuffer, Transfer
 from prefix_cache.devices.cuda import scatter
 from prefix_cache.devices.cuda.host_memory import register_host
-from prefix_cache.devices.cuda.slot_pages import SlotPages
+from prefix_cache.devices.cuda.slot_pages import (SlotLease, SlotPages, count_out_of_range,
+                                                  out_of_range_error)
 from prefix_cache.devices.kernel_blocks import CUDA_KERNEL_BLOCK_SIZES, check_kernel_block
 
 logger = logging.getLogger(__name__)
@@ -40,6 +47,8 @@ class CudaBackend(AcceleratorBackend):
     def __init__(self, device_index: int | None = None, *, zero_copy: bool = True) -> None:
         super().__init__(device_index)
         self.use_kernel = scatter.triton_available()
+        #: check each scatter's slots on the host before it launches (debugging: syncs)
+        self.check_slots = os.environ.get(CHECK_SLOTS_ENV, "0") not in ("", "0")
         self._slot_pages: SlotPages | None = None
         self.zero_copy = zero_copy and self._self_test()
         if not self.zero_copy and self._slot_pages is not None:
@@ -57,11 +66,13 @@ class CudaBackend(AcceleratorBackend):
                 try:
                     pool.tensor.zero_()
                     rows = torch.arange(16, device=self.device).to(dtype).view(4, 4)
-                    for part, slots in ((rows[:2], [5, 2]), (rows[2:], [1, 6])):
-                        transfer = self._scatter_mapped(
-                            part, torch.tensor(slots), pool, ready=self.record_event(),
-                            in_stream=False)
-                    transfer.event.synchronize()
+                    transfers = [
+                        self._scatter_mapped(part, torch.tensor(slots), pool,
+                                             ready=self.record_event(), in_stream=False)
+                        for part, slots in ((rows[:2], [5, 2]), (rows[2:], [1, 6]))]
+                    transfers[-1].event.synchronize()  # the copy stream's last: both are done
+                    for transfer in transfers:
+                        transfer.verify()  # the flag cells read back as zero
                     if not torch.equal(pool.tensor[[5, 2, 1, 6]], rows.cpu()):
                         raise RuntimeError("rows read back differ from rows written")
                 finally:
@@ -93,25 +104,59 @@ class CudaBackend(AcceleratorBackend):
                         ready: DeviceEvent | None, in_stream: bool) -> Transfer:
         if rows.dtype != pool.tensor.dtype:
             raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
-        if self._slot_pages is None:
+        pages = self._slot_pages
+        if pages is None:
             raise RuntimeError("cuda backend: scatter_rows after close()")
-        if slots.device.type == "cpu":
-            page, device_slots = self._slot_pages.take(slots)
-        elif in_stream:  # the runner's slot mapping, read in stream order
-            page, device_slots = None, slots
-        else:
+        n, num_slots = rows.shape[0], pool.device_view.shape[0]
+        host_slots = slots.device.type == "cpu"
+        if not (host_slots or in_stream):
             raise ValueError("cuda backend: device slots are read in stream order only")
-        with self._issue_scope(ready, in_stream):
-            if self.use_kernel:
-                if pool.device_words is None:  # once per pool
-                    pool.device_words = scatter.as_words(pool.device_view)
-                scatter.scatter_rows(rows, device_slots, pool.device_view, pool.device_words)
-            else:
-                pool.device_view.index_copy_(0, device_slots[: rows.shape[0]].long(), rows)
-            done = self._record_done(in_stream)
-        if page is not None:
-            self._slot_pages.release_after(page, done)
-        return Transfer(event=done, keepalive=(rows,))
+        if self.check_slots:
+            self._check_slots(slots, n, num_slots)
+        # CPU slots travel in the page; a device slot mapping is read in stream order, and the
+        # page is then held for its flag cells alone
+        lease = pages.take(slots if host_slots else None)
+        device_slots = lease.slots if host_slots else slots
+        try:
+            with self._issue_scope(ready, in_stream):
+                if self.use_kernel:
+                    if pool.device_words is None:  # once per pool
+                        pool.device_words = scatter.as_words(pool.device_view)
+                    scatter.scatter_rows(rows, device_slots, pool.device_view, pool.device_words,
+                                         lease.flags)
+                else:
+                    scatter.index_copy_rows(rows, device_slots, pool.device_view, lease.flags)
+                done = self._record_done(in_stream)
+        except BaseException:
+            pages.abandon(lease)  # the launch may still read it: never reused
+            raise
+        pages.release_after(lease, done)
+        return Transfer(event=done, keepalive=(rows,),
+                        verify=self._verifier(lease, n, num_slots, slots if host_slots else None))
+
+    def _verifier(self, lease: SlotLease, n: int, num_slots: int,
+                  host_slots: torch.Tensor | None) -> Callable[[], None]:
+        """The landing's check of a launch: raise if it refused rows (read from its flag cells,
+        in host memory: no device synchronization)."""
+        pages = self._slot_pages
+
+        def verify() -> None:
+            refused = pages.refused(lease)
+            if refused:
+                raise out_of_range_error(
+                    "cuda scatter", refused, n, num_slots,
+                    None if host_slots is None else host_slots.numpy())
+
+        return verify
+
+    @staticmethod
+    def _check_slots(slots: torch.Tensor, n: int, num_slots: int) -> None:
+        """Debug mode: refuse the scatter before it launches if a slot is outside the pool."""
+        host = slots[:n].cpu().numpy()  # a device mapping: a synchronization (debugging only)
+        refused = count_out_of_range(host, num_slots)
+        if refused:
+            raise out_of_range_error(f"cuda scatter ({CHECK_SLOTS_ENV}=1)", refused, n,
+                                     num_slots, host)
 
     def close(self) -> None:
         if self._slot_pages is None:

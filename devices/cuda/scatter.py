@@ -7,6 +7,13 @@ flight, `benchmarks/scatter_sweep.py`): one row per program
 iteration reaches 0.53-0.57 of a contiguous pinned D2H; four rows per
 iteration with 8 warps 0.70 (2048 rows) and 0.77 (8192 rows), at a GEMM-loop
 cost of ~1.04x; more programs or rows did not pay.
+
+The kernel trusts no slot: a row whose slot lies outside `[0, num_slots)` is not
+written (a write there would land outside the mapped pool, in host memory the
+cache does not own). Each program counts the rows it refused into its own cell
+of the launch's flag cells (mapped host memory, `FLAG_CELLS` int64 cells that
+the host zeroed), with a plain store: no atomics on host memory over PCIe. Once
+the launch's event completed, the host sums the cells without a device sync.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ SCATTER_CTAS = 16
 SCATTER_WARPS = 8
 SCATTER_ROWS = 4  # rows each program moves per iteration (more stores in flight per program)
 _BLOCK = 512  # elements of the row's widest integer view moved per inner iteration
+#: int64 cells a launch's flag has: one per program, each program's count of refused rows
+FLAG_CELLS = SCATTER_CTAS
+#: Where the fallback (no Triton) sends a refused row: vLLM's null block, which nothing reads
+NULL_SLOT = 0
 
 
 @functools.cache
@@ -30,24 +41,29 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n_rows", "row_elems"])
-    def scatter_rows_kernel(src_ptr, dst_ptr, slot_ptr, n_rows, row_elems,
+    @triton.jit(do_not_specialize=["n_rows", "row_elems", "num_slots"])
+    def scatter_rows_kernel(src_ptr, dst_ptr, slot_ptr, flag_ptr, n_rows, row_elems, num_slots,
                             BLOCK: tl.constexpr, ROWS: tl.constexpr):
         # each program moves ROWS rows per iteration, so that many stores are in flight
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
         lanes = tl.arange(0, ROWS)
+        refused = tl.zeros([ROWS], dtype=tl.int32)  # rows whose slot is outside the pool
         for first in range(pid * ROWS, n_rows, nprog * ROWS):
             rows = first + lanes
             live = rows < n_rows
             slots = tl.load(slot_ptr + rows, mask=live, other=0)
+            ok = live & (slots >= 0) & (slots < num_slots)  # a write outside the pool: none
+            refused += (live & ((slots < 0) | (slots >= num_slots))).to(tl.int32)
             src_rows = src_ptr + rows.to(tl.int64)[:, None] * row_elems
             dst_rows = dst_ptr + slots.to(tl.int64)[:, None] * row_elems  # int32 mappings too
             for start in range(0, row_elems, BLOCK):
                 offs = (start + cols)[None, :]
-                mask = live[:, None] & (offs < row_elems)
+                mask = ok[:, None] & (offs < row_elems)
                 tl.store(dst_rows + offs, tl.load(src_rows + offs, mask=mask), mask=mask)
+        # one plain store per program into its own cell (the host zeroed them all)
+        tl.store(flag_ptr + pid, tl.sum(refused, axis=0).to(tl.int64))
 
     return scatter_rows_kernel
 
@@ -75,9 +91,10 @@ class _Launcher:
 
     `kernel[grid](...)` re-binds its arguments and re-computes Triton's cache key
     on every call (about 15 µs of a 20 µs launch on an H200 host). A compiled
-    kernel depends on the argument dtypes and on each pointer's 16-byte
-    alignment, so those form the key here; the launch itself passes what
-    Triton's own passes (launch metadata and hooks, so profilers still see it).
+    kernel depends on the argument dtypes, on each pointer's 16-byte alignment
+    and on whether the pool's row count needs 64 bits, so those form the key
+    here; the launch itself passes what Triton's own passes (launch metadata and
+    hooks, so profilers still see it).
     A Triton without that launcher keeps the plain path.
     """
 
@@ -90,14 +107,17 @@ class _Launcher:
         except ImportError:  # a Triton before knobs: the plain path
             pass
 
-    def __call__(self, src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, n: int,
-                 grid: int) -> None:
-        args = (src, dst, slots, n, src.shape[1], _BLOCK, SCATTER_ROWS)
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor,
+                 flags: torch.Tensor, n: int, grid: int) -> None:
+        num_slots = dst.shape[0]
+        args = (src, dst, slots, flags, n, src.shape[1], num_slots, _BLOCK, SCATTER_ROWS)
+        # Triton passes an int argument as i32 or i64 by its value: only num_slots can be large
         key = (src.dtype, dst.dtype, slots.dtype, src.data_ptr() % 16 == 0,
-               dst.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0)
+               dst.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0, flags.data_ptr() % 16 == 0,
+               num_slots >= 2**31)
         compiled = self._compiled.get(key) if self._knobs is not None else None
         if compiled is None:
-            compiled = _kernel()[(grid,)](*args[:5], BLOCK=_BLOCK, ROWS=SCATTER_ROWS,
+            compiled = _kernel()[(grid,)](*args[:7], BLOCK=_BLOCK, ROWS=SCATTER_ROWS,
                                           num_warps=SCATTER_WARPS)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
                                                    "launch_metadata")):
@@ -111,16 +131,18 @@ class _Launcher:
         except TypeError as exc:  # another Triton's launcher signature: the plain path only
             logger.warning("direct Triton launch unavailable (%s); using kernel[grid]", exc)
             self._knobs = None
-            self(src, dst, slots, n, grid)
+            self(src, dst, slots, flags, n, grid)
 
 
 _launch = _Launcher()
 
 
 def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
-                 pool_words: torch.Tensor) -> None:
-    """`pool_view[device_slots[i]] = rows[i]` on the current stream with SCATTER_CTAS programs;
-    `pool_words` is `as_words(pool_view)`, which the caller keeps per pool."""
+                 pool_words: torch.Tensor, flags: torch.Tensor) -> None:
+    """`pool_view[device_slots[i]] = rows[i]` on the current stream with SCATTER_CTAS programs,
+    for each slot in `[0, len(pool_view))`; `pool_words` is `as_words(pool_view)`, which the
+    caller keeps per pool. Program p stores its count of refused rows into `flags[p]` (int64,
+    `FLAG_CELLS` of them, zeroed by the caller; cells of programs not launched stay 0)."""
     n = rows.shape[0]
     if n == 0:
         return
@@ -129,4 +151,24 @@ def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torc
     dst = pool_words
     if src.dtype != dst.dtype:  # pool and rows aligned differently: move bytes
         src, dst = rows.view(torch.uint8), pool_view.view(torch.uint8)
-    _launch(src, dst, device_slots, n, min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
+    _launch(src, dst, device_slots, flags, n, min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
+
+
+def index_copy_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
+                    flags: torch.Tensor) -> None:
+    """`scatter_rows` without Triton: torch's full-grid `index_copy_` on the mapped view.
+
+    `index_copy_` asserts on an index outside the pool, and a device-side assert poisons the
+    process's CUDA context; so a row whose slot is outside the pool goes to `NULL_SLOT` (vLLM's
+    null block takes any number of discarded rows) and is counted into `flags[0]`. Stream
+    ordered, no synchronization (dropping the rows instead would need their count on the host).
+    """
+    n = rows.shape[0]
+    if n == 0:
+        return
+    num_slots = pool_view.shape[0]
+    index = device_slots[:n].long()
+    refused = (index < 0) | (index >= num_slots)
+    flags[:1].copy_(refused.sum().view(1))
+    if num_slots > NULL_SLOT:  # a pool without a null slot gets no row at all
+        pool_view.index_copy_(0, index.masked_fill(refused, NULL_SLOT), rows)
