@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* A borrowed 1-D or 2-D C-contiguous array of 4- or 8-byte signed integers. */
 typedef struct {
@@ -688,11 +689,182 @@ done:
     return result;
 }
 
+/* A borrowed 2-D C-contiguous array of bytes: rows of `width` bytes. */
+typedef struct {
+    Py_buffer buf;
+    Py_ssize_t rows, width;
+    int held;
+} ByteRows;
+
+static int
+borrow_rows(PyObject *obj, const char *name, int writable, ByteRows *out)
+{
+    out->held = 0;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &out->buf, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "copy_rows: %s: expected a C-contiguous%s 2-D uint8 "
+                     "array, got %.80s", name, writable ? " writable" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    out->held = 1;
+    const char *fmt = out->buf.format ? out->buf.format : "B";
+    while (*fmt == '@' || *fmt == '=' || *fmt == '<' || *fmt == '>' || *fmt == '!') {
+        fmt++;
+    }
+    if (out->buf.itemsize != 1 || out->buf.ndim != 2 || (*fmt != 'B' && *fmt != 'b') ||
+            fmt[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "copy_rows: %s: expected a 2-D uint8 array, got format "
+                     "'%s', %zd-byte items, %d dims", name, out->buf.format,
+                     out->buf.itemsize, out->buf.ndim);
+        return -1;
+    }
+    out->rows = out->buf.shape[0];
+    out->width = out->buf.shape[1];
+    return 0;
+}
+
+/* Copies at least this many bytes run with the GIL released; a smaller one is over before
+ * another thread could use the GIL, and taking it back could wait a switch interval. */
+#define COPY_ROWS_NOGIL_BYTES (64 << 10)
+
+/* Runs at least this long are written with non-temporal stores where the processor has them
+ * (SSE2, every x86-64): a pool's rows are not read again soon, and stores that bypass the
+ * cache skip reading each destination line first (a third of a large copy's memory traffic)
+ * and leave the forward's weights in the cache. Shorter runs take memcpy. */
+#define COPY_ROWS_STREAM_BYTES (64 << 10)
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_STREAM_STORES 1
+
+/* memcpy(dst, src, len) through 16-byte streaming stores; the unaligned head and tail of dst
+ * through memcpy. The caller fences (_mm_sfence) before any later store. */
+static void
+stream_copy(char *dst, const char *src, size_t len)
+{
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > len) {
+        head = len;
+    }
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    len -= head;
+    size_t i = 0;
+    for (; i + 64 <= len; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    for (; i + 16 <= len; i += 16) {
+        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+    }
+    memcpy(dst + i, src + i, len - i);
+}
+#else
+#define HAVE_STREAM_STORES 0
+#endif
+
+PyDoc_STRVAR(copy_rows_doc,
+"copy_rows(src, slots, dst) -> None\n\n"
+"dst[slots[i]] = src[i] for each row i of src, a C-contiguous uint8 [n, W] array, into dst, a\n"
+"writable C-contiguous uint8 [num_slots, W] array (a pool's rows as bytes); slots is a\n"
+"C-contiguous int64 array of n slots. Each run of consecutive slots is one copy (non-temporal\n"
+"stores for a run of 64 KiB or more on x86-64, else memcpy), in row order, with the GIL\n"
+"released (copies of 64 KiB or more): a slot given twice (vLLM's null block 0 takes\n"
+"discarded rows) holds the last of its rows. Raises before copying anything, leaving dst\n"
+"unchanged: IndexError naming the first slot outside 0..num_slots-1 and its index;\n"
+"ValueError if the lengths or row widths differ or src and dst share memory.");
+
+static PyObject *
+copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec slot_spec = {1, "copy_rows: slots", 0, 1, 0, 1, 0};
+    if (nargs != 3) {
+        return PyErr_Format(PyExc_TypeError, "copy_rows takes 3 arguments, got %zd", nargs);
+    }
+    ByteRows src, dst;
+    IntArray slots;
+    slots.held = dst.held = 0;
+    PyObject *result = NULL;
+    if (borrow_rows(args[0], "src", 0, &src) < 0 || borrow_rows(args[2], "dst", 1, &dst) < 0 ||
+            borrow(args[1], &slot_spec, &slots) < 0) {
+        goto done;
+    }
+    Py_ssize_t n = src.rows, width = src.width, num_slots = dst.rows;
+    if (slots.len != n || dst.width != width) {
+        PyErr_Format(PyExc_ValueError, "copy_rows: %zd slots for %zd rows of %zd bytes, into "
+                     "rows of %zd bytes", slots.len, n, width, dst.width);
+        goto done;
+    }
+    const int64_t *s = int64s(&slots);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || s[i] >= num_slots) {
+            PyErr_Format(PyExc_IndexError, "copy_rows: slot %lld (index %zd) is outside "
+                         "0..%zd", (long long)s[i], i, num_slots - 1);
+            goto done;
+        }
+    }
+    /* the byte ranges: src.len == n * width and dst.len == num_slots * width, both allocated,
+     * so every offset below (a slot < num_slots or a row < n, times width) fits in them */
+    uintptr_t src_lo = (uintptr_t)src.buf.buf, dst_lo = (uintptr_t)dst.buf.buf;
+    if (src.buf.len > 0 && dst.buf.len > 0 && src_lo < dst_lo + (uintptr_t)dst.buf.len &&
+            dst_lo < src_lo + (uintptr_t)src.buf.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst share memory; copy the rows "
+                        "first");
+        goto done;
+    }
+    const char *from = (const char *)src.buf.buf;
+    char *to = (char *)dst.buf.buf;
+    size_t row = (size_t)width;
+    int nogil = src.buf.len >= COPY_ROWS_NOGIL_BYTES;
+    PyThreadState *state = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n && row > 0;) {
+        Py_ssize_t first = i;
+        /* s[i] < num_slots <= PY_SSIZE_T_MAX, so s[i] + 1 cannot overflow */
+        while (++i < n && s[i] == s[i - 1] + 1) {
+        }
+        char *run_to = to + (size_t)s[first] * row;
+        const char *run_from = from + (size_t)first * row;
+        size_t len = (size_t)(i - first) * row;
+#if HAVE_STREAM_STORES
+        if (len >= COPY_ROWS_STREAM_BYTES) {
+            stream_copy(run_to, run_from, len);
+            /* streaming stores are ordered with no other store: fence them before any later
+             * one (a row given the same slot again, the caller's flags after the call) */
+            _mm_sfence();
+            continue;
+        }
+#endif
+        memcpy(run_to, run_from, len);
+    }
+    if (nogil) {
+        PyEval_RestoreThread(state);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (src.held) {
+        PyBuffer_Release(&src.buf);
+    }
+    if (dst.held) {
+        PyBuffer_Release(&dst.buf);
+    }
+    release(&slots, 1);
+    return result;
+}
+
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
     METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
+    METHOD(copy_rows),
     {NULL, NULL, 0, NULL},
 };
 
