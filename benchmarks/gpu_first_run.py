@@ -11,10 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from prefix_cache import demo
+from prefix_cache.tools import demo
 from prefix_cache.channel import open_channel
-from prefix_cache.engines import multiprocessing_mode, start_thinker, write_random_qwen2
-from prefix_cache.pipeline import run_pipeline, warm_up
+from prefix_cache.tools.engines import multiprocessing_mode, start_thinker, write_random_qwen2
+from prefix_cache.tools.pipeline import run_pipeline, warm_up
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from prefix_cache.bench import engine_thread_us
+from prefix_cache.tools.bench import engine_thread_us
 from prefix_cache.devices.base import Transfer
 from prefix_cache.devices.cpu import CpuBackend
 

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from prefix_cache import devices
-from prefix_cache.bench import engine_thread_us
+from prefix_cache.tools.bench import engine_thread_us
 
 
 def main(device: str) -> None:

@@ -9,8 +9,8 @@ import torch
 
 from prefix_cache import devices
 from prefix_cache.devices.cuda import scatter
-from prefix_cache import bench
-from prefix_cache.demo import format_table
+from prefix_cache.tools import bench
+from prefix_cache.tools.demo import format_table
 
 #: (programs, warps, rows per program iteration)
 SHAPES = [(16, 4, 1), (16, 8, 4), (16, 8, 8), (32, 8, 4), (32, 8, 2), (8, 8, 8)]

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prefix_cache.engines import Engine, EngineShape, write_random_qwen2
+from prefix_cache.tools.engines import Engine, EngineShape, write_random_qwen2
 
 
 def main() -> int:

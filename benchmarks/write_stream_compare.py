@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from prefix_cache import devices
-from prefix_cache.bench import engine_figures, gemm_interference
+from prefix_cache.tools.bench import engine_figures, gemm_interference
 from prefix_cache.config import WRITE_STREAMS
 
 

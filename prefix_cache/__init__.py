@@ -4,21 +4,21 @@ Nothing here imports vLLM at module scope: vLLM objects are read by attribute.
 """
 
 try:
-    from prefix_cache import _core  # noqa: F401
+    from prefix_cache.core import _core  # noqa: F401
 except ImportError as exc:  # a checkout used without installing it
     raise ImportError(
-        "prefix_cache._core, the C loops of the cache's step bookkeeping, is not built: run "
+        "prefix_cache.core._core, the C loops of the cache's step bookkeeping, is not built: run "
         "`pip install --no-deps -e .` (or `python setup.py build_ext --inplace`) in the "
         "checkout; it needs a C compiler and Python.h") from exc
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError)
-from prefix_cache.gate import stage_prefix_cache_config
-from prefix_cache.group_view import FullAttentionGroupView
-from prefix_cache.block_pool import PrefixBlockPool
+from prefix_cache.integration.gate import stage_prefix_cache_config
+from prefix_cache.integration.group_view import FullAttentionGroupView
+from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.manager import OmniPrefixCacheManager, StageCacheOutputs
-from prefix_cache.tasks import TaskState, WriteTask
+from prefix_cache.core.tasks import TaskState, WriteTask
 
 __all__ = [
     "HIDDEN_KEY", "FullAttentionGroupView", "ModelCachePolicy", "OmniPrefixCacheError",

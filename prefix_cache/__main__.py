@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from prefix_cache.targets import METRICS
+from prefix_cache.tools.targets import METRICS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from prefix_cache import demo
+        from prefix_cache.tools import demo
         return demo.main(device=args.device)
-    from prefix_cache import bench
+    from prefix_cache.tools import bench
     problem = bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
     if problem:
         parser.exit(2, f"{parser.prog} bench: error: {problem}\n")

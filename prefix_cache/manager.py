@@ -31,22 +31,23 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from prefix_cache import _core, devices
+from prefix_cache import devices
+from prefix_cache.core import _core
 from prefix_cache.devices.base import CHECK_SLOTS_ENV, DeviceBackend, Transfer
-from prefix_cache.adapter import StartedRequest, translate_step
-from prefix_cache.block_pool import PrefixBlockPool
+from prefix_cache.integration.adapter import StartedRequest, translate_step
+from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
-from prefix_cache.controller import Committer
-from prefix_cache.deferred import DeferredWriter
+from prefix_cache.core.committer import Committer
+from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheUnmatchError)
-from prefix_cache.host_copies import HostCopy
-from prefix_cache.layout import GroupView, StepLayout
-from prefix_cache.outputs import StepOutputs, map_tensors, split_outputs
-from prefix_cache.reads import ReadPlanner, RowRead
-from prefix_cache.staging import StagingPool
-from prefix_cache.stats import CacheStats
-from prefix_cache.tasks import TaskState, TaskTable, WriteTask
+from prefix_cache.core.host_copies import HostCopy
+from prefix_cache.core.layout import GroupView, StepLayout
+from prefix_cache.core.outputs import StepOutputs, map_tensors, split_outputs
+from prefix_cache.core.reads import ReadPlanner, RowRead
+from prefix_cache.core.staging import StagingPool
+from prefix_cache.core.stats import CacheStats
+from prefix_cache.core.tasks import TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Each run is a process of its own (`python -m tests.gpu_engine_run CASE on|off MP MODEL OUT`): it
 starts one stage-1 engine on the GPU with prefix caching on or off, drives a case's workload
-through `prefix_cache.pipeline.run_pipeline` (which takes each request's entry off the stage
+through `prefix_cache.tools.pipeline.run_pipeline` (which takes each request's entry off the stage
 channel as soon as vLLM returns its final output), and saves the entries, cached-token counts
 and the cache's stats to OUT for the test to compare.
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from prefix_cache.engines import EngineShape, multiprocessing_mode, start_thinker
-from prefix_cache.pipeline import StageRequest, run_pipeline
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
+from prefix_cache.tools.engines import EngineShape, multiprocessing_mode, start_thinker
+from prefix_cache.tools.pipeline import StageRequest, run_pipeline
+from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
 
 MAIN_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                          long_prefill_token_threshold=32, num_blocks=97, dtype="bfloat16")
@@ -89,7 +89,7 @@ class _Unwrap:
 def _mm_worker() -> type:
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from prefix_cache.engines import default_worker
+    from prefix_cache.tools.engines import default_worker
     worker = resolve_obj_by_qualname(default_worker())  # this platform's cache worker
     v1_runner = next(iter(worker.runner_hooks))  # the V1 runner class it builds
     runner = type("MMRunner", (_Unwrap, PrefixCacheRunnerMixin, _EmitsMM, v1_runner), {})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefix_cache.targets import METRICS
+from prefix_cache.tools.targets import METRICS
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import prefix_cache.block_pool as block_pool
+import prefix_cache.core.block_pool as block_pool
 from prefix_cache.devices.cpu import CpuBackend
-from prefix_cache.block_pool import PrefixBlockPool
-from prefix_cache.runs import slot_runs
+from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.runs import slot_runs
 
 BS = 4
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from prefix_cache import bench, devices
+from prefix_cache import devices
+from prefix_cache.tools import bench
 from prefix_cache.__main__ import main
-from prefix_cache.targets import METRICS, Target
+from prefix_cache.tools.targets import METRICS, Target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +132,7 @@ def test_report_fits_100_columns_and_says_pass_miss_gpu_only_or_not_run() -> Non
 
 
 def test_each_demo_run_logs_to_a_file_of_its_own() -> None:
-    from prefix_cache import demo
+    from prefix_cache.tools import demo
     first, second = demo.new_log_path(), demo.new_log_path()
     try:
         assert first != second and first.exists() and second.exists()
@@ -151,7 +152,7 @@ def test_demo_for_a_device_vllm_does_not_run_on_is_one_line_exit_2() -> None:
 
 
 def test_pipeline_bench_help_says_what_it_measures_and_how_long_it_takes(capsys) -> None:
-    from prefix_cache import pipeline_bench
+    from prefix_cache.tools import pipeline_bench
     with pytest.raises(SystemExit) as done:
         pipeline_bench.main(["--help"])
     assert done.value.code == 0

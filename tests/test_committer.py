@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 import threading
 
-from prefix_cache.controller import Committer
+from prefix_cache.core.committer import Committer
 from prefix_cache.devices.base import Transfer
-from prefix_cache.tasks import TaskState, WriteTask
+from prefix_cache.core.tasks import TaskState, WriteTask
 from tests.faults import GatedEvent
 
 

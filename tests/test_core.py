@@ -1,4 +1,4 @@
-"""prefix_cache._core against the numpy it replaces, and its refusals of what would touch memory
+"""prefix_cache.core._core against the numpy it replaces, and its refusals of what would touch memory
 out of bounds (raised before anything is written)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import _core
-from prefix_cache.runs import runs_slots, slot_runs
+from prefix_cache.core import _core
+from prefix_cache.core.runs import runs_slots, slot_runs
 
 
 def _numpy_slots(req_ids, scheduled, index_of, computed, table, unit):

@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import _core
+from prefix_cache.core import _core
 from prefix_cache.devices.base import HostBuffer
 from prefix_cache.devices.cpu import CpuBackend, copy_rows
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 
 
 def rows(start: int, end: int) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 
 from prefix_cache import devices
 import prefix_cache.devices.npu
-from prefix_cache.controller import Committer
+from prefix_cache.core.committer import Committer
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer
 from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.devices.cuda import CudaBackend
@@ -26,7 +26,7 @@ from prefix_cache.devices.cuda.slot_pages import SlotRangeError
 from prefix_cache.devices.kernel_blocks import MultipleOf, accepts
 from prefix_cache.devices.npu import NpuBackend
 from prefix_cache.errors import OmniPrefixCacheError
-from prefix_cache.tasks import TaskState, WriteTask
+from prefix_cache.core.tasks import TaskState, WriteTask
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = ("npu", "cuda", "cpu")  # the auto-detection order

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from prefix_cache import demo
+from prefix_cache.tools import demo
 from prefix_cache.channel import open_channel
 from tests.vllm_fixtures import talker_model_dir, thinker_model_dir  # noqa: F401
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def talker(talker_model_dir: Path) -> Iterator[Any]:
     """Stage 2, shared by every run; in a process of its own, since in-process thinkers tear
     down this process's torch.distributed state when they close."""
-    from prefix_cache.engines import multiprocessing_mode, start_talker
+    from prefix_cache.tools.engines import multiprocessing_mode, start_talker
     with multiprocessing_mode(True):
         engine = start_talker(talker_model_dir)
     yield engine
@@ -35,8 +35,8 @@ def talker(talker_model_dir: Path) -> Iterator[Any]:
 
 def run_once(thinker_model_dir: Path, talker: Any, spec: str, *, prefix_caching: bool,
              multiprocessing: bool) -> tuple[Any, dict[str, int | float]]:
-    from prefix_cache.engines import multiprocessing_mode, start_thinker
-    from prefix_cache.pipeline import run_pipeline
+    from prefix_cache.tools.engines import multiprocessing_mode, start_thinker
+    from prefix_cache.tools.pipeline import run_pipeline
     with multiprocessing_mode(multiprocessing), open_channel(spec) as channel:
         thinker = start_thinker(thinker_model_dir, channel, prefix_caching=prefix_caching)
         try:

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from prefix_cache import ModelCachePolicy, controller
-from prefix_cache.bench import engine_thread_stalls
+from prefix_cache import ModelCachePolicy
+from prefix_cache.core import committer as controller
+from prefix_cache.tools.bench import engine_thread_stalls
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.devices.cpu import CpuBackend
 from tests.faults import GatedEvent

@@ -34,7 +34,7 @@ RUN_TIMEOUT_S = 420
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from prefix_cache.engines import write_random_qwen2
+    from prefix_cache.tools.engines import write_random_qwen2
     return write_random_qwen2(tmp_path_factory.mktemp("gpu_qwen2") / "model", seed=0)
 
 
@@ -130,6 +130,6 @@ def test_cuda_graphs_for_decode_keep_the_rows(model_dir: Path, tmp_path: Path) -
 def test_model_runner_v2_entries_match(model_dir: Path, tmp_path: Path, case: str) -> None:
     on, off = run_on_and_off(case, False, model_dir, tmp_path)
     # the cache's mixin sits over vLLM's V2 runner, not V1's
-    assert on["runner"] == off["runner"] == "prefix_cache.runner_v2"
+    assert on["runner"] == off["runner"] == "prefix_cache.integration.runner_v2"
     assert hits(on) >= (4 if case == "v2-main" else 1)
     assert_entries_match(on, off)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from prefix_cache.latch import Latch
+from prefix_cache.core.latch import Latch
 
 
 def test_wait_times_out_while_closed_and_every_waiter_passes_once_set() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefix_cache import OmniPrefixCacheUnmatchError
-from prefix_cache.layout import StepLayout
-from prefix_cache.runs import slot_runs
+from prefix_cache.core.layout import StepLayout
+from prefix_cache.core.runs import slot_runs
 from tests.sim import StepDriver
 
 BS = 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing
 
-from prefix_cache.output_buffers import MIN_RECYCLED_BYTES, OutputBuffers, size_class
+from prefix_cache.core.output_buffers import MIN_RECYCLED_BYTES, OutputBuffers, size_class
 from tests.sim import token_rows
 from tests.test_manager import make, run_step
 

@@ -19,9 +19,9 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channel  # noqa: E402
-from prefix_cache.engines import multiprocessing_mode, start_thinker  # noqa: E402
-from prefix_cache.pipeline import StageRequest, run_pipeline  # noqa: E402
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
+from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
+from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
 from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
 

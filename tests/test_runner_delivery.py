@@ -16,11 +16,11 @@ import torch
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, PrefixCacheConfig)
 from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
-from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.devices import get_backend
 from prefix_cache.devices.base import poll_until
-from prefix_cache.output_thread import OutputThread
-from prefix_cache.stage_outputs import StageOutputDriver, StepBatch
+from prefix_cache.integration.output_thread import OutputThread
+from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
 
 HIDDEN = 8
 

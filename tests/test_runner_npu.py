@@ -32,12 +32,12 @@ import vllm.v1.worker.cpu_worker as cpu_worker  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-import prefix_cache.workers  # noqa: E402
+import prefix_cache.integration.workers  # noqa: E402
 from prefix_cache import OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import open_channel  # noqa: E402
-from prefix_cache.engines import EngineShape, multiprocessing_mode, start_thinker  # noqa: E402
-from prefix_cache.pipeline import StageRequest, run_pipeline  # noqa: E402
-from prefix_cache.workers.base import adopt_runner  # noqa: E402
+from prefix_cache.tools.engines import EngineShape, multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
+from prefix_cache.integration.workers.base import adopt_runner  # noqa: E402
 from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
@@ -85,19 +85,19 @@ def fake_vllm_ascend() -> dict[str, types.ModuleType]:
 
 @pytest.fixture
 def ascend_runners(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """`prefix_cache.workers.npu`, imported afresh over the stand-in vllm_ascend."""
+    """`prefix_cache.integration.workers.npu`, imported afresh over the stand-in vllm_ascend."""
     for name, module in fake_vllm_ascend().items():
         monkeypatch.setitem(sys.modules, name, module)
     forget_ascend_runners()
-    yield importlib.import_module("prefix_cache.workers.npu")
+    yield importlib.import_module("prefix_cache.integration.workers.npu")
     forget_ascend_runners()  # built over the stand-in: no later test may see it
 
 
 def forget_ascend_runners() -> None:
-    """Make the next use import `prefix_cache.workers.npu` again."""
-    sys.modules.pop("prefix_cache.workers.npu", None)
-    if hasattr(prefix_cache.workers, "npu"):
-        delattr(prefix_cache.workers, "npu")
+    """Make the next use import `prefix_cache.integration.workers.npu` again."""
+    sys.modules.pop("prefix_cache.integration.workers.npu", None)
+    if hasattr(prefix_cache.integration.workers, "npu"):
+        delattr(prefix_cache.integration.workers, "npu")
 
 
 def block_prefix_requests(seed: int = 0) -> list[StageRequest]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prefix_cache import OmniPrefixCacheUnmatchError
-from prefix_cache.runner_v2 import BlockIdMirror, StepBatchGroupView
+from prefix_cache.integration.runner_v2 import BlockIdMirror, StepBatchGroupView
 
 BLOCK = 16
 

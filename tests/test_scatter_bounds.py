@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from prefix_cache.controller import Committer
+from prefix_cache.core.committer import Committer
 from prefix_cache.devices.base import HostBuffer, Transfer
 from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.devices.cuda import CudaBackend, scatter
 from prefix_cache.devices.cuda.slot_pages import (SlotPages, SlotRangeError, count_out_of_range,
                                                   out_of_range_error)
 from prefix_cache.errors import OmniPrefixCacheError
-from prefix_cache.tasks import TaskState, WriteTask
+from prefix_cache.core.tasks import TaskState, WriteTask
 from tests.faults import GatedEvent
 from tests.sim import token_rows
 from tests.test_manager import make, run_step

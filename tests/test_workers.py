@@ -23,11 +23,11 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import open_channel  # noqa: E402
-from prefix_cache.engines import multiprocessing_mode, start_thinker  # noqa: E402
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
+from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
-from prefix_cache.workers.base import adopt_runner  # noqa: E402
-from prefix_cache.workers.finishes import FinishReporting, report_finishes  # noqa: E402
+from prefix_cache.integration.workers.base import adopt_runner  # noqa: E402
+from prefix_cache.integration.workers.finishes import FinishReporting, report_finishes  # noqa: E402
 from tests.vllm_fixtures import (  # noqa: E402
     FAKE_TOKEN_ID,
     engine_runner,
@@ -94,7 +94,7 @@ def gpu_worker_modules() -> list[str]:
 
     import prefix_cache
     ours = [m.name for m in pkgutil.walk_packages(prefix_cache.__path__, "prefix_cache.")
-            if m.name not in ("prefix_cache.workers.cpu", "prefix_cache.workers.npu",
+            if m.name not in ("prefix_cache.integration.workers.cpu", "prefix_cache.integration.workers.npu",
                               "prefix_cache.__main__")]
     return ["prefix_cache.vllm_runners:PrefixCacheGPUWorker", *ours,
             "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"]
@@ -179,7 +179,7 @@ def test_a_worker_whose_runner_cannot_carry_the_cache_refuses_at_start_naming_th
 
 def test_a_worker_with_no_channel_configured_refuses_at_start_saying_how_to_configure_one(
         thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefix_cache.engines import Engine, EngineShape, default_worker
+    from prefix_cache.tools.engines import Engine, EngineShape, default_worker
     monkeypatch.delenv("PREFIX_CACHE_CHANNEL", raising=False)
     with multiprocessing_mode(False), pytest.raises(Exception) as refused:
         Engine(thinker_model_dir, EngineShape(), enable_prefix_caching=True,

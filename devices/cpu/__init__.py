@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from prefix_cache import _core
+from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import vllm.v1.worker.cpu_worker as cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
-from prefix_cache.workers.base import PrefixCacheWorkerMixin, cache_runner_class
+from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
+from prefix_cache.integration.workers.base import PrefixCacheWorkerMixin, cache_runner_class
 
 PrefixCacheCPUModelRunner = cache_runner_class(CPUModelRunner, PrefixCacheRunnerMixin)
 

@@ -11,9 +11,9 @@ import vllm.v1.worker.gpu_worker as gpu_worker
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
-from prefix_cache.runner_v2 import PrefixCacheV2RunnerMixin
-from prefix_cache.workers.base import PrefixCacheWorkerMixin, cache_runner_class
+from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
+from prefix_cache.integration.runner_v2 import PrefixCacheV2RunnerMixin
+from prefix_cache.integration.workers.base import PrefixCacheWorkerMixin, cache_runner_class
 
 PrefixCacheGPUModelRunner = cache_runner_class(GPUModelRunner, PrefixCacheRunnerMixin)
 

@@ -15,7 +15,7 @@ step's per-token rows and the output thread waits for them. Either way the
 output thread hands each request's rows to `StageDelivery`, and the requests a
 step retires are published there after their last rows: a request's finish is
 queued at the step that reports it, after the materialize of the step before, or
-earlier, by `finish_now`, when the scheduler reports it (`prefix_cache.workers.finishes`).
+earlier, by `finish_now`, when the scheduler reports it (`prefix_cache.integration.workers.finishes`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
-from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.output_thread import OutputThread
-from prefix_cache.outputs import split_outputs
+from prefix_cache.integration.output_thread import OutputThread
+from prefix_cache.core.outputs import split_outputs
 
 logger = logging.getLogger(__name__)
 

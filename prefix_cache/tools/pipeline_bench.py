@@ -1,7 +1,7 @@
 """Pipeline figures on vLLM's real engine: M8 (what stage 1's prefix caching saves, and the
 two-stage end to end) and the engine step time with the cache against vLLM's plain worker.
 
-    python -m prefix_cache.pipeline_bench [--runs N] [--json PATH]
+    python -m prefix_cache.tools.pipeline_bench [--runs N] [--json PATH]
 
 Each figure is the median of `runs` runs made back to back, on and off interleaved, with the
 smallest and largest beside it. Engines are started once and warmed up; between runs their
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
+from prefix_cache.tools.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
                                   start_thinker, write_random_qwen2)
-from prefix_cache.pipeline import StageRequest, run_pipeline, warm_up
+from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
 
 #: A prefill-dominated stage 1 (about 100 M parameters) and a light stage 2 of its width
 #: (2 layers), per vLLM platform: on a GPU, hidden 2048 in bf16 (about 400 M parameters).
@@ -204,7 +204,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m prefix_cache.pipeline_bench",
+        prog="python -m prefix_cache.tools.pipeline_bench",
         description="Measures, on vLLM's real engine of this machine (CPU or GPU): M8, stage 1's "
                     "time with its prefix caching on / off on a prefill-dominated model at a "
                     "0.66 hit fraction, against the target 1.15 x (1 - hit fraction); the "

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.group_view import request_slot_runs
-from prefix_cache.runner_mixin import StageRunnerBase
-from prefix_cache.runs import runs_slots
-from prefix_cache.stage_outputs import StepBatch
+from prefix_cache.integration.group_view import request_slot_runs
+from prefix_cache.integration.runner_mixin import StageRunnerBase
+from prefix_cache.core.runs import runs_slots
+from prefix_cache.integration.stage_outputs import StepBatch
 
 
 class BlockIdMirror:

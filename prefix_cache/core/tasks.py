@@ -13,7 +13,7 @@ import torch
 
 from prefix_cache.devices.base import Transfer
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
-from prefix_cache.latch import Latch
+from prefix_cache.core.latch import Latch
 
 
 class TaskState(enum.Enum):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache import _core
+from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend, HostBuffer
 
 #: Gathers at least this large are split across GATHER_THREADS (torch copies release the GIL):
@@ -29,7 +29,7 @@ GATHER_THREADS = min(4, (os.cpu_count() or 1) // 4)
 
 class Tiers:
     """An int64 per slot in two tiers: an entry per block, written by fills that cover the
-    whole block (`prefix_cache._core.fill_tiers`), and one per slot, written by the others.
+    whole block (`prefix_cache.core._core.fill_tiers`), and one per slot, written by the others.
 
     Which entry a slot reads is its owner's rule. Claims and versions are claims, which
     only grow, so of the two the entry written later is the one of larger magnitude; a
@@ -110,7 +110,7 @@ class PrefixBlockPool:
     # ------------------------------------------------------------------ tenancy
 
     def claim(self, runs: np.ndarray) -> int:
-        """A new tenant takes the slots of `runs` (prefix_cache.runs): every older row there
+        """A new tenant takes the slots of `runs` (prefix_cache.core.runs): every older row there
         stops counting. Returns its claim."""
         claim = next(self._claims)
         _core.fill_tiers(runs, self.block_size, self._newest_slot_claim, self._claim.slots,

@@ -10,7 +10,7 @@ import torch
 
 from prefix_cache.devices.base import DeviceBackend, HostBuffer
 from prefix_cache.errors import OmniPrefixCacheStagingTimeoutError
-from prefix_cache.host_copies import SlotArena
+from prefix_cache.core.host_copies import SlotArena
 
 
 #: Who holds a staging slot: `("step", step_id)` until the step is consumed, and

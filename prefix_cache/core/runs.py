@@ -2,14 +2,14 @@
 
 A step's slots come in runs (a request's positions fill a block in order), so
 claims and write records are range fills, one C loop over the runs
-(`prefix_cache._core`), rather than a scatter per slot.
+(`prefix_cache.core._core`), rather than a scatter per slot.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from prefix_cache import _core
+from prefix_cache.core import _core
 
 
 def slot_runs(slots: np.ndarray) -> tuple[np.ndarray, int, int]:

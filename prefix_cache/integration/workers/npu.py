@@ -19,8 +19,8 @@ except ImportError as exc:  # pragma: no cover - exercised on machines without v
         f"prefix_cache's NPU worker needs vllm-ascend (and torch_npu with CANN) on an Ascend "
         f"machine: pip install vllm-ascend ({exc})") from exc
 
-from prefix_cache.runner_mixin import PrefixCacheRunnerMixin
-from prefix_cache.workers.base import PrefixCacheWorkerMixin, cache_runner_class
+from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
+from prefix_cache.integration.workers.base import PrefixCacheWorkerMixin, cache_runner_class
 
 PrefixCacheNPUModelRunner = cache_runner_class(NPUModelRunner, PrefixCacheRunnerMixin)
 

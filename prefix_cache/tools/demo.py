@@ -46,7 +46,7 @@ def make_workload(seed: int = 0, num_requests: int = 12) -> list[Any]:
     Request 7 starts with the long prompt's first 64 tokens: with caching on it
     hits the aborted request's blocks.
     """
-    from prefix_cache.pipeline import StageRequest
+    from prefix_cache.tools.pipeline import StageRequest
     rng = random.Random(seed)
     families = [[rng.randrange(1, 1000) for _ in range(length)] for length in (64, 96, 96)]
     families.append(families[1][:64] + [rng.randrange(1, 1000) for _ in range(32)])
@@ -163,7 +163,7 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
     """Per noise level, how many of the talker's tokens change when noise is added to its rows."""
     import torch
 
-    from prefix_cache import pipeline as pl
+    from prefix_cache.tools import pipeline as pl
     rows = result.rows
     generator = torch.Generator().manual_seed(0)
     noise = torch.randn(rows.shape, generator=generator) * rows.pow(2).mean().sqrt()
@@ -184,8 +184,8 @@ def new_log_path() -> Path:
 def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_path: Path,
              device: str = "cpu") -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
-    from prefix_cache import engines
-    from prefix_cache import pipeline as pl
+    from prefix_cache.tools import engines
+    from prefix_cache.tools import pipeline as pl
     from prefix_cache.channel import open_channel
 
     requests = make_workload()
@@ -245,7 +245,7 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_pa
             str(n) for n in changed.values()) + f" of its {TALKER_TOKENS} tokens")
     say(f"end to end, engines up: prefix caching on {on.seconds:.2f}s, off {off.seconds:.2f}s "
         f"(on/off {on.seconds / off.seconds:.2f})\n  this tiny model computes little per "
-        f"step, so per-step overhead rules; M8\n  (python -m prefix_cache.pipeline_bench) "
+        f"step, so per-step overhead rules; M8\n  (python -m prefix_cache.tools.pipeline_bench) "
         f"measures the saving on a prefill-dominated model")
     say(f"vLLM's logs and warnings: {log_path}")
     say("")
@@ -265,7 +265,7 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_pa
 
 def vllm_device() -> str:
     """The device vLLM's engines run on here (its platform: cpu, cuda, npu, ...)."""
-    from prefix_cache.engines import apply_engine_env
+    from prefix_cache.tools.engines import apply_engine_env
     apply_engine_env()
     from vllm.platforms import current_platform
     return current_platform.device_type

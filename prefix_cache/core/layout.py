@@ -15,9 +15,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from prefix_cache import _core
+from prefix_cache.core import _core
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.runs import runs_slots, slot_runs
+from prefix_cache.core.runs import runs_slots, slot_runs
 
 
 class GroupView(Protocol):
@@ -32,7 +32,7 @@ class GroupView(Protocol):
 
 class StepLayout:
     """Rows `ends[i-1]:ends[i]` of the step belong to `order[i]`; row r was computed into
-    `slots[r]`, the slots `runs` holds as runs of consecutive slots (prefix_cache.runs)."""
+    `slots[r]`, the slots `runs` holds as runs of consecutive slots (prefix_cache.core.runs)."""
 
     def __init__(self, order: list[str], ends: np.ndarray, runs: np.ndarray,
                  slots: np.ndarray | None = None) -> None:

@@ -1,4 +1,4 @@
-/* prefix_cache._core: the per-request and per-run loops of a step's bookkeeping, in C.
+/* prefix_cache.core._core: the per-request and per-run loops of a step's bookkeeping, in C.
  *
  * numpy costs 1.5-2 us a call before it touches a slot, and a step's layout, claim
  * and write record took about fifteen calls; these functions do the same work in
@@ -870,7 +870,7 @@ static PyMethodDef core_methods[] = {
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "prefix_cache._core",
+    .m_name = "prefix_cache.core._core",
     .m_doc = "The per-request and per-run loops of a step's bookkeeping (layout, holds, "
              "claims) in C.",
     .m_size = -1,
