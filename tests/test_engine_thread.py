@@ -40,13 +40,13 @@ def _evented(backend: DeviceBackend) -> DeviceBackend:
 def _record_landings(manager) -> list[tuple[int, str]]:
     """(task id, thread name) of each write the manager lands, from now on."""
     landed: list[tuple[int, str]] = []
-    on_landed = manager._committer._on_landed
+    on_landed = manager._launcher.committer._on_landed
 
     def record(task) -> None:
         landed.append((task.task_id, threading.current_thread().name))
         on_landed(task)
 
-    manager._committer._on_landed = record
+    manager._launcher.committer._on_landed = record
     return landed
 
 

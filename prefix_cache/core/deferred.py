@@ -31,7 +31,7 @@ NULL_SLOT = 0
 
 #: One request's rows of one step: (request, first row, end row, key -> private device copy).
 StepChunk = tuple[str, int, int, dict[str, torch.Tensor]]
-#: Issues a task's copies (lazily), then hands it to the committer; see the manager's `_launch`.
+#: Issues a task's copies (lazily), then hands it to the committer (`WriteLauncher.launch`).
 Launch = Callable[[WriteTask, Iterable[Transfer], bool], None]
 
 

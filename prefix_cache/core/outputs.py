@@ -1,4 +1,5 @@
-"""How a step's outputs split: per-token rows (immediate or deferred) and leftover.
+"""How a step's outputs split, per-token rows (immediate or deferred) and leftover, and the
+checks they pass before anything is claimed (`OutputChecker`).
 
 A tensor whose first dimension is this step's token count (unpadded, or padded
 for CUDA graphs) is per-token: it is cached under its key, sliced to the
@@ -9,6 +10,7 @@ leftover, returned unsplit. Nested mm dicts are flattened with dotted keys
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +18,10 @@ from typing import Any
 import torch
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
-from prefix_cache.errors import OmniPrefixCacheInputError
+from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.host_copies import HostCopy
+from prefix_cache.devices.base import DeviceBackend
+from prefix_cache.errors import OmniPrefixCacheInputError
 
 
 @dataclass
@@ -111,3 +115,76 @@ def _rows(tensor: torch.Tensor, num_tokens: int) -> torch.Tensor:
     if tensor.requires_grad:
         tensor = tensor.detach()
     return tensor if tensor.shape[0] == num_tokens else tensor[:num_tokens]
+
+
+class OutputChecker:
+    """Everything `save_outputs` checks of what it is handed, in one place: the token counts,
+    the split, each tensor's device, the step's size and each key's pool. A step it refuses
+    changes nothing."""
+
+    def __init__(self, backend: DeviceBackend, pool: PrefixBlockPool, capacity_tokens: int
+                 ) -> None:
+        self._backend = backend
+        self._pool = pool
+        self._capacity_tokens = capacity_tokens
+
+    def step_outputs(self, hidden_states: torch.Tensor | None,
+                     mm_outputs: Mapping[str, Any] | None, unpadded: Any, padded: Any,
+                     policy: ModelCachePolicy
+                     ) -> tuple[int, StepOutputs, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """The step's token count, its outputs split and checked, and the keys seen first
+        (key -> feature shape and dtype)."""
+        n, padded_n = self._token_counts(unpadded, padded)
+        outputs = split_outputs(hidden_states, mm_outputs, n, padded_n, policy)
+        return n, outputs, self._new_keys(outputs)
+
+    def check_device(self, what: str, tensor: torch.Tensor, *, host_ok: bool = False) -> None:
+        """The backend's device check, refusing as bad input; `host_ok`: a host tensor passes
+        (a leftover is copied in the call)."""
+        if host_ok and tensor.device.type == "cpu":
+            return
+        try:
+            self._backend.check_rows(what, tensor)
+        except ValueError as exc:
+            raise OmniPrefixCacheInputError(str(exc)) from None
+
+    @staticmethod
+    def _token_counts(unpadded: Any, padded: Any) -> tuple[int, int]:
+        counts = []
+        for name, value in (("num_tokens_unpadded", unpadded), ("num_tokens_padded", padded)):
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                counts.append(operator.index(value))
+            except TypeError:
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: {name} must be an int, got {value!r}") from None
+        n, padded_n = counts
+        if not 0 <= n <= padded_n:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: num_tokens_unpadded={n} must be within "
+                f"0..num_tokens_padded={padded_n}")
+        return n, padded_n
+
+    def _new_keys(self, outputs: StepOutputs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Check every tensor against the device, the capacity and its pool; the keys seen first."""
+        n = next((len(v) for v in outputs.per_token().values()), 0)
+        if n > self._capacity_tokens:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
+                f"{self._capacity_tokens}")
+        new_keys = {}
+        for key, rows in outputs.per_token().items():
+            self.check_device(f"save_outputs: {key!r} rows", rows)
+            feat, dtype = tuple(rows.shape[1:]), rows.dtype
+            pool_key = self._pool.keys.get(key)
+            if pool_key is None:
+                new_keys[key] = (feat, dtype)
+            elif (pool_key.feat_shape, pool_key.dtype) != (feat, dtype):
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: {key!r} rows are {feat} {dtype}, its pool holds "
+                    f"{pool_key.feat_shape} {pool_key.dtype}")
+        for key, value in outputs.leftover.items():
+            map_tensors(value, lambda t, key=key: self.check_device(
+                f"save_outputs: leftover {key!r}", t, host_ok=True))
+        return new_keys

@@ -1,0 +1,66 @@
+"""Prefix hits: the slots a hit covers, and the checks a hit passes before its step claims any.
+
+A hit is served from the pool only if every row it reads was written and not lost;
+anything else would hand the next stage rows nobody computed, so it is refused by
+name (SPEC §4 rules 4 and 7).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from prefix_cache.config import HIDDEN_KEY
+from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.layout import StepLayout
+from prefix_cache.core.outputs import StepOutputs
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
+
+#: A step's hits: request -> (hit tokens, the slots of positions [0, hit tokens)).
+HitSpans = dict[str, tuple[int, np.ndarray]]
+
+
+def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], block_size: int,
+              num_blocks: int) -> np.ndarray:
+    """The slots of a request's hit positions `[0, num_computed_tokens)`, checked."""
+    h, bs = num_computed_tokens, block_size
+    if h % bs:
+        raise OmniPrefixCacheUnmatchError(
+            f"request {req_id}: prefix hit of {h} tokens is not aligned to "
+            f"block_size {bs}; vLLM never caches partial blocks")
+    blocks = np.asarray(block_ids[: h // bs], dtype=np.int64)
+    if len(blocks) < h // bs:
+        raise OmniPrefixCacheUnmatchError(
+            f"request {req_id}: prefix hit of {h} tokens but only "
+            f"{len(block_ids)} block ids")
+    if (blocks <= 0).any() or (blocks >= num_blocks).any():
+        raise OmniPrefixCacheUnmatchError(
+            f"request {req_id}: hit block ids {blocks.tolist()} outside "
+            f"1..{num_blocks - 1}")
+    return (blocks[:, None] * bs + np.arange(bs)).ravel()
+
+
+def check_hits(pool: PrefixBlockPool, lock: threading.Lock, spans: Mapping[str, tuple[int,
+               np.ndarray]], layout: StepLayout, outputs: StepOutputs) -> None:
+    """A hit on hidden rows nobody wrote, or on rows of any key a failed write lost (and this
+    step does not write again; a key the step omits included), is fatal; checked before any
+    claim."""
+    for req_id, (h, slots) in spans.items():
+        rewritten = np.isin(slots, layout.slots)
+        with lock:
+            for key in pool.keys:
+                lost = pool.lost(key, slots) & ~rewritten
+                if lost.any():
+                    raise OmniPrefixCacheUnmatchError(
+                        f"request {req_id}: prefix hit of {h} tokens, but the {key!r} rows "
+                        f"of {int(lost.sum())} hit slots (first {int(slots[lost][0])}) "
+                        f"were lost to a failed write; those positions cannot be served")
+            present = pool.present(HIDDEN_KEY, slots)
+        missing = ~present & ~rewritten
+        if outputs.hidden is not None and missing.any():
+            raise OmniPrefixCacheUnmatchError(
+                f"request {req_id}: prefix hit of {h} tokens but hidden rows of "
+                f"{int(missing.sum())} hit slots were never written (first slot "
+                f"{int(slots[missing][0])}); the cache does not match vLLM's KV cache")

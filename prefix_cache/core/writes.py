@@ -1,0 +1,164 @@
+"""The save path: a step's rows copied where they must outlive the call, its slots claimed,
+its write launched, its reads planned; all on the engine thread, none of it waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from prefix_cache.config import PrefixCacheConfig
+from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.deferred import DeferredWriter
+from prefix_cache.core.host_copies import HostCopy
+from prefix_cache.core.launcher import WriteLauncher
+from prefix_cache.core.layout import StepLayout
+from prefix_cache.core.outputs import OutputChecker, StepOutputs, map_tensors
+from prefix_cache.core.reads import ReadPlanner
+from prefix_cache.core.staging import StagingPool
+from prefix_cache.core.stats import CacheStats
+from prefix_cache.core.step_reads import StepReads, StepRecord
+from prefix_cache.core.tasks import TaskTable
+from prefix_cache.devices.base import CHECK_SLOTS_ENV, DeviceBackend
+from prefix_cache.errors import OmniPrefixCacheInputError
+
+
+class StepWriter:
+    """Saves steps: only the engine thread calls it, so slots are claimed in launch order."""
+
+    def __init__(self, config: PrefixCacheConfig, backend: DeviceBackend,
+                 pool: PrefixBlockPool, staging: StagingPool, tasks: TaskTable,
+                 lock: threading.Lock, stats: CacheStats, checker: OutputChecker,
+                 launcher: WriteLauncher, deferred: DeferredWriter, reads: ReadPlanner,
+                 step_reads: StepReads) -> None:
+        self._config = config
+        self._backend = backend
+        self._pool = pool
+        self._staging = staging
+        self._tasks = tasks
+        self._lock = lock
+        self._stats = stats
+        self._checker = checker
+        self._launcher = launcher
+        self._deferred = deferred
+        self._reads = reads
+        self._step_reads = step_reads
+        #: OMNI_PREFIX_CACHE_CHECK_SLOTS=1: compare the runner's slot mapping with the view's
+        #: slots every step (a copy to the host: a synchronization, for debugging only)
+        self._check_slots = os.environ.get(CHECK_SLOTS_ENV, "0") not in ("", "0")
+
+    @property
+    def in_stream(self) -> bool:
+        """Whether writes go out on the caller's stream, reading its tensors in place."""
+        return self._config.write_stream == "compute" or self._backend.synchronous
+
+    def device_slots(self, slot_mapping: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The runner's slot mapping, checked, where the write can read it in stream order
+        (a device tensor); else None."""
+        if slot_mapping is None:
+            return None
+        if not isinstance(slot_mapping, torch.Tensor):
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: slot_mapping must be a tensor, got {type(slot_mapping).__name__}")
+        if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
+                or slot_mapping.shape[0] < n:
+            raise OmniPrefixCacheInputError(
+                f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
+                f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        self._checker.check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
+        if self.in_stream and self._backend.device_slots and slot_mapping.device.type != "cpu":
+            return slot_mapping  # the write reads its first n entries
+        return None
+
+    def install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Allocate pools for keys seen for the first time (unlocked), then install them all."""
+        allocated = []
+        try:
+            for key, (feat, dtype) in new_keys.items():
+                with self._stats.timed("pool_allocation"):
+                    allocated.append(self._pool.allocate(key, feat, dtype))
+        except BaseException:
+            for pool_key in allocated:
+                pool_key.storage.close()
+            raise
+        with self._lock:
+            for pool_key in allocated:
+                self._pool.install(pool_key)
+
+    def save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
+             spans: dict[str, tuple[int, np.ndarray]],
+             device_slots: torch.Tensor | None) -> StepRecord:
+        """Copy what outlives the call, then claim the step's slots and launch its write.
+
+        Everything that can fail for want of memory runs before the claim, so a
+        failure there leaves the pool as it was.
+        """
+        n = layout.num_rows
+        if device_slots is not None and self._check_slots:
+            self._check_slot_mapping(step_id, device_slots[:n], layout.slots)
+        in_stream = self.in_stream
+        immediate = {k: self._private(v) for k, v in outputs.immediate.items()}
+        deferred = {k: self._private(v) for k, v in outputs.deferred.items()}
+        chunks = self._deferred.snapshot(outputs.deferred, layout)
+        leftover = map_tensors(outputs.leftover, self._private)
+        # copy-stream moves start after every private copy: they read them
+        ready = None if in_stream else self._backend.record_event()
+        arena = self._staging.arenas[slot]
+        arena.reset()
+        host_rows = {key: HostCopy.start(self._backend, arena, rows, ready, in_stream=in_stream)
+                     for key, rows in deferred.items()}
+        leftover = map_tensors(leftover, lambda t: HostCopy.start(
+            self._backend, arena, t, ready, in_stream=in_stream))
+        self._reads.resolve_conflicts(layout.runs)
+        task = None
+        with self._lock:
+            claim = self._pool.claim(layout.runs)
+            if immediate and n:
+                staged = self._backend.needs_staging  # the write passes through the slot's pages
+                task = self._tasks.new(f"step {step_id}", staging_slot=slot if staged else None)
+                self._pool.record_write(immediate, layout.runs, claim, task.task_id)
+        if task is not None:
+            if task.staging_slot is not None:
+                self._staging.hold(slot, ("write", task.task_id))
+            write_slots = torch.from_numpy(layout.slots) if device_slots is None \
+                else device_slots
+            self._launcher.launch(task, (
+                self._backend.scatter_rows(
+                    rows if rows.dim() == 2 else rows.reshape(n, -1), write_slots,
+                    self._pool.keys[key].storage, ready=ready,
+                    staging=(self._staging.buffer(slot, key, self._pool.keys[key].row_width,
+                                                  rows.dtype)
+                             if task.staging_slot is not None else None),
+                    in_stream=in_stream)
+                for key, rows in immediate.items()), False)
+        if chunks:
+            self._deferred.append(chunks, layout.slots, claim)
+        record = StepRecord(step_id, slot, layout, outputs.feature_shapes(),
+                            {}, host_rows, {}, leftover)
+        self._step_reads.plan(record, immediate.keys(), claim, task, spans)
+        self._stats.add(rows_saved=n, miss_tokens=n, bytes_saved=sum(
+            v.numel() * v.element_size() for v in outputs.per_token().values()))
+        return record
+
+    def _private(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor's private copy, ordered on the caller's stream; none is needed
+        where the copies that read it are issued in stream order, nor for host tensors."""
+        if self.in_stream or tensor.device.type == "cpu":
+            return tensor
+        return self._backend.snapshot(tensor)
+
+    @staticmethod
+    def _check_slot_mapping(step_id: int, mapping: torch.Tensor, slots: np.ndarray) -> None:
+        """Refuse a runner slot mapping that differs from the view's slots (syncs: debug only)."""
+        mapped = mapping.cpu().numpy().astype(np.int64)
+        differ = np.flatnonzero(mapped != slots)
+        if differ.size:
+            i = int(differ[0])
+            raise OmniPrefixCacheInputError(
+                f"save_outputs (step {step_id}): slot_mapping differs from the view's slots in "
+                f"{differ.size} of {len(slots)} rows (first: row {i}, slot_mapping "
+                f"{int(mapped[i])}, view {int(slots[i])})")
