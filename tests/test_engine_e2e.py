@@ -106,7 +106,7 @@ def test_demo_command_runs_both_stages_multiprocess_and_prints_only_the_report()
 
 def test_demo_without_vllm_names_what_to_install() -> None:
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from prefix_cache import demo; sys.exit(demo.main())")
+            "from prefix_cache.tools import demo; sys.exit(demo.main())")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2

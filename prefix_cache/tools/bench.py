@@ -513,7 +513,7 @@ def _rss_bytes() -> int:
 def resident_ratio(device: str, num_blocks: int) -> float:
     """`_resident_ratio` measured in a new process: in this one, memory that earlier
     measurements freed is reused without the resident set growing."""
-    code = ("import sys; from prefix_cache import bench; "
+    code = ("import sys; from prefix_cache.tools import bench; "
             f"print(bench._resident_ratio({device!r}, {num_blocks}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, check=True)
