@@ -98,18 +98,20 @@ def check_timeout(timeout_s: float, what: str) -> float:
 
 
 def poll_until(done: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception],
-               *, max_pause_s: float = 1e-4) -> None:
-    """Call `done` until it is true, backing off to `max_pause_s` between calls (the GIL is
-    free meanwhile); raise `timed_out()` once `timeout_s` passed."""
+               *, first_pause_s: float = 1e-5, max_pause_s: float = 1e-4) -> None:
+    """Call `done` until it is true, backing off from `first_pause_s` to `max_pause_s` between
+    calls (the GIL is free meanwhile, no pause runs past the deadline); raise `timed_out()`
+    once `timeout_s` passed."""
     check_timeout(timeout_s, "poll_until")
     if done():
         return
     deadline = time.monotonic() + timeout_s
-    pause = 1e-5
+    pause = first_pause_s
     while not done():
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise timed_out()
-        time.sleep(pause)
+        time.sleep(min(pause, left))
         pause = min(pause * 2, max_pause_s)
 
 

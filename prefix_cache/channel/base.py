@@ -24,7 +24,7 @@ from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
                                          OmniPrefixCacheChannelTimeoutError)
-from prefix_cache.devices.base import check_timeout
+from prefix_cache.devices.base import check_timeout, poll_until
 
 DEFAULT_TTL_S = 600.0
 #: How long a put waits for room in a full channel before it fails the entry.
@@ -96,19 +96,21 @@ class StageChannel(ABC):
             raise OmniPrefixCacheChannelFullError(
                 f"request {request_id}: its entry of {nbytes} bytes exceeds the whole capacity "
                 f"({self.capacity_bytes} bytes) of channel {self.spec}")
-        deadline = time.monotonic() + self.full_wait_s
-        pause = _FIRST_POLL_S
-        while (reservation := self._reserve(nbytes, force=False)) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OmniPrefixCacheChannelFullError(
-                    f"request {request_id}: channel {self.spec} stayed full for "
-                    f"{self.full_wait_s:g} s (capacity {self.capacity_bytes} bytes, entry "
-                    f"{nbytes} bytes); is its consumer reading?")
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, _MAX_POLL_S)
-            self._maybe_sweep()
-        return reservation
+        reserved: list[Any] = []
+
+        def room() -> bool:
+            reservation = self._reserve(nbytes, force=False)
+            if reservation is None:
+                self._maybe_sweep()  # expired entries make room too
+                return False
+            reserved.append(reservation)
+            return True
+
+        poll_until(room, self.full_wait_s, lambda: OmniPrefixCacheChannelFullError(
+            f"request {request_id}: channel {self.spec} stayed full for {self.full_wait_s:g} s "
+            f"(capacity {self.capacity_bytes} bytes, entry {nbytes} bytes); is its consumer "
+            f"reading?"), first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+        return reserved[0]
 
     def get(self, request_id: str, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
         """The outputs published for `request_id`, waiting up to `timeout_s`; consumes the entry.
@@ -122,9 +124,9 @@ class StageChannel(ABC):
         entry the publisher failed (`fail`) raises a channel error naming its cause."""
         check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open()
-        deadline = time.monotonic() + timeout_s
-        pause = _FIRST_POLL_S
-        while True:
+        taken: list[StageEntry] = []
+
+        def arrived() -> bool:
             self._maybe_sweep()
             entry = self._take_entry(request_id)
             if entry is not None and entry.error is not None:
@@ -132,14 +134,14 @@ class StageChannel(ABC):
                     f"request {request_id}: its stage could not publish its rows on channel "
                     f"{self.spec}: {entry.error}")
             if entry is not None:
-                return entry
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OmniPrefixCacheChannelTimeoutError(
-                    f"no entry for request {request_id} on channel {self.spec} within "
-                    f"{timeout_s:g} s (entries live {self.ttl_s:g} s unless consumed)")
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, _MAX_POLL_S)
+                taken.append(entry)
+            return entry is not None
+
+        poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
+            f"no entry for request {request_id} on channel {self.spec} within {timeout_s:g} s "
+            f"(entries live {self.ttl_s:g} s unless consumed)"),
+            first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+        return taken[0]
 
     def close(self) -> None:
         """Releases this handle (idempotent); the namespace's owner also frees every entry."""
