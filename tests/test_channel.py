@@ -27,7 +27,7 @@ from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
 from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelTimeoutError,
                                   StageChannel, open_channel)
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
-from prefix_cache.channel.mooncake import MooncakeChannel, unconsumed_keys
+from prefix_cache.channel.mooncake import MooncakeChannel, TailBuffer, unconsumed_keys
 from prefix_cache.channel.shm import ShmChannel
 from tests.mooncake_store import MooncakeStoreProcesses, free_port
 
@@ -87,6 +87,13 @@ def mooncake_client(mooncake_store: MooncakeStoreProcesses) -> Iterator[Any]:
     client.close()
 
 
+@pytest.fixture(scope="module")
+def mooncake_tails(mooncake_client: Any) -> Iterator[tuple[Any, TailBuffer]]:
+    tails = TailBuffer(mooncake_client)
+    yield mooncake_client, tails
+    tails.close()
+
+
 @pytest.fixture(params=["shm", "mooncake"])
 def new_spec(request: pytest.FixtureRequest) -> str:
     """A spec that opens a new namespace of the backend; options may be appended with '&'."""
@@ -107,8 +114,8 @@ def is_published(request: pytest.FixtureRequest) -> IsPublished:
     def check(channel: StageChannel, request_id: str) -> bool:
         if isinstance(channel, ShmChannel):
             return channel.entry_path(request_id).exists()
-        client = request.getfixturevalue("mooncake_client")
-        return bool(unconsumed_keys(client, channel.entry_key(request_id)))
+        client, tails = request.getfixturevalue("mooncake_tails")
+        return bool(unconsumed_keys(client, tails, channel.entry_key(request_id)))
     return check
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
+import numpy as np
 import torch
 
 from prefix_cache.channel.base import DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel
@@ -100,10 +101,12 @@ def _local_address(master_host: str, master_port: int) -> str:
         return probe.getsockname()[0]
 
 
-def _release(store: Any, namespace: str | None, owner_pid: int, stop: threading.Event) -> None:
+def _release(store: Any, tails: TailBuffer, namespace: str | None, owner_pid: int,
+             stop: threading.Event) -> None:
     stop.set()  # the sweeper ends before its next store call
     if namespace is not None and os.getpid() == owner_pid:
         store.remove_by_regex(f"^{re.escape(namespace)}/", force=True)
+    tails.close()
     store.close()
 
 
@@ -121,30 +124,54 @@ class _Chain:
         return f"{head}/{self.token.decode()}.{index}"
 
 
-def read_tail(store: Any, head: str) -> _Chain | None:
-    """The chain the tail `head` names (expiry unknown: 0), None if there is no tail; a
-    ValueError if it cannot be read or is not a tail."""
-    data = torch.empty(_TAIL.size, dtype=torch.uint8)
-    ptr = data.data_ptr()
-    if store.register_buffer(ptr, _TAIL.size) != 0:
-        raise ValueError("could not be read: registering a buffer failed")
-    try:
-        read = store.get_into(head, ptr, _TAIL.size)
-    finally:
-        store.unregister_buffer(ptr)
-    if read in _ABSENT:
-        return None
-    if read != _TAIL.size:
-        raise ValueError(f"could not be read (Mooncake code {read})")
-    magic, token, first, nxt = _TAIL.unpack(data.numpy().tobytes())
-    if magic != _TAIL_MAGIC or first > nxt:
-        raise ValueError("is not one this channel wrote")
-    return _Chain(token, first, nxt, 0.0)
+class TailBuffer:
+    """One tail's bytes, in a buffer registered with a store once (a registration costs about
+    a millisecond on loopback, several gets' worth, and every poll of a get reads a tail).
+
+    Invariant: one read or write of the buffer at a time; registered until `close`.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._data = torch.zeros(_TAIL.size, dtype=torch.uint8)
+        self._ptr = self._data.data_ptr()
+        self._lock = threading.Lock()
+        rc = store.register_buffer(self._ptr, _TAIL.size)
+        if rc != 0:
+            raise OmniPrefixCacheChannelError(
+                f"mooncake channel: registering a {_TAIL.size}-byte buffer failed with Mooncake "
+                f"code {rc}")
+
+    def read(self, head: str) -> _Chain | None:
+        """The chain the tail `head` names (expiry unknown: 0), None if there is no tail; a
+        ValueError if it cannot be read or is not a tail."""
+        with self._lock:
+            read = self._store.get_into(head, self._ptr, _TAIL.size)
+            raw = self._data.numpy().tobytes()
+        if read in _ABSENT:
+            return None
+        if read != _TAIL.size:
+            raise ValueError(f"could not be read (Mooncake code {read})")
+        magic, token, first, nxt = _TAIL.unpack(raw)
+        if magic != _TAIL_MAGIC or first > nxt:
+            raise ValueError("is not one this channel wrote")
+        return _Chain(token, first, nxt, 0.0)
+
+    def write(self, head: str, chain: _Chain, next_index: int) -> int:
+        """Stores `chain`'s tail with `next_index` under `head`; Mooncake's return code."""
+        with self._lock:
+            self._data.numpy()[:] = np.frombuffer(
+                _TAIL.pack(_TAIL_MAGIC, chain.token, chain.first, next_index), dtype=np.uint8)
+            return self._store.upsert_from(head, self._ptr, _TAIL.size)
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.unregister_buffer(self._ptr)
 
 
-def unconsumed_keys(store: Any, head: str) -> list[str]:
+def unconsumed_keys(store: Any, tails: TailBuffer, head: str) -> list[str]:
     """The keys of the unconsumed entries of the chain whose tail is `head`, oldest first."""
-    tail = read_tail(store, head)
+    tail = tails.read(head)
     if tail is None:
         return []
     keys = [tail.key(head, i) for i in range(tail.first, tail.next)]
@@ -178,6 +205,7 @@ class MooncakeChannel(StageChannel):
         self.master, self.metadata, self.namespace = master, metadata, namespace
         self._protocol, self._device = protocol, device
         self._store = self._connect()
+        self._tails = TailBuffer(self._store)
         self._lock = threading.Lock()  # puts, gets and sweeps may run on several threads
         self._publish_lock = threading.Lock()
         self._live: OrderedDict[str, _Live] = OrderedDict()  # in put order: expiry order
@@ -185,7 +213,7 @@ class MooncakeChannel(StageChannel):
         self._used = 0
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
-        self._finalizer = weakref.finalize(self, _release, self._store,
+        self._finalizer = weakref.finalize(self, _release, self._store, self._tails,
                                            namespace if owner else None, os.getpid(), self._stop)
 
     @classmethod
@@ -226,7 +254,7 @@ class MooncakeChannel(StageChannel):
     def entry_keys(self, request_id: str) -> list[str]:
         """The store keys of `request_id`'s unconsumed entries, oldest first."""
         self._check_open()
-        return unconsumed_keys(self._store, self.entry_key(request_id))
+        return unconsumed_keys(self._store, self._tails, self.entry_key(request_id))
 
     def used_bytes(self) -> int:
         """Bytes of this handle's entries not yet seen consumed, and its puts in flight."""
@@ -261,16 +289,19 @@ class MooncakeChannel(StageChannel):
 
     def _put_bytes(self, key: str, data: torch.Tensor, what: str) -> None:
         with self._registered(data) as ptr:
-            rc = self._store.upsert_from(key, ptr, data.numel())
+            self._check_stored(self._store.upsert_from(key, ptr, data.numel()), what,
+                               data.numel())
+
+    def _check_stored(self, rc: int, what: str, nbytes: int) -> None:
         if rc != 0:
             raise OmniPrefixCacheChannelError(
-                f"mooncake channel {self.spec}: storing {what} ({data.numel()} bytes) failed "
+                f"mooncake channel {self.spec}: storing {what} ({nbytes} bytes) failed "
                 f"with Mooncake code {rc}; is a segment holder (mooncake_client "
                 f"--global_segment_size=...) running with room for it?")
 
     def _read_tail(self, head: str, request_id: str) -> _Chain | None:
         try:
-            return read_tail(self._store, head)
+            return self._tails.read(head)
         except ValueError as e:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: the tail of request {request_id} {e}") from e
@@ -333,10 +364,9 @@ class MooncakeChannel(StageChannel):
         chain = self._chain_for(head, request_id)
         key = chain.key(head, chain.next)
         self._put_bytes(key, join(encoded), f"the entry for request {request_id}")
-        tail = torch.frombuffer(bytearray(_TAIL.pack(_TAIL_MAGIC, chain.token, chain.first,
-                                                     chain.next + 1)), dtype=torch.uint8)
         try:
-            self._put_bytes(head, tail, f"the tail of request {request_id}")
+            self._check_stored(self._tails.write(head, chain, chain.next + 1),
+                               f"the tail of request {request_id}", _TAIL.size)
         except BaseException:
             self._store.remove(key, force=True)
             raise
