@@ -19,6 +19,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 
+#: A slot of vLLM's null block 0, which no hit or step reads: where rows that must not land go.
+NULL_SLOT = 0
+
 #: Set to 1: every zero-copy scatter checks its slots against the pool on the host before it
 #: launches (a device slot mapping is copied to the host for it: a synchronization, so for
 #: debugging only); the cache core compares the runner's mapping with the view's slots too.

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from prefix_cache import devices
@@ -34,7 +33,7 @@ from prefix_cache.core import _core
 from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
-from prefix_cache.core.hits import check_hits, hit_slots
+from prefix_cache.core.hits import HitSpans, check_hits, hit_slots
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import GroupView, StepLayout
 from prefix_cache.core.outputs import OutputChecker
@@ -57,7 +56,7 @@ class _PendingStep:
     """What `new_step_starts` learned, waiting for this step's `save_outputs`."""
 
     num_scheduled_tokens: Mapping[str, int]
-    hit_spans: dict[str, tuple[int, np.ndarray]]  # req -> (hit tokens, hit slots)
+    hit_spans: HitSpans
 
 
 class OmniPrefixCacheManager:

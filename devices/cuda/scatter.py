@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from prefix_cache.devices.base import NULL_SLOT
+
 logger = logging.getLogger(__name__)
 
 SCATTER_CTAS = 16
@@ -32,8 +34,6 @@ SCATTER_ROWS = 4  # rows each program moves per iteration (more stores in flight
 _BLOCK = 512  # elements of the row's widest integer view moved per inner iteration
 #: int64 cells a launch's flag has: one per program, each program's count of refused rows
 FLAG_CELLS = SCATTER_CTAS
-#: Where the fallback (no Triton) sends a refused row: vLLM's null block, which nothing reads
-NULL_SLOT = 0
 
 
 @functools.cache

@@ -18,16 +18,13 @@ import numpy as np
 import torch
 
 from prefix_cache.core.block_pool import PrefixBlockPool
-from prefix_cache.devices.base import DeviceBackend, Transfer
+from prefix_cache.devices.base import NULL_SLOT, DeviceBackend, Transfer
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.runs import slot_runs
 from prefix_cache.core.tasks import DeferredChunk, TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
-
-#: Where rows that must not land go: a slot of vLLM's null block 0, which no hit or step reads.
-NULL_SLOT = 0
 
 #: One request's rows of one step: (request, first row, end row, key -> private device copy).
 StepChunk = tuple[str, int, int, dict[str, torch.Tensor]]

@@ -8,7 +8,7 @@ name (SPEC §4 rules 4 and 7).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,8 +42,8 @@ def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], b
     return (blocks[:, None] * bs + np.arange(bs)).ravel()
 
 
-def check_hits(pool: PrefixBlockPool, lock: threading.Lock, spans: Mapping[str, tuple[int,
-               np.ndarray]], layout: StepLayout, outputs: StepOutputs) -> None:
+def check_hits(pool: PrefixBlockPool, lock: threading.Lock, spans: HitSpans, layout: StepLayout,
+               outputs: StepOutputs) -> None:
     """A hit on hidden rows nobody wrote, or on rows of any key a failed write lost (and this
     step does not write again; a key the step omits included), is fatal; checked before any
     claim."""

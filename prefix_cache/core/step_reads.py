@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -19,6 +19,7 @@ import torch
 from prefix_cache.config import HIDDEN_KEY
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
+from prefix_cache.core.hits import HitSpans
 from prefix_cache.core.host_copies import HostCopy
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.outputs import map_tensors
@@ -70,7 +71,7 @@ class StepReads:
         self._timeout_s = timeout_s
 
     def plan(self, record: StepRecord, immediate: Iterable[str], claim: int,
-             task: WriteTask | None, spans: Mapping[str, tuple[int, np.ndarray]]) -> None:
+             task: WriteTask | None, spans: HitSpans) -> None:
         """Bind this step's and its hits' reads to the writes producing them; they hold their
         rows until resolved (see ReadPlanner)."""
         layout = record.layout

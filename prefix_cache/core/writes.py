@@ -14,6 +14,7 @@ import torch
 from prefix_cache.config import PrefixCacheConfig
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
+from prefix_cache.core.hits import HitSpans
 from prefix_cache.core.host_copies import HostCopy
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import StepLayout
@@ -90,7 +91,7 @@ class StepWriter:
                 self._pool.install(pool_key)
 
     def save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
-             spans: dict[str, tuple[int, np.ndarray]],
+             spans: HitSpans,
              device_slots: torch.Tensor | None) -> StepRecord:
         """Copy what outlives the call, then claim the step's slots and launch its write.
 
