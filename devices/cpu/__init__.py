@@ -83,11 +83,7 @@ def copy_rows(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> No
 
 def _byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous tensor's memory as a uint8 [rows, bytes per row] array (no copy)."""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.dim() != 2 or tensor.numel() == 0:
-        if tensor.numel() == 0:  # nothing to view; the row width still has to match
-            return np.empty((len(tensor), math.prod(tensor.shape[1:]) * tensor.element_size()),
-                            dtype=np.uint8)
-        tensor = tensor.view(len(tensor), -1)
-    return tensor.view(torch.uint8).numpy()
+    if tensor.numel() == 0:  # nothing to view; the row width still has to match
+        return np.empty((len(tensor), math.prod(tensor.shape[1:]) * tensor.element_size()),
+                        dtype=np.uint8)
+    return tensor.detach().view(len(tensor), -1).view(torch.uint8).numpy()

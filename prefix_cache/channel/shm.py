@@ -312,8 +312,10 @@ class ShmChannel(StageChannel):
             os.close(fd)
         return torch.frombuffer(view, dtype=torch.uint8)  # the mapping lives as long as it
 
-    def _move_up(self, head: str, index: int = 1) -> None:
-        """Renames the chain's entries from `index` on one place up (caller holds the lock)."""
+    def _move_up(self, head: str) -> None:
+        """Renames the chain's entries after its taken head one place up (caller holds the
+        lock)."""
+        index = 1
         while True:
             try:
                 os.rename(self.directory / _chain_name(head, index),
