@@ -28,6 +28,11 @@ NULL_SLOT = 0
 CHECK_SLOTS_ENV = "OMNI_PREFIX_CACHE_CHECK_SLOTS"
 
 
+def slot_checks_on() -> bool:
+    """Whether `CHECK_SLOTS_ENV` asks for the debugging slot checks."""
+    return os.environ.get(CHECK_SLOTS_ENV, "0") not in ("", "0")
+
+
 class DeviceEvent(Protocol):
     """The part of a torch device event the core relies on."""
 

@@ -14,14 +14,14 @@ mapped flag cells without a device synchronization.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from prefix_cache.devices.accelerator import AcceleratorBackend
-from prefix_cache.devices.base import CHECK_SLOTS_ENV, DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.base import (CHECK_SLOTS_ENV, DeviceEvent, HostBuffer, Transfer,
+                                       slot_checks_on)
 from prefix_cache.devices.cuda import scatter
 from prefix_cache.devices.cuda.host_memory import register_host
 from prefix_cache.devices.cuda.slot_pages import (SlotLease, SlotPages, count_out_of_range,
@@ -48,7 +48,7 @@ class CudaBackend(AcceleratorBackend):
         super().__init__(device_index)
         self.use_kernel = scatter.triton_available()
         #: check each scatter's slots on the host before it launches (debugging: syncs)
-        self.check_slots = os.environ.get(CHECK_SLOTS_ENV, "0") not in ("", "0")
+        self.check_slots = slot_checks_on()
         self._slot_pages: SlotPages | None = None
         self.zero_copy = zero_copy and self._self_test()
         if not self.zero_copy and self._slot_pages is not None:

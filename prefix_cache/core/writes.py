@@ -4,7 +4,6 @@ its write launched, its reads planned; all on the engine thread, none of it wait
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 
@@ -24,7 +23,7 @@ from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
 from prefix_cache.core.step_reads import StepReads, StepRecord
 from prefix_cache.core.tasks import TaskTable
-from prefix_cache.devices.base import CHECK_SLOTS_ENV, DeviceBackend
+from prefix_cache.devices.base import DeviceBackend, slot_checks_on
 from prefix_cache.errors import OmniPrefixCacheInputError
 
 
@@ -50,7 +49,7 @@ class StepWriter:
         self._step_reads = step_reads
         #: OMNI_PREFIX_CACHE_CHECK_SLOTS=1: compare the runner's slot mapping with the view's
         #: slots every step (a copy to the host: a synchronization, for debugging only)
-        self._check_slots = os.environ.get(CHECK_SLOTS_ENV, "0") not in ("", "0")
+        self._check_slots = slot_checks_on()
 
     @property
     def in_stream(self) -> bool:
