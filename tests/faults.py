@@ -126,7 +126,7 @@ class FaultyBackend(DeviceBackend):
             def late() -> None:
                 pool.tensor.index_copy_(0, slots, host_rows.to(pool.tensor.dtype))
 
-            return Transfer(event=GatedEvent(None, gate), finish=late)
+            return self._committer_fault(Transfer(event=GatedEvent(None, gate), finish=late))
         transfer = self.inner.scatter_rows(rows, slots, pool, ready=ready, staging=staging,
                                            in_stream=in_stream)
         return self._committer_fault(transfer)

@@ -268,6 +268,41 @@ def test_failed_write_is_raised_once_by_the_next_call_and_its_rows_are_never_ser
                      backend.device)
 
 
+def test_a_write_failing_between_a_hits_check_and_its_read_is_never_served_as_zeros(
+        backend, monkeypatch):
+    """The hit passes its check while its rows' write is still in flight, then that write
+    fails before the hit's reads are planned: the rows are lost, not absent, so the hit's
+    materialize raises instead of returning zeros (found by the randomized schedules)."""
+    import prefix_cache.manager as facade
+    faulty = FaultyBackend(backend)
+    manager, d = make(faulty)
+    tokens = list(range(8))
+    checked = facade.check_hits
+
+    in_flight = threading.Event()  # opened once b's hit was checked
+
+    def check_then_land(*args, **kwargs):
+        checked(*args, **kwargs)
+        in_flight.set()
+        wait_idle(manager)  # the failed write lands right after the check
+
+    with manager:
+        faulty.arm("finish")
+        faulty.delay_writes = in_flight  # a's write is still in flight at b's check
+        sid = run_step(manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8)]), backend.device,
+                       materialize=False)
+        faulty.delay_writes = None
+        monkeypatch.setattr(facade, "check_hits", check_then_land)
+        hit = run_step(manager, d, d.step(new=[("b", tokens[:4] + [1], [1, 3], 4, 1)]),
+                       backend.device, materialize=False)
+        with pytest.raises(OmniPrefixCacheError, match=r"write task 1 \(step 1, state FAILED"):
+            manager.discard_step(sid)  # the failure is reported once, by the next call
+        with pytest.raises(OmniPrefixCacheError,
+                           match=r"read of '__hidden_states__' for request b step 2 .* lost to "
+                                 r"a failed write"):
+            manager.materialize(hit, ["b"])
+
+
 def test_a_stalled_copy_raises_a_library_error_naming_the_task_instead_of_hanging(backend):
     faulty = FaultyBackend(backend)
     manager, d = make(faulty, staging_claim_timeout_s=0.3)

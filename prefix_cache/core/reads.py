@@ -105,6 +105,13 @@ class RowRead:
             self.done.set()
         self._raise_if_failed()
 
+    def fail(self, error: BaseException) -> None:
+        """A read that cannot be served, failed before it holds anything: resolving it raises
+        `error`."""
+        self.error = error
+        self.state = ReadState.FAILED
+        self.done.set()
+
     def cancel(self, release: Callable[[RowRead], None]) -> None:
         """Drop a read nobody will consume; a read already being resolved finishes on its own."""
         with self._lock:
@@ -216,11 +223,19 @@ class ReadPlanner:
         """A read of `key`'s rows at `hit_slots` into a tensor with `more_rows` rows after them
         (the step's own), bound to the writes producing them (caller holds the lock)."""
         pool_key = self._pool.keys[key]
-        # absent mm rows read zeros
+        # absent mm rows read zeros; lost rows (a write that failed since the step's hits were
+        # checked) are no absence: the read fails, as one of a producer failing later does
         present, producer_ids = self._pool.present_and_producers(key, hit_slots)
-        producers = self._tasks.live(producer_ids)
-        return self._pin(RowRead(what, key, hit_slots, present, producers,
-                                 len(hit_slots) + more_rows, pool_key.row_width, pool_key.dtype))
+        read = RowRead(what, key, hit_slots, present, [], len(hit_slots) + more_rows,
+                       pool_key.row_width, pool_key.dtype)
+        lost = self._pool.lost(key, hit_slots)
+        if lost.any():
+            read.fail(OmniPrefixCacheError(
+                f"{int(lost.sum())} of its hit rows (first slot {int(hit_slots[lost][0])}) were "
+                f"lost to a failed write"))
+            return read
+        read.producers = self._tasks.live(producer_ids)
+        return self._pin(read)
 
     def prefetch(self, reads: Iterable[RowRead]) -> None:
         """Resolve the large ones ahead of their consumer, on the prefetch thread."""
