@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 
@@ -37,6 +38,15 @@ class DeviceEvent(Protocol):
     """The part of a torch device event the core relies on."""
 
     def query(self) -> bool: ...
+
+
+def byte_rows(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
+    form `prefix_cache.core._core`'s row copies take."""
+    if tensor.numel() == 0:  # nothing to view; the row width still has to match
+        return np.empty((len(tensor), math.prod(tensor.shape[1:]) * tensor.element_size()),
+                        dtype=np.uint8)
+    return tensor.detach().view(len(tensor), -1).view(torch.uint8).numpy()
 
 
 def _in_process(pid: int, release: Callable[[], None]) -> None:

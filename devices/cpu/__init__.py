@@ -9,14 +9,13 @@ against 0.4-0.6 ms for the single-thread copy there.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from prefix_cache.core import _core
-from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
+from prefix_cache.devices.base import (DeviceBackend, DeviceEvent, HostBuffer, Transfer,
+                                        byte_rows)
 
 
 class CpuBackend(DeviceBackend):
@@ -78,12 +77,5 @@ def copy_rows(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> No
         rows = rows.contiguous()
     if not slots.is_contiguous():
         slots = slots.contiguous()
-    _core.copy_rows(_byte_rows(rows), slots.numpy(), _byte_rows(pool))
+    _core.copy_rows(byte_rows(rows), slots.numpy(), byte_rows(pool))
 
-
-def _byte_rows(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's memory as a uint8 [rows, bytes per row] array (no copy)."""
-    if tensor.numel() == 0:  # nothing to view; the row width still has to match
-        return np.empty((len(tensor), math.prod(tensor.shape[1:]) * tensor.element_size()),
-                        dtype=np.uint8)
-    return tensor.detach().view(len(tensor), -1).view(torch.uint8).numpy()

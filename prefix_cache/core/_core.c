@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 /* A borrowed 1-D or 2-D C-contiguous array of 4- or 8-byte signed integers. */
@@ -697,13 +698,13 @@ typedef struct {
 } ByteRows;
 
 static int
-borrow_rows(PyObject *obj, const char *name, int writable, ByteRows *out)
+borrow_rows(const char *fn, PyObject *obj, const char *name, int writable, ByteRows *out)
 {
     out->held = 0;
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &out->buf, flags) < 0) {
-        PyErr_Format(PyExc_TypeError, "copy_rows: %s: expected a C-contiguous%s 2-D uint8 "
-                     "array, got %.80s", name, writable ? " writable" : "",
+        PyErr_Format(PyExc_TypeError, "%s: %s: expected a C-contiguous%s 2-D uint8 "
+                     "array, got %.80s", fn, name, writable ? " writable" : "",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
@@ -714,8 +715,8 @@ borrow_rows(PyObject *obj, const char *name, int writable, ByteRows *out)
     }
     if (out->buf.itemsize != 1 || out->buf.ndim != 2 || (*fmt != 'B' && *fmt != 'b') ||
             fmt[1] != '\0') {
-        PyErr_Format(PyExc_TypeError, "copy_rows: %s: expected a 2-D uint8 array, got format "
-                     "'%s', %zd-byte items, %d dims", name, out->buf.format,
+        PyErr_Format(PyExc_TypeError, "%s: %s: expected a 2-D uint8 array, got format "
+                     "'%s', %zd-byte items, %d dims", fn, name, out->buf.format,
                      out->buf.itemsize, out->buf.ndim);
         return -1;
     }
@@ -771,79 +772,88 @@ stream_copy(char *dst, const char *src, size_t len)
 #define HAVE_STREAM_STORES 0
 #endif
 
-PyDoc_STRVAR(copy_rows_doc,
-"copy_rows(src, slots, dst) -> None\n\n"
-"dst[slots[i]] = src[i] for each row i of src, a C-contiguous uint8 [n, W] array, into dst, a\n"
-"writable C-contiguous uint8 [num_slots, W] array (a pool's rows as bytes); slots is a\n"
-"C-contiguous int64 array of n slots. Each run of consecutive slots is one copy (non-temporal\n"
-"stores for a run of 64 KiB or more on x86-64, else memcpy), in row order, with the GIL\n"
-"released (copies of 64 KiB or more): a slot given twice (vLLM's null block 0 takes\n"
-"discarded rows) holds the last of its rows. Raises before copying anything, leaving dst\n"
-"unchanged: IndexError naming the first slot outside 0..num_slots-1 and its index;\n"
-"ValueError if the lengths or row widths differ or src and dst share memory.");
+/* Which way a copy runs between a caller's rows (one per index) and a pool's slots. */
+typedef enum { INTO_SLOTS, FROM_SLOTS } Direction;
 
-static PyObject *
-copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Copy rows [lo, hi) between `rows` and the pool's `slots`, a run of consecutive slots at a
+ * time (the slots were checked). Streaming stores for long runs are fenced before return. */
+static void
+copy_slot_runs(char *rows, char *pool, const int64_t *s, Py_ssize_t lo, Py_ssize_t hi,
+               size_t row, Direction dir)
 {
-    static const ArraySpec slot_spec = {1, "copy_rows: slots", 0, 1, 0, 1, 0};
-    if (nargs != 3) {
-        return PyErr_Format(PyExc_TypeError, "copy_rows takes 3 arguments, got %zd", nargs);
+    if (row == 0) {
+        return;
     }
-    ByteRows src, dst;
-    IntArray slots;
-    slots.held = dst.held = 0;
-    PyObject *result = NULL;
-    if (borrow_rows(args[0], "src", 0, &src) < 0 || borrow_rows(args[2], "dst", 1, &dst) < 0 ||
-            borrow(args[1], &slot_spec, &slots) < 0) {
-        goto done;
-    }
-    Py_ssize_t n = src.rows, width = src.width, num_slots = dst.rows;
-    if (slots.len != n || dst.width != width) {
-        PyErr_Format(PyExc_ValueError, "copy_rows: %zd slots for %zd rows of %zd bytes, into "
-                     "rows of %zd bytes", slots.len, n, width, dst.width);
-        goto done;
-    }
-    const int64_t *s = int64s(&slots);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (s[i] < 0 || s[i] >= num_slots) {
-            PyErr_Format(PyExc_IndexError, "copy_rows: slot %lld (index %zd) is outside "
-                         "0..%zd", (long long)s[i], i, num_slots - 1);
-            goto done;
-        }
-    }
-    /* the byte ranges: src.len == n * width and dst.len == num_slots * width, both allocated,
-     * so every offset below (a slot < num_slots or a row < n, times width) fits in them */
-    uintptr_t src_lo = (uintptr_t)src.buf.buf, dst_lo = (uintptr_t)dst.buf.buf;
-    if (src.buf.len > 0 && dst.buf.len > 0 && src_lo < dst_lo + (uintptr_t)dst.buf.len &&
-            dst_lo < src_lo + (uintptr_t)src.buf.len) {
-        PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst share memory; copy the rows "
-                        "first");
-        goto done;
-    }
-    const char *from = (const char *)src.buf.buf;
-    char *to = (char *)dst.buf.buf;
-    size_t row = (size_t)width;
-    int nogil = src.buf.len >= COPY_ROWS_NOGIL_BYTES;
-    PyThreadState *state = nogil ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t i = 0; i < n && row > 0;) {
+    for (Py_ssize_t i = lo; i < hi;) {
         Py_ssize_t first = i;
         /* s[i] < num_slots <= PY_SSIZE_T_MAX, so s[i] + 1 cannot overflow */
-        while (++i < n && s[i] == s[i - 1] + 1) {
+        while (++i < hi && s[i] == s[i - 1] + 1) {
         }
-        char *run_to = to + (size_t)s[first] * row;
-        const char *run_from = from + (size_t)first * row;
+        char *at_rows = rows + (size_t)first * row, *at_pool = pool + (size_t)s[first] * row;
+        char *to = dir == INTO_SLOTS ? at_pool : at_rows;
+        const char *from = dir == INTO_SLOTS ? at_rows : at_pool;
         size_t len = (size_t)(i - first) * row;
 #if HAVE_STREAM_STORES
         if (len >= COPY_ROWS_STREAM_BYTES) {
-            stream_copy(run_to, run_from, len);
+            stream_copy(to, from, len);
             /* streaming stores are ordered with no other store: fence them before any later
              * one (a row given the same slot again, the caller's flags after the call) */
             _mm_sfence();
             continue;
         }
 #endif
-        memcpy(run_to, run_from, len);
+        memcpy(to, from, len);
     }
+}
+
+/* copy_rows and gather_rows: borrow (src, slots, dst), check every slot and that the arrays
+ * do not overlap, then copy with the GIL released. */
+static PyObject *
+slot_copy(const char *fn, PyObject *const *args, Py_ssize_t nargs, Direction dir)
+{
+    char slots_name[32];
+    snprintf(slots_name, sizeof slots_name, "%s: slots", fn);
+    const ArraySpec slot_spec = {1, slots_name, 0, 1, 0, 1, 0};
+    if (nargs != 3) {
+        return PyErr_Format(PyExc_TypeError, "%s takes 3 arguments, got %zd", fn, nargs);
+    }
+    ByteRows src, dst;
+    IntArray slots;
+    slots.held = dst.held = 0;
+    PyObject *result = NULL;
+    if (borrow_rows(fn, args[0], "src", 0, &src) < 0 ||
+            borrow_rows(fn, args[2], "dst", 1, &dst) < 0 ||
+            borrow(args[1], &slot_spec, &slots) < 0) {
+        goto done;
+    }
+    const ByteRows *rows = dir == INTO_SLOTS ? &src : &dst;
+    const ByteRows *pool = dir == INTO_SLOTS ? &dst : &src;
+    Py_ssize_t n = rows->rows, width = rows->width, num_slots = pool->rows;
+    if (slots.len != n || pool->width != width) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd slots for %zd rows of %zd bytes, %s rows of "
+                     "%zd bytes", fn, slots.len, n, width,
+                     dir == INTO_SLOTS ? "into" : "from", pool->width);
+        goto done;
+    }
+    const int64_t *s = int64s(&slots);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || s[i] >= num_slots) {
+            PyErr_Format(PyExc_IndexError, "%s: slot %lld (index %zd) is outside 0..%zd", fn,
+                         (long long)s[i], i, num_slots - 1);
+            goto done;
+        }
+    }
+    /* the byte ranges: rows.len == n * width and pool.len == num_slots * width, both
+     * allocated, so every offset below (a slot < num_slots or a row < n, times width) fits */
+    uintptr_t src_lo = (uintptr_t)src.buf.buf, dst_lo = (uintptr_t)dst.buf.buf;
+    if (src.buf.len > 0 && dst.buf.len > 0 && src_lo < dst_lo + (uintptr_t)dst.buf.len &&
+            dst_lo < src_lo + (uintptr_t)src.buf.len) {
+        PyErr_Format(PyExc_ValueError, "%s: src and dst share memory; copy the rows first", fn);
+        goto done;
+    }
+    int nogil = rows->buf.len >= COPY_ROWS_NOGIL_BYTES;
+    PyThreadState *state = nogil ? PyEval_SaveThread() : NULL;
+    copy_slot_runs((char *)rows->buf.buf, (char *)pool->buf.buf, s, 0, n, (size_t)width, dir);
     if (nogil) {
         PyEval_RestoreThread(state);
     }
@@ -859,12 +869,42 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(copy_rows_doc,
+"copy_rows(src, slots, dst) -> None\n\n"
+"dst[slots[i]] = src[i] for each row i of src, a C-contiguous uint8 [n, W] array, into dst, a\n"
+"writable C-contiguous uint8 [num_slots, W] array (a pool's rows as bytes); slots is a\n"
+"C-contiguous int64 array of n slots. Each run of consecutive slots is one copy (non-temporal\n"
+"stores for a run of 64 KiB or more on x86-64, else memcpy), in row order, with the GIL\n"
+"released (copies of 64 KiB or more): a slot given twice (vLLM's null block 0 takes\n"
+"discarded rows) holds the last of its rows. Raises before copying anything, leaving dst\n"
+"unchanged: IndexError naming the first slot outside 0..num_slots-1 and its index;\n"
+"ValueError if the lengths or row widths differ or src and dst share memory.");
+
+static PyObject *
+copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return slot_copy("copy_rows", args, nargs, INTO_SLOTS);
+}
+
+PyDoc_STRVAR(gather_rows_doc,
+"gather_rows(src, slots, dst) -> None\n\n"
+"dst[i] = src[slots[i]] for each of the n int64 slots, from src, a C-contiguous uint8\n"
+"[num_slots, W] array (a pool's rows as bytes), into dst, a writable C-contiguous uint8\n"
+"[n, W] array: copy_rows the other way, with the same copies of runs, GIL release, checks\n"
+"and errors (dst unchanged when it raises).");
+
+static PyObject *
+gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return slot_copy("gather_rows", args, nargs, FROM_SLOTS);
+}
+
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
     METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
-    METHOD(copy_rows),
+    METHOD(copy_rows), METHOD(gather_rows),
     {NULL, NULL, 0, NULL},
 };
 
