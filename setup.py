@@ -1,8 +1,15 @@
-"""Builds prefix_cache.core._core, the C loops of a step's bookkeeping; everything else is in
-pyproject.toml. Needs a C compiler and the Python headers (python3-dev)."""
+"""Builds the C modules: prefix_cache.core._core, the loops of a step's bookkeeping and the
+host row copies, and prefix_cache.devices.cuda._dma, the copy-engine issuer (it links no CUDA
+library: the runtime's functions are passed in). Everything else is in pyproject.toml. Needs a
+C compiler and the Python headers (python3-dev)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("prefix_cache.core._core", ["prefix_cache/core/_core.c"],
-                             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra",
-                                                 "-Wno-unused-parameter"])])
+FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+setup(ext_modules=[
+    Extension("prefix_cache.core._core", ["prefix_cache/core/_core.c"], extra_compile_args=FLAGS),
+    Extension("prefix_cache.devices.cuda._dma", ["prefix_cache/devices/cuda/_dma.c"],
+              extra_compile_args=[*FLAGS, "-D_GNU_SOURCE", "-pthread"],
+              extra_link_args=["-pthread"]),
+])

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
@@ -139,7 +140,7 @@ class AcceleratorBackend(DeviceBackend):
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
-                     in_stream: bool = False) -> Transfer:
+                     in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         if staging is None:  # a one-off write (deferred keys): a pinned page of its own
             staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         if staging.shape[0] < rows.shape[0]:

@@ -222,7 +222,7 @@ class DeviceBackend(ABC):
     @abstractmethod
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
-                     in_stream: bool = False) -> Transfer:
+                     in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready` (or in stream order).
 
         `rows` is `[n, F]` on the device, `slots` an int64 CPU tensor of n
@@ -230,8 +230,9 @@ class DeviceBackend(ABC):
         may take any number of discarded rows), `pool.tensor` a `[num_slots, F]`
         host tensor. Where `device_slots` is True, an in-stream write also takes
         `slots` on the device: the runner's slot mapping (int32 or int64), whose first
-        n entries are the rows' slots (it may be longer). `staging` is a host
-        `[>= n, F]` buffer for backends that stage (`needs_staging`); None lets
+        n entries are the rows' slots (it may be longer); `host_slots`, where the caller has
+        them, are the same n slots as an int64 host array. `staging` is a host `[>= n, F]`
+        buffer for backends that stage (`needs_staging`); None lets
         them take a page of their own.
         """
 

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer
@@ -118,7 +119,7 @@ class FaultyBackend(DeviceBackend):
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
-                     in_stream: bool = False) -> Transfer:
+                     in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         self._maybe_raise("scatter_rows")
         if self.delay_writes is not None:  # the write itself runs late, as a slow DMA would
             gate, host_rows = self.delay_writes, rows.to("cpu", copy=True)

@@ -22,8 +22,9 @@ ALLOWED = {
     "integration": {"config", "errors", "devices", "core", "channel", "manager", "__init__"},
     "tools": {"*"},
 }
-#: The C loops import nothing: any layer may call them (the CPU backend's pool write does).
-LEAVES = {"prefix_cache.core._core"}
+#: The C modules import nothing: any layer may call them (the CPU backend's pool write calls
+#: the core's loops; the CUDA backend's copy-engine issuer is its own).
+LEAVES = {"prefix_cache.core._core", "prefix_cache.devices.cuda._dma"}
 #: Modules directly under prefix_cache/: the package's face.
 FACE = {"__init__", "__main__", "config", "errors", "manager", "vllm_runners"}
 

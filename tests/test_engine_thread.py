@@ -103,16 +103,22 @@ def test_a_warm_mixed_run_allocates_no_pinned_memory_on_the_engine_thread(backen
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("write_stream,slot_dtype", [("compute", torch.int64),
-                                                     ("compute", torch.int32),
-                                                     ("compute", None), ("copy", None)])
-def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_stream, slot_dtype):
+@pytest.mark.parametrize("write_stream,slot_dtype,dma", [
+    ("compute", torch.int64, False), ("compute", torch.int32, False), ("compute", None, False),
+    ("copy", None, False), ("compute", torch.int64, True), ("copy", None, True)])
+def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_stream, slot_dtype,
+                                                                       dma):
     """Under set_sync_debug_mode("error"), with the forward busy on a non-default stream and
     every buffer overwritten after the call, past the first steps (leftover and deferred keys
     on every step, requests finishing so their deferred writes go out); writes on either
-    stream, with the runner's device slot mapping (int64 or int32) or the host's slots."""
+    stream, with the runner's device slot mapping (int64 or int32) or the host's slots, by
+    the scatter kernel or (`dma`: every save, however small) by the copy engine."""
     from prefix_cache import devices
     backend = devices.get_backend("cuda")
+    if dma and backend._dma is None:
+        pytest.fail("the cuda backend started without copy-engine saves")
+    if dma:
+        backend.dma_min_bytes = 0
     manager, d = make(backend, num_blocks=64, block_size=16, staging_depth=4,
                       write_stream=write_stream)
     manager.register_policy(ModelCachePolicy(deferred_keys={"codes"}))

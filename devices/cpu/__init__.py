@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from prefix_cache.core import _core
@@ -40,7 +41,7 @@ class CpuBackend(DeviceBackend):
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
-                     in_stream: bool = False) -> Transfer:
+                     in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         """`pool.tensor[slots[i]] = rows[i]`, complete when it returns.
 
         Rows of another dtype are converted to the pool's first (the core never passes

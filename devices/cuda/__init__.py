@@ -1,9 +1,13 @@
-"""NVIDIA GPUs: exact-size mapped pinned pools and a small-grid scatter kernel into them.
+"""NVIDIA GPUs: exact-size mapped pinned pools, written by the copy engine or a small-grid
+scatter kernel.
 
-A step's rows cross PCIe once, from the device clone straight into their pool
-slots, on the copy stream after the forward. If mapping host memory is not
-available (no unified addressing, a driver refusal, no Triton and no mapped
-view), a start-up self-test falls back to the staged path shared with NPU.
+A step's rows cross PCIe once, straight into their pool slots. A save of at least
+`dma.DMA_MIN_BYTES` of a key (prefill) is one `cudaMemcpyBatchAsync` of its slot runs on
+the copy stream, issued off the engine thread (`dma`); a smaller one (decode) is the
+Triton scatter kernel, which reads the rows in place. While a DMA save may still be
+writing, every later save goes by DMA too: copies into one slot land in save order. If
+mapping host memory is not available (no unified addressing, a driver refusal, no Triton
+and no mapped view), a start-up self-test falls back to the staged path shared with NPU.
 
 No slot is trusted: a row whose slot lies outside its pool is not written (host
 memory outside the mapped pool is not the cache's), and the write's landing fails
@@ -17,12 +21,14 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import (CHECK_SLOTS_ENV, DeviceEvent, HostBuffer, Transfer,
                                        slot_checks_on)
 from prefix_cache.devices.cuda import scatter
+from prefix_cache.devices.cuda.dma import DMA_MIN_BYTES, DmaDone, RunCopier, dma_enabled
 from prefix_cache.devices.cuda.host_memory import register_host
 from prefix_cache.devices.cuda.slot_pages import (SlotLease, SlotPages, count_out_of_range,
                                                   out_of_range_error)
@@ -55,6 +61,36 @@ class CudaBackend(AcceleratorBackend):
             self._slot_pages.close()
             self._slot_pages = None
         self.device_slots = self.zero_copy
+        #: saves of a key at least this large go by DMA (tests lower it to send every save)
+        self.dma_min_bytes = DMA_MIN_BYTES
+        self._dma = self._start_dma()
+
+    def _start_dma(self) -> RunCopier | None:
+        """The copy-engine path, unless turned off or the runtime has no batch copies."""
+        if not dma_enabled():
+            return None
+        copier = None
+        try:
+            copier = RunCopier(self.device.index, self.copy_stream)
+            pool = register_host((8, 4), torch.float32, self.device)
+            try:  # rows into scattered slots, read back
+                pool.tensor.zero_()
+                rows = torch.arange(16, device=self.device, dtype=torch.float32).view(4, 4)
+                done = copier.submit(rows, np.array([5, 2, 1, 6]), pool, None,
+                                     self._raw_current_stream())
+                done.synchronize()
+                _dma_failed(done)
+                if not torch.equal(pool.tensor[[5, 2, 1, 6]], rows.cpu()):
+                    raise RuntimeError("rows read back differ from rows written")
+            finally:
+                pool.close()
+        except (RuntimeError, OSError) as exc:
+            logger.warning("CUDA copy-engine saves unavailable (%s); using the scatter kernel",
+                           exc)
+            if copier is not None:
+                copier.close()
+            return None
+        return copier
 
     def _self_test(self) -> bool:
         """Scatter rows of each word width into a mapped buffer, through the first launch and
@@ -94,7 +130,18 @@ class CudaBackend(AcceleratorBackend):
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
-                     in_stream: bool = False) -> Transfer:
+                     in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
+        if slots.device.type == "cpu":
+            host_slots = slots.numpy()
+        if self._dma is not None and host_slots is not None and pool.pinned and (
+                rows.numel() * rows.element_size() >= self.dma_min_bytes or self._dma.pending()):
+            return self._scatter_dma(rows, host_slots[: rows.shape[0]], pool, ready=ready,
+                                     in_stream=in_stream)
+        if self._dma is not None and self._dma.pending() and not self.drain(
+                CLOSE_DRAIN_TIMEOUT_S):  # device slots alone (no caller in the core): the
+            raise RuntimeError(         # kernel may not overtake a DMA save into its slots
+                f"cuda backend: a copy-engine save still running after "
+                f"{CLOSE_DRAIN_TIMEOUT_S:.0f}s")
         if self.zero_copy and pool.device_view is not None:
             return self._scatter_mapped(rows, slots, pool, ready=ready, in_stream=in_stream)
         return super().scatter_rows(rows, slots, pool, ready=ready, staging=staging,
@@ -134,6 +181,19 @@ class CudaBackend(AcceleratorBackend):
         return Transfer(event=done, keepalive=(rows,),
                         verify=self._verifier(lease, n, num_slots, slots if host_slots else None))
 
+    def _scatter_dma(self, rows: torch.Tensor, slots: np.ndarray, pool: HostBuffer, *,
+                     ready: DeviceEvent | None, in_stream: bool) -> Transfer:
+        """The rows' copy into their slots by the copy engine, from a private copy where the
+        caller's stream may overwrite them (`in_stream`) or they are strided."""
+        if rows.dtype != pool.tensor.dtype:
+            raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
+        if in_stream or not rows.is_contiguous():  # copied on the caller's stream: the copy
+            rows = rows.clone(memory_format=torch.contiguous_format)  # engine waits for it
+            ready = None
+        done = self._dma.submit(rows, np.ascontiguousarray(slots, dtype=np.int64), pool, ready,
+                                self._raw_current_stream())
+        return Transfer(event=done, keepalive=(rows, ready), verify=lambda: _dma_failed(done))
+
     def _verifier(self, lease: SlotLease, n: int, num_slots: int,
                   host_slots: torch.Tensor | None) -> Callable[[], None]:
         """The landing's check of a launch: raise if it refused rows (read from its flag cells,
@@ -158,6 +218,11 @@ class CudaBackend(AcceleratorBackend):
             raise out_of_range_error(f"cuda scatter ({CHECK_SLOTS_ENV}=1)", refused, n,
                                      num_slots, host)
 
+    def drain(self, timeout_s: float) -> bool:
+        if self._dma is not None and not self._dma.flush(timeout_s):
+            return False  # a DMA save is still not issued on the copy stream
+        return super().drain(timeout_s)
+
     def close(self) -> None:
         if self._slot_pages is None:
             return
@@ -168,6 +233,9 @@ class CudaBackend(AcceleratorBackend):
             return
         self._slot_pages.close()
         self._slot_pages = None
+        if self._dma is not None:
+            self._dma.close()
+            self._dma = None
 
     def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,
                           attention_backend: str | None = None) -> str | None:
@@ -177,3 +245,10 @@ class CudaBackend(AcceleratorBackend):
         kernel = kernel_block_size if kernel_block_size is not None else int(table.block_size)
         return check_kernel_block(CUDA_KERNEL_BLOCK_SIZES, "CUDA", kernel, block_size,
                                   attention_backend)
+
+
+def _dma_failed(done: DmaDone) -> None:
+    """The landing's check of a DMA save: raise if a CUDA call of it failed."""
+    error = done.error()
+    if error is not None:
+        raise RuntimeError(f"cuda DMA save: {error}; its rows were not written")

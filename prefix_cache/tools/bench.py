@@ -75,6 +75,21 @@ def _timeit(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _seconds(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _without_dma(backend: DeviceBackend, fn: Callable[[], Any]) -> Any:
+    """`fn()` with every save of a CUDA backend on the scatter kernel (none by copy engine)."""
+    threshold, backend.dma_min_bytes = backend.dma_min_bytes, sys.maxsize
+    try:
+        return fn()
+    finally:
+        backend.dma_min_bytes = threshold
+
+
 def _pipelined(backend: DeviceBackend, launch: Callable[[], Transfer | None]
                ) -> Callable[[], None]:
     """SAVES_IN_FLIGHT launches back to back, then wait for all: throughput as steps overlap."""
@@ -124,6 +139,8 @@ def measure_save(backend: DeviceBackend, tokens: int, num_blocks: int, dtype: to
         return SAVES_IN_FLIGHT * nbytes / _timeit(_pipelined(backend, launch), repeat) / 1e9
 
     out = {"scatter": gbs(scatter), "contiguous": gbs(contiguous)}
+    if getattr(backend, "dma_min_bytes", None) is not None:  # the kernel, side by side
+        out["kernel"] = _without_dma(backend, lambda: gbs(scatter))
     if isinstance(backend, AcceleratorBackend):
         out["staged"] = gbs(staged)
     assert torch.equal(pool.tensor[slots[:4]], rows[:4].cpu()), "scatter wrote wrong rows"
@@ -367,16 +384,33 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
 
     device_slots = slots.to(backend.device) if backend.device_slots else slots
 
-    def in_stream_save() -> Transfer:
+    def in_stream_save() -> Transfer:  # as the cache's save: the runner's mapping and the host's
         return backend.scatter_rows(rows, device_slots, pool, ready=None, staging=staging.tensor,
-                                    in_stream=True)
+                                    in_stream=True, host_slots=slots.numpy())
 
-    alone = _timeit(lambda: loop(None), 3)
-    out = {"copy": _timeit(lambda: loop(kernel_save), 3) / alone,
-           "compute": _timeit(lambda: loop(in_stream_save), 3) / alone}
-    if pool.device_view is not None:
+    def full_grid_on_copy_stream() -> None:
         with torch.cuda.stream(backend.copy_stream):
-            out["full_grid"] = _timeit(lambda: loop(full_grid_save), 3) / alone
+            loop(full_grid_save)
+
+    runs = {"copy": lambda: loop(kernel_save), "compute": lambda: loop(in_stream_save)}
+    if getattr(backend, "dma_min_bytes", None) is not None:  # the kernel, side by side
+        runs["compute_kernel"] = lambda: _without_dma(backend, lambda: loop(in_stream_save))
+    if pool.device_view is not None:
+        runs["full_grid"] = full_grid_on_copy_stream
+    # each ratio from a pair of loops run back to back, in alternating order: a GEMM loop
+    # heats the device and its clocks drift over seconds, which timing every loop with
+    # saves after every loop alone would count as the saves' cost
+    ratios: dict[str, list[float]] = {name: [] for name in runs}
+    for run in (lambda: loop(None), *runs.values()):
+        run()  # warm-up
+    for rep in range(3):
+        for name, run in runs.items():
+            if rep % 2 == 0:
+                alone, with_saves = _seconds(lambda: loop(None)), _seconds(run)
+            else:
+                with_saves, alone = _seconds(run), _seconds(lambda: loop(None))
+            ratios[name].append(with_saves / alone)
+    out = {name: statistics.median(values) for name, values in ratios.items()}
     pool.close()
     staging.close()
     return out
@@ -572,6 +606,9 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                            f"{save['contiguous']:.1f} GB/s",
                            f"{tokens} tok x {WIDTH}, {SAVES_IN_FLIGHT} in flight: "
                            f"scatter {save['scatter']:.1f} GB/s"
+                           + (f", by the kernel {save['kernel']:.1f} GB/s "
+                              f"({save['kernel'] / save['contiguous']:.2f})"
+                              if "kernel" in save else "")
                            + (f", staged design {save['staged']:.1f} GB/s "
                               f"({save['staged'] / save['contiguous']:.2f})"
                               if "staged" in save else ""))
@@ -609,10 +646,14 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                            "resident)")
     if backend.name == "cuda":
         inter = gemm_interference(backend, dtype, 10 if quick else 30)
-        metrics["M7"] = Metric(inter["compute"], "GEMM loop alone",
+        metrics["M7"] = Metric(inter["compute"], "GEMM loop alone, each pair run back to back",
                                f"saves between the GEMMs; on the copy stream "
-                               f"{inter['copy']:.3f}, full-grid index_copy_ there "
-                               f"{inter.get('full_grid', float('nan')):.3f}")
+                               f"{inter['copy']:.3f}"
+                               + (f"; by the kernel between the GEMMs "
+                                  f"{inter['compute_kernel']:.3f}"
+                                  if "compute_kernel" in inter else "")
+                               + f"; full-grid index_copy_ on the copy stream "
+                                 f"{inter.get('full_grid', float('nan')):.3f}")
     else:
         metrics["M7"] = Metric(None, "needs a device whose compute the save could slow",
                                f"{backend.name}: copies run on the host")

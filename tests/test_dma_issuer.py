@@ -1,0 +1,221 @@
+"""The copy-engine issuer (`prefix_cache.devices.cuda._dma`) on CPU, over a stand-in CUDA runtime.
+
+No CUDA runtime exists on this machine, so the runtime's functions are Python callbacks that
+do what the device would: the batch copy moves host bytes run by run, an event completes when
+the test opens its gate. What is real is all of `_dma`: the run planning, the checks, the
+issuing thread, submit order, waits, failures and the ring. The same module runs on an H200
+against the real runtime in `tests/test_cuda_dma.py`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from prefix_cache.devices.cuda import _dma
+
+NOT_READY = 600
+INVALID_VALUE = 1
+ROW = 64  # bytes a row
+ERROR_NAME = ctypes.create_string_buffer(b"cudaErrorInvalidValue")  # what the runtime names
+
+_int = ctypes.c_int
+_vp = ctypes.c_void_p
+_sz = ctypes.c_size_t
+
+
+class FakeRuntime:
+    """cudaSetDevice ... cudaMemcpyBatchAsync, CUDA 13 forms, as ctypes callbacks.
+
+    `device_busy` cleared: events recorded from then on stay incomplete until it is set.
+    `fail_batch`: the batch call returns cudaErrorInvalidValue. `calls` records each batch
+    call's (first destination, runs)."""
+
+    def __init__(self) -> None:
+        self.device_busy = threading.Event()
+        self.device_busy.set()
+        self.fail_batch = False
+        self.calls: list[tuple[int, int]] = []
+        self.waits = 0
+        self._events: dict[int, threading.Event] = {}
+        self._next = 1
+        self._lock = threading.Lock()
+        proto = ctypes.CFUNCTYPE
+        self.functions = [
+            proto(_int, _int)(lambda device: 0),
+            proto(_int, ctypes.POINTER(_vp), ctypes.c_uint)(self._create),
+            proto(_int, _vp, _vp)(self._record),
+            proto(_int, _vp)(lambda ev: 0 if self._events[ev].is_set() else NOT_READY),
+            proto(_int, _vp)(lambda ev: self._events[ev].wait() and 0),
+            proto(_int, _vp)(lambda ev: 0),
+            proto(_int, _vp, _vp, ctypes.c_uint)(self._wait_event),
+            proto(_int)(lambda: 0),
+            proto(_vp, _int)(lambda err: ctypes.addressof(ERROR_NAME)),
+            proto(_int, ctypes.POINTER(_vp), ctypes.POINTER(_vp), ctypes.POINTER(_sz), _sz, _vp,
+                  ctypes.POINTER(_sz), _sz, _vp)(self._batch),
+        ]
+        self.addresses = tuple(ctypes.cast(f, _vp).value for f in self.functions)
+
+    def _create(self, out, flags) -> int:
+        with self._lock:
+            handle, self._next = self._next, self._next + 1
+        self._events[handle] = threading.Event()
+        self._events[handle].set()
+        out[0] = handle
+        return 0
+
+    def _record(self, event, stream) -> int:
+        gate = self._events[event]
+        gate.clear()
+        if self.device_busy.is_set():
+            gate.set()
+        else:  # completes when the device is free again
+            threading.Thread(target=lambda: (self.device_busy.wait(), gate.set()),
+                             daemon=True).start()
+        return 0
+
+    def _wait_event(self, stream, event, flags) -> int:
+        self.waits += 1
+        return 0
+
+    def _batch(self, dsts, srcs, sizes, count, attrs, attr_idx, num_attrs, stream) -> int:
+        if self.fail_batch:
+            return INVALID_VALUE
+        self.calls.append((dsts[0], count))
+        for i in range(count):
+            ctypes.memmove(dsts[i], srcs[i], sizes[i])
+        return 0
+
+
+@pytest.fixture
+def runtime() -> FakeRuntime:
+    return FakeRuntime()
+
+
+def issuer_of(runtime: FakeRuntime, ring: int = 8) -> _dma.Issuer:
+    return _dma.Issuer(runtime.addresses, 13000, 0, 1234, ring)
+
+
+def save(issuer: _dma.Issuer, rows: np.ndarray, slots: list[int] | np.ndarray,
+         pool: np.ndarray) -> int:
+    return issuer.submit(0, 0, rows.ctypes.data, ROW, np.asarray(slots, dtype=np.int64),
+                         pool.ctypes.data, len(pool))
+
+
+def test_rows_land_in_their_slots_a_run_at_a_time_in_calls_of_at_most_16_runs(runtime) -> None:
+    rng = np.random.default_rng(0)
+    blocks = rng.permutation(np.arange(1, 64))[:40]
+    slots = (blocks[:, None] * 4 + np.arange(4)).ravel()  # 40 runs of 4 slots (or merged)
+    slots = np.concatenate([slots, [0, 0]])  # discarded rows to the null slot
+    rows = rng.integers(0, 255, (len(slots), ROW), dtype=np.uint8)
+    pool = np.zeros((256, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    job = save(issuer, rows, slots, pool)
+    issuer.synchronize(job)
+    assert issuer.query(job) and issuer.error(job) is None
+    want = np.zeros_like(pool)
+    want[slots] = rows
+    assert np.array_equal(pool, want)
+    runs = 1 + int(np.count_nonzero(np.diff(slots) != 1))
+    assert sum(count for _, count in runtime.calls) == runs
+    assert all(count <= 16 for _, count in runtime.calls) and len(runtime.calls) == -(-runs // 16)
+    assert runtime.waits == 1  # the copy stream waited on the caller's stream once
+    issuer.close()
+
+
+def test_jobs_are_issued_in_submit_order_and_a_later_one_into_a_slot_wins(runtime) -> None:
+    pool = np.zeros((64, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    rows = [np.full((8, ROW), i + 1, dtype=np.uint8) for i in range(6)]
+    jobs = [save(issuer, r, np.arange(8, 16), pool) for r in rows]
+    issuer.synchronize(jobs[-1])
+    assert all(issuer.query(job) for job in jobs)
+    assert (pool[8:16] == 6).all()
+    assert [dst for dst, _ in runtime.calls] == [pool[8:].ctypes.data] * 6
+    issuer.close()
+
+
+def test_a_slot_outside_the_pool_raises_and_queues_nothing(runtime) -> None:
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    rows = np.ones((3, ROW), dtype=np.uint8)
+    for bad in (16, -1, 2**62):
+        with pytest.raises(IndexError, match=rf"cuda DMA: slot {bad} \(index 1\) is outside "
+                                             r"0\.\.15"):
+            save(issuer, rows, [2, bad, 3], pool)
+    with pytest.raises(TypeError, match="slots must be a 1-D int64 array"):
+        issuer.submit(0, 0, rows.ctypes.data, ROW, np.array([1, 2, 3], dtype=np.int32),
+                      pool.ctypes.data, 16)
+    assert issuer.flush(5.0) and not runtime.calls and runtime.waits == 0
+    assert not pool.any()
+    issuer.close()
+
+
+def test_a_failed_batch_is_over_and_names_its_call(runtime) -> None:
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    runtime.fail_batch = True
+    job = save(issuer, np.ones((2, ROW), dtype=np.uint8), [4, 5], pool)
+    assert issuer.wait(job, 5.0)
+    assert issuer.error(job) == "cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)"
+    runtime.fail_batch = False
+    rows = np.ones((2, ROW), dtype=np.uint8)  # alive until copied
+    later = save(issuer, rows, [4, 5], pool)
+    issuer.synchronize(later)
+    assert issuer.error(later) is None and (pool[4:6] == 1).all()
+    issuer.close()
+
+
+def test_waits_are_bounded_while_the_device_is_busy(runtime) -> None:
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    runtime.device_busy.clear()
+    job = save(issuer, np.ones((2, ROW), dtype=np.uint8), [4, 5], pool)
+    assert issuer.flush(5.0)  # issued on the copy stream, not done
+    start = time.monotonic()
+    assert not issuer.wait(job, 0.05)
+    assert time.monotonic() - start < 1.0
+    assert not issuer.query(job)
+    runtime.device_busy.set()
+    assert issuer.wait(job, 5.0) and issuer.query(job)
+    issuer.close()
+
+
+def test_a_full_ring_refuses_and_a_released_job_frees_its_place(runtime) -> None:
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime, ring=2)
+    rows = np.ones((1, ROW), dtype=np.uint8)
+    first, second = save(issuer, rows, [1], pool), save(issuer, rows, [2], pool)
+    with pytest.raises(RuntimeError, match="2 copies in flight, none released: the ring is full"):
+        save(issuer, rows, [3], pool)
+    issuer.synchronize(second)
+    issuer.release(first)
+    third = save(issuer, rows, [3], pool)
+    issuer.synchronize(third)
+    assert (pool[1:4] == 1).all()
+    with pytest.raises(ValueError, match=f"dma: no job {first}"):  # its place is reused
+        issuer.query(first)
+    issuer.close()
+
+
+def test_close_issues_what_is_queued_and_refuses_later_saves(runtime) -> None:
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    rows = [np.full((1, ROW), i + 1, dtype=np.uint8) for i in range(5)]  # alive until copied
+    jobs = [save(issuer, r, [i + 1], pool) for i, r in enumerate(rows)]
+    issuer.close()
+    assert all(issuer.query(job) for job in jobs)
+    assert list(pool[1:6, 0]) == [1, 2, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="submit after close"):
+        save(issuer, np.ones((1, ROW), dtype=np.uint8), [1], pool)
+
+
+def test_the_issuer_refuses_a_runtime_without_batch_copies(runtime) -> None:
+    with pytest.raises(ValueError, match="needs CUDA runtime >= 12.8"):
+        _dma.Issuer(runtime.addresses, 12040, 0, 1234, 8)
+    with pytest.raises(ValueError, match="10 function addresses"):
+        _dma.Issuer(runtime.addresses[:9], 13000, 0, 1234, 8)
