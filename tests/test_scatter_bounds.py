@@ -178,6 +178,7 @@ def _host_cuda_backend(pages: SlotPages, *, check_slots: bool = False) -> CudaBa
     backend.zero_copy = True
     backend.use_kernel = False
     backend.check_slots = check_slots
+    backend._dma = None  # the kernel path (copy-engine saves: tests/test_cuda_dma.py)
     completed = threading.Event()
     completed.set()
     backend._issue_scope = lambda ready, in_stream: contextlib.nullcontext()

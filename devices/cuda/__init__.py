@@ -1,18 +1,19 @@
 """NVIDIA GPUs: exact-size mapped pinned pools, written by the copy engine or a small-grid
 scatter kernel.
 
-A step's rows cross PCIe once, straight into their pool slots. A save of at least
-`dma.DMA_MIN_BYTES` of a key (prefill) is one `cudaMemcpyBatchAsync` of its slot runs on
-the copy stream, issued off the engine thread (`dma`); a smaller one (decode) is the
-Triton scatter kernel, which reads the rows in place. While a DMA save may still be
-writing, every later save goes by DMA too: copies into one slot land in save order. If
-mapping host memory is not available (no unified addressing, a driver refusal, no Triton
-and no mapped view), a start-up self-test falls back to the staged path shared with NPU.
+A step's rows cross PCIe once, straight into their pool slots. A save of a key of at least
+1 MiB (`dma.DMA_MIN_BYTES`: prefill) is one `cudaMemcpyBatchAsync` of its slot runs on the
+copy stream, issued off the engine thread (`dma`); a smaller one (decode) is the Triton
+scatter kernel, which reads the rows in place. While a DMA save may still be writing, every
+later save goes by DMA too, so copies into one slot land in save order. If mapping host
+memory is not available (no unified addressing, a driver refusal, no Triton and no mapped
+view), a start-up self-test falls back to the staged path shared with NPU.
 
-No slot is trusted: a row whose slot lies outside its pool is not written (host
-memory outside the mapped pool is not the cache's), and the write's landing fails
-its task with a `SlotRangeError` (`Transfer.verify`), read from the launch's
-mapped flag cells without a device synchronization.
+No slot is trusted. A DMA save checks its host slots before it queues anything and raises
+IndexError naming the first outside the pool. The kernel does not write a row whose slot
+lies outside its pool (host memory outside the mapped pool is not the cache's), and the
+write's landing fails its task with a `SlotRangeError` (`Transfer.verify`), read from the
+launch's mapped flag cells without a device synchronization.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import (CHECK_SLOTS_ENV, DeviceEvent, HostBuffer, Transfer,
                                        slot_checks_on)
 from prefix_cache.devices.cuda import scatter
-from prefix_cache.devices.cuda.dma import DMA_MIN_BYTES, DmaDone, RunCopier, dma_enabled
+from prefix_cache.devices.cuda.dma import DmaDone, RunCopier, dma_enabled, dma_min_bytes
 from prefix_cache.devices.cuda.host_memory import register_host
 from prefix_cache.devices.cuda.slot_pages import (SlotLease, SlotPages, count_out_of_range,
                                                   out_of_range_error)
@@ -62,7 +63,7 @@ class CudaBackend(AcceleratorBackend):
             self._slot_pages = None
         self.device_slots = self.zero_copy
         #: saves of a key at least this large go by DMA (tests lower it to send every save)
-        self.dma_min_bytes = DMA_MIN_BYTES
+        self.dma_min_bytes = dma_min_bytes()
         self._dma = self._start_dma()
 
     def _start_dma(self) -> RunCopier | None:

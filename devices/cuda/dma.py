@@ -27,6 +27,8 @@ DMA_ENV = "OMNI_PREFIX_CACHE_CUDA_DMA"
 #: Saves of at least this many bytes of a key go by DMA; smaller ones (decode steps) take the
 #: kernel, which needs no private copy and whose launch costs less than a batch's issue.
 DMA_MIN_BYTES = 1 << 20
+#: Overrides DMA_MIN_BYTES (0: every save by DMA, as the GPU engine tests run it).
+DMA_MIN_BYTES_ENV = "OMNI_PREFIX_CACHE_CUDA_DMA_MIN_BYTES"
 #: Jobs an issuer holds at once: saves in flight, bounded in practice by the staging slots.
 RING = 4096
 
@@ -38,6 +40,15 @@ _RUNTIME_FUNCTIONS = ("cudaSetDevice", "cudaEventCreateWithFlags", "cudaEventRec
 
 def dma_enabled() -> bool:
     return os.environ.get(DMA_ENV, "1") not in ("", "0")
+
+
+def dma_min_bytes() -> int:
+    """The smallest save of a key that goes by DMA: DMA_MIN_BYTES_ENV, else DMA_MIN_BYTES."""
+    value = os.environ.get(DMA_MIN_BYTES_ENV, "")
+    try:
+        return DMA_MIN_BYTES if value == "" else max(0, int(value))
+    except ValueError:
+        raise ValueError(f"{DMA_MIN_BYTES_ENV}={value!r} is not a number of bytes") from None
 
 
 def _loaded_cudart() -> ctypes.CDLL:
