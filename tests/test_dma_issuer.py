@@ -180,6 +180,9 @@ def test_waits_are_bounded_while_the_device_is_busy(runtime) -> None:
     assert not issuer.wait(job, 0.05)
     assert time.monotonic() - start < 1.0
     assert not issuer.query(job)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="is not 0 to 1e9 seconds"):
+            issuer.wait(job, bad)
     runtime.device_busy.set()
     assert issuer.wait(job, 5.0) and issuer.query(job)
     issuer.close()

@@ -15,6 +15,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -423,6 +424,28 @@ settle(Issuer *self, Job *job)
     return job->state;
 }
 
+/* The CLOCK_REALTIME time (the condition variables' clock) `timeout_s` from now; raises
+ * ValueError for a timeout that is not a number of seconds from 0 to 1e9. */
+static int
+deadline_after(double timeout_s, struct timespec *deadline)
+{
+    if (!(timeout_s >= 0.0 && timeout_s <= 1e9)) {
+        char text[32];
+        snprintf(text, sizeof text, "%g", timeout_s);
+        PyErr_Format(PyExc_ValueError, "dma: timeout %s is not 0 to 1e9 seconds", text);
+        return -1;
+    }
+    clock_gettime(CLOCK_REALTIME, deadline);
+    time_t whole = (time_t)timeout_s;
+    deadline->tv_sec += whole;
+    deadline->tv_nsec += (long)((timeout_s - (double)whole) * 1e9);
+    if (deadline->tv_nsec >= 1000000000L) {
+        deadline->tv_sec++;
+        deadline->tv_nsec -= 1000000000L;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(query_doc, "query(job) -> bool\n\nWhether the job is over: copied, or failed.");
 
 static PyObject *
@@ -455,13 +478,8 @@ issuer_wait(Issuer *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     struct timespec now, deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    double whole = (double)(time_t)timeout_s;
-    deadline.tv_sec += (time_t)whole;
-    deadline.tv_nsec += (long)((timeout_s - whole) * 1e9);
-    if (deadline.tv_nsec >= 1000000000L) {
-        deadline.tv_sec++;
-        deadline.tv_nsec -= 1000000000L;
+    if (deadline_after(timeout_s, &deadline) < 0) {
+        return NULL;
     }
     int state, pause_us = 10;
     Py_BEGIN_ALLOW_THREADS
@@ -575,12 +593,8 @@ issuer_flush(Issuer *self, PyObject *arg)
         return NULL;
     }
     struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += (time_t)timeout_s;
-    deadline.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
-    if (deadline.tv_nsec >= 1000000000L) {
-        deadline.tv_sec++;
-        deadline.tv_nsec -= 1000000000L;
+    if (deadline_after(timeout_s, &deadline) < 0) {
+        return NULL;
     }
     int flushed;
     Py_BEGIN_ALLOW_THREADS
