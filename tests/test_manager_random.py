@@ -551,14 +551,15 @@ class Reference:
             for slot in self._slots(req, req.computed, req.computed + n):
                 self.slot_keys[slot] = emitted
 
-    def expect(self, sched: MiniScheduler, req_ids: Sequence[str], emitted: frozenset[str],
-               unsure: bool) -> dict[str, dict[str, Expected | None]]:
+    def expect(self, sched: MiniScheduler, req_ids: Sequence[str], emitted: frozenset[str]
+               ) -> dict[str, dict[str, Expected | None]]:
         """What `req_ids` of the step just saved are handed (rules 5, 6): hidden rows and each
         emitted key's, from position 0 on a hit; a key the step omits only where a hit's
         slots hold rows of it. Positions with no rows of a key read zeros: computed ones of
-        a key the step omits, hit ones whose slot's last write omitted it. `unsure`: a fault
-        fired, so a failed write may have lost rows of a key the step omits, silently (the
-        step does not write that key, so its save cannot refuse the hit on lost rows)."""
+        a key the step omits, hit ones whose slot's last write omitted it. Rows a failed write
+        lost are never read, for any key: the read raises, and the step is not delivered.
+        Only slots whose save raised in the engine thread (`None` in `slot_keys`) are
+        unknown."""
         want: dict[str, dict[str, Expected | None]] = {}
         for req_id in req_ids:
             req, start, end = sched.spans[req_id]
@@ -576,7 +577,7 @@ class Reference:
                 emits = key in emitted
                 has = torch.tensor([s is not None and key in s for s in states]
                                    + [emits] * (end - start - h), dtype=torch.bool)
-                lenient = unknown | has if unsure and not emits else unknown
+                lenient = unknown
                 if not (emits or (has | lenient).any()):
                     per_key[key] = None  # no rows of it anywhere: absent, as without the cache
                     continue
@@ -740,7 +741,7 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
             else:
                 req_ids = [r for i, r in enumerate(sched.batch) if not ops.drop_mask >> i & 1]
                 want = reference.expect(sched, req_ids if ops.consume != "discard" else (),
-                                        emitted, unsure=bool(faulty is not None and faulty.fired))
+                                        emitted)
                 step = SavedStep(step_id, req_ids, ops.consume, mm, emitted, want)
             saved_tokens += n
             if late is not None:
