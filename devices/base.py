@@ -206,7 +206,7 @@ class DeviceBackend(ABC):
         """An event on the current (compute) stream; None where work is synchronous."""
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait, at most `timeout_s`, for every copy issued so far; False if one is still running."""
+        """Wait at most `timeout_s` for every copy issued so far; False if one still runs."""
         return True
 
     def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Attention kernels' block sizes, per platform: which kernel layouts a block-slot mirror can follow.
+"""Attention kernels' block sizes per platform: which kernel layouts a block-slot mirror follows.
 
 A kernel block size k that divides the allocator block size B gives the same
 slot for every token (`(b*B/k + j)*k + o == b*B + pos % B`), so such a layout

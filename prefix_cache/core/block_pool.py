@@ -1,4 +1,4 @@
-"""The durable host mirror: one `(num_blocks, block_size, *feat)` tensor per key, indexed by vLLM slot.
+"""The durable host mirror: one `(num_blocks, block_size, *feat)` tensor per key, by vLLM slot.
 
 Slot reuse is the eviction: when vLLM hands a block to a new tenant, the
 tenant's first write claims its slots and every older row there stops counting.
@@ -51,7 +51,7 @@ class Tiers:
 
 @dataclass
 class PoolKey:
-    """One cached output: its host storage and, per slot, which claim and task its rows belong to."""
+    """One cached output: its host storage and, per slot, the claim and task its rows are of."""
 
     name: str
     storage: HostBuffer

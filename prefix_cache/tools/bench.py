@@ -29,7 +29,7 @@ import torch
 
 from prefix_cache import devices
 from prefix_cache.devices.accelerator import AcceleratorBackend
-from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, block_on_event
+from prefix_cache.devices.base import DeviceBackend, Transfer, block_on_event
 from prefix_cache.config import HIDDEN_KEY, WRITE_STREAMS, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
