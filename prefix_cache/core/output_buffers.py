@@ -9,6 +9,7 @@ gather into one ran at about a third of the speed of one into reused pages.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import defaultdict
@@ -54,7 +55,7 @@ class OutputBuffers:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, *, zeroed: bool = False
               ) -> torch.Tensor:
         """A new CPU tensor the caller owns, of `shape` and `dtype` (zero-filled if `zeroed`)."""
-        nbytes = int(np.prod(shape)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_RECYCLED_BYTES or self.capacity_bytes == 0:
             return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype)
         size = size_class(nbytes)
