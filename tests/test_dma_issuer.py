@@ -39,6 +39,7 @@ class FakeRuntime:
         self.device_busy = threading.Event()
         self.device_busy.set()
         self.fail_batch = False
+        self.events_left: int | None = None  # events it can still create (None: any number)
         self.calls: list[tuple[int, int]] = []
         self.waits = 0
         self._events: dict[int, threading.Event] = {}
@@ -51,7 +52,7 @@ class FakeRuntime:
             proto(_int, _vp, _vp)(self._record),
             proto(_int, _vp)(lambda ev: 0 if self._events[ev].is_set() else NOT_READY),
             proto(_int, _vp)(lambda ev: self._events[ev].wait() and 0),
-            proto(_int, _vp)(lambda ev: 0),
+            proto(_int, _vp)(self._destroy),
             proto(_int, _vp, _vp, ctypes.c_uint)(self._wait_event),
             proto(_int)(lambda: 0),
             proto(_vp, _int)(lambda err: ctypes.addressof(ERROR_NAME)),
@@ -61,11 +62,19 @@ class FakeRuntime:
         self.addresses = tuple(ctypes.cast(f, _vp).value for f in self.functions)
 
     def _create(self, out, flags) -> int:
+        if self.events_left is not None:
+            if self.events_left == 0:
+                return 2  # cudaErrorMemoryAllocation
+            self.events_left -= 1
         with self._lock:
             handle, self._next = self._next, self._next + 1
         self._events[handle] = threading.Event()
         self._events[handle].set()
         out[0] = handle
+        return 0
+
+    def _destroy(self, event) -> int:
+        del self._events[event]
         return 0
 
     def _record(self, event, stream) -> int:
@@ -222,3 +231,12 @@ def test_the_issuer_refuses_a_runtime_without_batch_copies(runtime) -> None:
         _dma.Issuer(runtime.addresses, 12040, 0, 1234, 8)
     with pytest.raises(ValueError, match="10 function addresses"):
         _dma.Issuer(runtime.addresses[:9], 13000, 0, 1234, 8)
+
+
+def test_an_issuer_whose_events_cannot_be_made_raises_and_frees_what_it_made(runtime) -> None:
+    runtime.events_left = 3  # the ready event and two of eight done events
+    with pytest.raises(RuntimeError, match="cudaEventCreateWithFlags failed"):
+        _dma.Issuer(runtime.addresses, 13000, 0, 1234, 8)
+    import gc
+    gc.collect()  # the half-made issuer is released without a thread to stop
+    assert not runtime._events, "events it made were not destroyed"

@@ -235,6 +235,9 @@ issuer_init(Issuer *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->ring = (size_t)ring;
+    pthread_mutex_init(&self->lock, NULL);
+    pthread_cond_init(&self->work, NULL);
+    pthread_cond_init(&self->progress, NULL);
     int err = self->event_create(&self->ready, EVENT_DISABLE_TIMING);
     for (size_t i = 0; i < self->ring && err == CUDA_SUCCESS; i++) {
         err = self->event_create(&self->jobs[i].done, EVENT_DISABLE_TIMING | EVENT_BLOCKING_SYNC);
@@ -245,9 +248,6 @@ issuer_init(Issuer *self, PyObject *args, PyObject *kwds)
                      error_name(self, err), err);
         return -1;
     }
-    pthread_mutex_init(&self->lock, NULL);
-    pthread_cond_init(&self->work, NULL);
-    pthread_cond_init(&self->progress, NULL);
     if ((err = pthread_create(&self->thread, NULL, issue_loop, self)) != 0) {
         PyErr_Format(PyExc_RuntimeError, "Issuer: no thread: %s", strerror(err));
         return -1;
@@ -632,6 +632,9 @@ issuer_close(Issuer *self, PyObject *unused)
 static void
 issuer_dealloc(Issuer *self)
 {
+    /* kept across the runtime calls below: a failed __init__ deallocates with its error set */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
     if (self->running) {
         PyObject *ignored = issuer_close(self, NULL);
         Py_XDECREF(ignored);
@@ -654,6 +657,7 @@ issuer_dealloc(Issuer *self)
         pthread_cond_destroy(&self->work);
         pthread_cond_destroy(&self->progress);
     }
+    PyErr_Restore(type, value, traceback);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
