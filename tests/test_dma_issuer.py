@@ -22,6 +22,9 @@ NOT_READY = 600
 INVALID_VALUE = 1
 ROW = 64  # bytes a row
 ERROR_NAME = ctypes.create_string_buffer(b"cudaErrorInvalidValue")  # what the runtime names
+#: every stand-in runtime's callbacks, alive for the whole run: an issuer calls them until it
+#: is released, which a failed test's traceback can put off past its runtime's fixture
+_ALIVE: list[list[object]] = []
 
 _int = ctypes.c_int
 _vp = ctypes.c_void_p
@@ -60,6 +63,7 @@ class FakeRuntime:
                   ctypes.POINTER(_sz), _sz, _vp)(self._batch),
         ]
         self.addresses = tuple(ctypes.cast(f, _vp).value for f in self.functions)
+        _ALIVE.append(self.functions)
 
     def _create(self, out, flags) -> int:
         if self.events_left is not None:
