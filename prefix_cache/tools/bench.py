@@ -353,9 +353,11 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
 
 
 def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
-    """GEMM-loop time with a 2048-token save per iteration ÷ without (CUDA only), by where the
-    save runs: `copy` (the copy stream, concurrent with the GEMMs), `compute` (in stream,
-    between them), and `full_grid` (torch `index_copy_` on the copy stream)."""
+    """GEMM-loop time with a 2048-token save per iteration ÷ without (CUDA only), median of
+    three back-to-back pairs, by where the save runs: `copy` (the copy stream, concurrent
+    with the GEMMs), `compute` (in stream, between them), `compute_kernel` (the same by the
+    scatter kernel, where the backend saves by DMA too), and `full_grid` (torch `index_copy_`
+    on the copy stream)."""
     a = torch.randn(8192, 8192, device=backend.device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=backend.device, dtype=torch.bfloat16)
     pool = backend.alloc_host((4096 * BLOCK, WIDTH), dtype)
