@@ -354,6 +354,24 @@ def test_gather_rows_matches_fancy_indexing(width: int) -> None:
     assert np.array_equal(out, pool[slots]) and np.array_equal(pool, before)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 16, 64])
+def test_a_split_gather_matches_fancy_indexing(threads: int) -> None:
+    """Over 1 MiB a thread, the rows split at row boundaries that cut runs in two; each thread
+    copies its share and the caller joins them all (more threads than allowed: 16)."""
+    rng = np.random.default_rng(threads)
+    width, num_slots = 4096, 4096
+    blocks = rng.permutation(np.arange(num_slots // 16))[:150]
+    slots = (blocks[:, None] * 16 + np.arange(16)).ravel()[:2397].astype(np.int64)  # 9.4 MiB
+    pool = rng.integers(0, 255, (num_slots, width), dtype=np.uint8)
+    out = np.zeros((len(slots), width), dtype=np.uint8)
+    _core.gather_rows(pool, slots, out, threads)
+    assert np.array_equal(out, pool[slots])
+    with pytest.raises(ValueError, match="threads must be at least 1, got 0"):
+        _core.gather_rows(pool, slots, out, 0)
+    with pytest.raises(TypeError, match="copy_rows takes 3 arguments, got 4"):
+        _core.copy_rows(out, slots, pool, 2)  # a pool write keeps row order: one thread
+
+
 @settings(max_examples=300, deadline=None)
 @example(slots=[I64.max], num_slots=1, width=1)
 @example(slots=[3, 0, 0], num_slots=4, width=0)

@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -806,16 +807,76 @@ copy_slot_runs(char *rows, char *pool, const int64_t *s, Py_ssize_t lo, Py_ssize
     }
 }
 
+/* Copies are split across at most this many threads, each given at least SPLIT_BYTES. */
+#define MAX_COPY_THREADS 16
+#define SPLIT_BYTES (1 << 20)
+
+/* One thread's share of a split copy: rows [lo, hi). */
+typedef struct {
+    char *rows, *pool;
+    const int64_t *slots;
+    Py_ssize_t lo, hi;
+    size_t row;
+    Direction dir;
+} CopyPart;
+
+static void *
+copy_part(void *arg)
+{
+    CopyPart *part = arg;
+    copy_slot_runs(part->rows, part->pool, part->slots, part->lo, part->hi, part->row, part->dir);
+    return NULL;
+}
+
+/* Rows [0, n) copied by up to `threads` threads (the caller's among them), each a contiguous
+ * share of the rows of at least SPLIT_BYTES; a thread that cannot start leaves its share to
+ * the caller. Call without the GIL. */
+static void
+copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, Direction dir,
+           int threads)
+{
+    Py_ssize_t most = row ? (Py_ssize_t)((size_t)n * row / SPLIT_BYTES) : 0;
+    Py_ssize_t parts = threads < most ? threads : most;
+    parts = parts < 1 ? 1 : parts > MAX_COPY_THREADS ? MAX_COPY_THREADS : parts;
+    CopyPart part[MAX_COPY_THREADS];
+    pthread_t thread[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        part[i] = (CopyPart){rows, pool, s, n * i / parts, n * (i + 1) / parts, row, dir};
+        started[i] = i > 0 && pthread_create(&thread[i], NULL, copy_part, &part[i]) == 0;
+    }
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        if (!started[i]) {
+            copy_part(&part[i]);
+        }
+    }
+    for (Py_ssize_t i = 1; i < parts; i++) {
+        if (started[i]) {
+            pthread_join(thread[i], NULL);
+        }
+    }
+}
+
 /* copy_rows and gather_rows: borrow (src, slots, dst), check every slot and that the arrays
- * do not overlap, then copy with the GIL released. */
+ * do not overlap, then copy with the GIL released; a gather splits across up to args[3]
+ * threads (a pool write keeps row order: a slot given twice holds its last row). */
 static PyObject *
 slot_copy(const char *fn, PyObject *const *args, Py_ssize_t nargs, Direction dir)
 {
     char slots_name[32];
     snprintf(slots_name, sizeof slots_name, "%s: slots", fn);
     const ArraySpec slot_spec = {1, slots_name, 0, 1, 0, 1, 0};
-    if (nargs != 3) {
-        return PyErr_Format(PyExc_TypeError, "%s takes 3 arguments, got %zd", fn, nargs);
+    if (nargs != 3 && !(nargs == 4 && dir == FROM_SLOTS)) {
+        return PyErr_Format(PyExc_TypeError, "%s takes %s arguments, got %zd", fn,
+                            dir == FROM_SLOTS ? "3 or 4" : "3", nargs);
+    }
+    long threads = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
+    if (threads == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (threads < 1) {
+        return PyErr_Format(PyExc_ValueError, "%s: threads must be at least 1, got %ld", fn,
+                            threads);
     }
     ByteRows src, dst;
     IntArray slots;
@@ -853,7 +914,8 @@ slot_copy(const char *fn, PyObject *const *args, Py_ssize_t nargs, Direction dir
     }
     int nogil = rows->buf.len >= COPY_ROWS_NOGIL_BYTES;
     PyThreadState *state = nogil ? PyEval_SaveThread() : NULL;
-    copy_slot_runs((char *)rows->buf.buf, (char *)pool->buf.buf, s, 0, n, (size_t)width, dir);
+    copy_split((char *)rows->buf.buf, (char *)pool->buf.buf, s, n, (size_t)width, dir,
+               nogil ? (int)(threads < MAX_COPY_THREADS ? threads : MAX_COPY_THREADS) : 1);
     if (nogil) {
         PyEval_RestoreThread(state);
     }
@@ -887,11 +949,12 @@ copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(gather_rows_doc,
-"gather_rows(src, slots, dst) -> None\n\n"
+"gather_rows(src, slots, dst, threads=1) -> None\n\n"
 "dst[i] = src[slots[i]] for each of the n int64 slots, from src, a C-contiguous uint8\n"
 "[num_slots, W] array (a pool's rows as bytes), into dst, a writable C-contiguous uint8\n"
 "[n, W] array: copy_rows the other way, with the same copies of runs, GIL release, checks\n"
-"and errors (dst unchanged when it raises).");
+"and errors (dst unchanged when it raises). A large gather is split across up to `threads`\n"
+"threads (at most 16), the caller's among them, each copying at least 1 MiB of rows.");
 
 static PyObject *
 gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)

@@ -12,7 +12,6 @@ import itertools
 import math
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +20,10 @@ import torch
 from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, byte_rows
 
-#: Gathers at least this large are split across GATHER_THREADS, the caller's among them (the
-#: copies release the GIL), as torch splits a large copy across the host's cores: one thread
-#: moves 4.1-5.4 GB/s on this project's 2-core machine, two 7.1-9.5 GB/s.
-PARALLEL_GATHER_BYTES = 4 << 20
-GATHER_THREADS = min(4, os.cpu_count() or 1)
+#: Threads a large gather is split across (1 MiB of rows each at least, the caller's thread
+#: among them), as torch splits a large copy across the host's cores: one thread moves
+#: 4.1-5.4 GB/s on this project's 2-core machine, two 7.1-9.5 GB/s.
+GATHER_THREADS = min(8, os.cpu_count() or 1)
 
 
 class Tiers:
@@ -106,7 +104,6 @@ class PrefixBlockPool:
         self._read_pins = np.zeros(self.num_slots, dtype=np.int32)
         self._block_pins = np.zeros(num_blocks, dtype=np.int32)
         self.keys: dict[str, PoolKey] = {}
-        self._gather_threads: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ tenancy
 
@@ -216,28 +213,14 @@ class PrefixBlockPool:
 
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]` into `out`, a contiguous host tensor of the key's
-        dtype: one copy per run of consecutive slots (`_core.gather_rows`, GIL released), in
-        GATHER_THREADS parts when it is large, the calling thread copying the first."""
+        dtype: one copy per run of consecutive slots (`_core.gather_rows`, GIL released),
+        split across GATHER_THREADS threads of its own when it is large."""
         flat = self.keys[name].flat
         if out.dtype != flat.dtype or not out.is_contiguous():
             raise TypeError(f"gather of {name!r}: out must be a contiguous {flat.dtype} tensor, "
                             f"got {out.dtype} of strides {out.stride()}")
-        source, target = byte_rows(flat), byte_rows(out)
-        slots = np.ascontiguousarray(slots, dtype=np.int64)
-        parts = GATHER_THREADS if target.nbytes >= PARALLEL_GATHER_BYTES else 1
-        if parts <= 1 or len(slots) < parts:
-            _core.gather_rows(source, slots, target)
-            return
-        if self._gather_threads is None:
-            self._gather_threads = ThreadPoolExecutor(GATHER_THREADS - 1,
-                                                      thread_name_prefix="omni-prefix-cache-gather")
-        step = -(-len(slots) // parts)
-        others = [self._gather_threads.submit(_core.gather_rows, source, slots[i: i + step],
-                                              target[i: i + step])
-                  for i in range(step, len(slots), step)]
-        _core.gather_rows(source, slots[:step], target[:step])
-        for done in others:
-            done.result()
+        _core.gather_rows(byte_rows(flat), np.ascontiguousarray(slots, dtype=np.int64),
+                          byte_rows(out), GATHER_THREADS)
 
     def copy_block(self, src_block: int, dst_block: int) -> None:
         """Mirror vLLM's copy of block `src_block` into `dst_block`, a new tenant of `dst_block`."""
@@ -256,8 +239,6 @@ class PrefixBlockPool:
         return {name: key.storage.nbytes for name, key in self.keys.items()}
 
     def close(self) -> None:
-        if self._gather_threads is not None:
-            self._gather_threads.shutdown()
         for key in self.keys.values():
             key.storage.close()
         self.keys.clear()
