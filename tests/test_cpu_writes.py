@@ -356,12 +356,12 @@ def test_gather_rows_matches_fancy_indexing(width: int) -> None:
 
 @pytest.mark.parametrize("threads", [2, 3, 16, 64])
 def test_a_split_gather_matches_fancy_indexing(threads: int) -> None:
-    """Over 1 MiB a thread, the rows split at row boundaries that cut runs in two; each thread
-    copies its share and the caller joins them all (more threads than allowed: 16)."""
+    """At 4 MiB a thread at least, the rows split at row boundaries that cut runs in two; each
+    thread copies its share and the caller joins them all (more threads than allowed: 16)."""
     rng = np.random.default_rng(threads)
-    width, num_slots = 4096, 4096
-    blocks = rng.permutation(np.arange(num_slots // 16))[:150]
-    slots = (blocks[:, None] * 16 + np.arange(16)).ravel()[:2397].astype(np.int64)  # 9.4 MiB
+    width, num_slots = 4096, 8192
+    blocks = rng.permutation(np.arange(num_slots // 16))[:300]
+    slots = (blocks[:, None] * 16 + np.arange(16)).ravel()[:4701].astype(np.int64)  # 18.4 MiB
     pool = rng.integers(0, 255, (num_slots, width), dtype=np.uint8)
     out = np.zeros((len(slots), width), dtype=np.uint8)
     _core.gather_rows(pool, slots, out, threads)
