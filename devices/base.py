@@ -14,11 +14,12 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+T = TypeVar("T")
 
 #: A slot of vLLM's null block 0, which no hit or step reads: where rows that must not land go.
 NULL_SLOT = 0
@@ -115,22 +116,23 @@ def check_timeout(timeout_s: float, what: str) -> float:
     return timeout_s
 
 
-def poll_until(done: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception],
-               *, first_pause_s: float = 1e-5, max_pause_s: float = 1e-4) -> None:
-    """Call `done` until it is true, backing off from `first_pause_s` to `max_pause_s` between
-    calls (the GIL is free meanwhile, no pause runs past the deadline); raise `timed_out()`
-    once `timeout_s` passed."""
+def poll_until(poll: Callable[[], T | bool | None], timeout_s: float,
+               timed_out: Callable[[], Exception], *, first_pause_s: float = 1e-5,
+               max_pause_s: float = 1e-4) -> T | bool:
+    """Call `poll` until it returns something other than False or None (a check that turns
+    true, or a value that is None until it is ready) and return that, backing off from
+    `first_pause_s` to `max_pause_s` between calls (the GIL is free meanwhile, no pause runs
+    past the deadline); raise `timed_out()` once `timeout_s` passed."""
     check_timeout(timeout_s, "poll_until")
-    if done():
-        return
     deadline = time.monotonic() + timeout_s
     pause = first_pause_s
-    while not done():
+    while (result := poll()) is None or result is False:
         left = deadline - time.monotonic()
         if left <= 0:
             raise timed_out()
         time.sleep(min(pause, left))
         pause = min(pause * 2, max_pause_s)
+    return result
 
 
 def wait_event(event: DeviceEvent | None, timeout_s: float, what: Callable[[], str], *,

@@ -96,21 +96,16 @@ class StageChannel(ABC):
             raise OmniPrefixCacheChannelFullError(
                 f"request {request_id}: its entry of {nbytes} bytes exceeds the whole capacity "
                 f"({self.capacity_bytes} bytes) of channel {self.spec}")
-        reserved: list[Any] = []
-
-        def room() -> bool:
+        def room() -> Any:
             reservation = self._reserve(nbytes, force=False)
             if reservation is None:
                 self._maybe_sweep()  # expired entries make room too
-                return False
-            reserved.append(reservation)
-            return True
+            return reservation
 
-        poll_until(room, self.full_wait_s, lambda: OmniPrefixCacheChannelFullError(
+        return poll_until(room, self.full_wait_s, lambda: OmniPrefixCacheChannelFullError(
             f"request {request_id}: channel {self.spec} stayed full for {self.full_wait_s:g} s "
             f"(capacity {self.capacity_bytes} bytes, entry {nbytes} bytes); is its consumer "
             f"reading?"), first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
-        return reserved[0]
 
     def get(self, request_id: str, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
         """The outputs published for `request_id`, waiting up to `timeout_s`; consumes the entry.
@@ -124,24 +119,19 @@ class StageChannel(ABC):
         entry the publisher failed (`fail`) raises a channel error naming its cause."""
         check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open()
-        taken: list[StageEntry] = []
-
-        def arrived() -> bool:
+        def arrived() -> StageEntry | None:
             self._maybe_sweep()
             entry = self._take_entry(request_id)
             if entry is not None and entry.error is not None:
                 raise OmniPrefixCacheChannelError(
                     f"request {request_id}: its stage could not publish its rows on channel "
                     f"{self.spec}: {entry.error}")
-            if entry is not None:
-                taken.append(entry)
-            return entry is not None
+            return entry
 
-        poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
+        return poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
             f"no entry for request {request_id} on channel {self.spec} within {timeout_s:g} s "
             f"(entries live {self.ttl_s:g} s unless consumed)"),
             first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
-        return taken[0]
 
     def close(self) -> None:
         """Releases this handle (idempotent); the namespace's owner also frees every entry."""
