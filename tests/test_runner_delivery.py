@@ -233,8 +233,8 @@ def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
         driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "a", 5)])
         driver.end_step()  # no forward: zero rows saved and discarded with the cache
         entry = channel.get_entry("a", timeout_s=5)
+        driver.close()  # the output thread counts a publish after its put: join it first
         stats = driver.stats()
-        driver.close()
     assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 6)[HIDDEN_KEY])
     assert stats["delivery_published"] == 1 and stats["delivery_requests_held"] == 0
     if cached:
