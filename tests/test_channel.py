@@ -27,6 +27,7 @@ from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
 from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelTimeoutError,
                                   StageChannel, open_channel)
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
+from prefix_cache.channel import mooncake as mooncake_module
 from prefix_cache.channel.mooncake import MooncakeChannel, TailBuffer, unconsumed_keys
 from prefix_cache.channel.shm import ShmChannel
 from tests.mooncake_store import MooncakeStoreProcesses, free_port
@@ -391,6 +392,35 @@ def test_a_process_opening_a_mooncake_channel_logs_no_info_lines(
     assert done.returncode == 0, done.stderr[-2000:]
     info = [line for line in done.stderr.splitlines() if line[:1] == "I" and line[1:5].isdigit()]
     assert info == []
+
+
+def test_a_mooncake_channel_that_cannot_register_its_tail_buffer_closes_its_connection(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_class = mooncake_module._store_class()
+    opened: list[Any] = []
+
+    class RefusingRegistrations:
+        """The real client, whose buffer registrations fail (as when memory cannot be
+        pinned), recording its close."""
+
+        def __init__(self) -> None:
+            self.real, self.closed = real_class(), False
+            opened.append(self)
+
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return -1
+
+        def close(self) -> int:
+            self.closed = True
+            return self.real.close()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(mooncake_module, "_store_class", lambda: RefusingRegistrations)
+    with pytest.raises(OmniPrefixCacheChannelError, match="registering a .*-byte buffer failed"):
+        open_channel(mooncake_store.spec)
+    assert [store.closed for store in opened] == [True]
 
 
 def test_mooncake_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -205,7 +205,11 @@ class MooncakeChannel(StageChannel):
         self.master, self.metadata, self.namespace = master, metadata, namespace
         self._protocol, self._device = protocol, device
         self._store = self._connect()
-        self._tails = TailBuffer(self._store)
+        try:
+            self._tails = TailBuffer(self._store)
+        except BaseException:
+            self._store.close()  # nothing else holds the connection to close it
+            raise
         self._lock = threading.Lock()  # puts, gets and sweeps may run on several threads
         self._publish_lock = threading.Lock()
         self._live: OrderedDict[str, _Live] = OrderedDict()  # in put order: expiry order
