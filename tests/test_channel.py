@@ -394,6 +394,31 @@ def test_a_process_opening_a_mooncake_channel_logs_no_info_lines(
     assert info == []
 
 
+def _put_and_report(channel: StageChannel, done: multiprocessing.Queue) -> None:
+    """In a forked child: put one entry through the parent's handle, then say so."""
+    channel.put("forked", sample_outputs(3))
+    done.put("put")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork and /dev/shm: Linux")
+def test_a_forked_child_waits_for_its_parents_namespace_lock() -> None:
+    fork = multiprocessing.get_context("fork")
+    done = fork.Queue()
+    with open_channel("shm://?") as channel:
+        with channel._locked():  # as a put or get of the parent holds it
+            child = fork.Process(target=_put_and_report, args=(channel, done))
+            child.start()
+            time.sleep(1.0)
+            assert done.empty(), "the child's put went on while the parent held the lock"
+        try:
+            assert done.get(timeout=30) == "put"
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+        assert same_rows(channel.get("forked", timeout_s=5), sample_outputs(3))
+
+
 def test_a_mooncake_channel_that_cannot_register_its_tail_buffer_closes_its_connection(
         mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
     real_class = mooncake_module._store_class()

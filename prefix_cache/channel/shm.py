@@ -99,6 +99,7 @@ class ShmChannel(StageChannel):
             os.close(key_fd)
         self._budget_fd = self._open_private(_BUDGET_FILE, os.O_RDWR)
         self._lock_fd = self._open_private(_LOCK_FILE, os.O_RDWR)
+        self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
         self._thread_lock = threading.Lock()  # flock excludes processes, not this one's threads
         capacity, _ = self._read_budget()
         super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
@@ -206,12 +207,25 @@ class ShmChannel(StageChannel):
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        if self._lock_pid != os.getpid():
+            self._open_lock_again()
         with self._thread_lock:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _open_lock_again(self) -> None:
+        """In a forked child: a flock belongs to the open file, which the child shares with its
+        parent, so the parent's lock would not exclude the child; and the parent's thread lock
+        may have been held by one of its threads when it forked. Take a file and a lock of
+        this process's own (two threads racing here still exclude each other by flock: their
+        files differ)."""
+        fd = self._open_private(_LOCK_FILE, os.O_RDWR)
+        weakref.finalize(self, os.close, fd)
+        self._thread_lock = threading.Lock()
+        self._lock_fd, self._lock_pid = fd, os.getpid()
 
     def _read_budget(self) -> tuple[int, int]:
         return _BUDGET.unpack(os.pread(self._budget_fd, _BUDGET.size, 0))
