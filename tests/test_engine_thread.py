@@ -123,6 +123,7 @@ def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_str
                       write_stream=write_stream)
     manager.register_policy(ModelCachePolicy(deferred_keys={"codes"}))
     compute = torch.cuda.Stream()
+    dma_jobs = backend._dma.submitted if dma else 0
     with manager:
         for i in range(12):
             tokens = [i * 100 + t for t in range(16)]
@@ -151,3 +152,5 @@ def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_str
             assert torch.equal(out.mm_outputs["codes"][f"r{i}"], token_rows(tokens, 3, salt=2))
             assert torch.equal(out.leftover["logits"], torch.ones(1, 1000))
             d.advance()
+    if dma:  # every step's hidden rows went by the copy engine, the runner's mapping or not
+        assert backend._dma.submitted - dma_jobs >= 12

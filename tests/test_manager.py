@@ -39,6 +39,29 @@ def run_step(manager: OmniPrefixCacheManager, driver: StepDriver, so: SimpleName
     return out
 
 
+def test_every_save_hands_the_backend_its_host_slots(backend, monkeypatch):
+    """The backend may copy by runs of host slots (CUDA's copy engine) even when the runner
+    gives its device slot mapping: each save passes the view's slots as `host_slots`."""
+    manager, d = make(backend)
+    calls = []
+    scatter_rows = backend.scatter_rows
+
+    def recording(rows, slots, pool, **kwargs):
+        calls.append(kwargs.get("host_slots"))
+        return scatter_rows(rows, slots, pool, **kwargs)
+
+    monkeypatch.setattr(backend, "scatter_rows", recording)
+    tokens = list(range(100, 110))
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", tokens, [2, 5, 3], 0, 10)]))
+        slots = d.step_slots_cpu(d.batch_req_ids(), d.scheduled)
+        sid = manager.save_outputs(d.outputs(2).to(backend.device), None, num_tokens_unpadded=10,
+                                   num_tokens_padded=10, slot_mapping=slots.to(backend.device))
+        out = manager.materialize(sid, ["a"])
+    assert len(calls) == 1 and np.array_equal(calls[0], slots.numpy())
+    assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2))
+
+
 # --------------------------------------------------------------------------- the seed's examples
 
 def test_seed_example_second_request_gets_cached_block_rows_then_its_own(backend):

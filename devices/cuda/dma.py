@@ -103,6 +103,7 @@ class RunCopier:
                                    copy_stream.cuda_stream, RING)
         self._tail: DmaDone | None = None  # the latest job
         self._lock = threading.Lock()
+        self.submitted = 0  # jobs submitted since start
 
     def pending(self) -> bool:
         """Whether a job submitted earlier may still be writing."""
@@ -119,6 +120,7 @@ class RunCopier:
                                       rows.data_ptr(), row_bytes, slots, target.data_ptr(),
                                       target.shape[0])
             self._tail = DmaDone(self._issuer, job)
+            self.submitted += 1
             return self._tail
 
     def flush(self, timeout_s: float) -> bool:

@@ -133,7 +133,7 @@ class StepWriter:
                     staging=(self._staging.buffer(slot, key, self._pool.keys[key].row_width,
                                                   rows.dtype)
                              if task.staging_slot is not None else None),
-                    in_stream=in_stream)
+                    in_stream=in_stream, host_slots=layout.slots)
                 for key, rows in immediate.items()), False)
         if chunks:
             self._deferred.append(chunks, layout.slots, claim)
