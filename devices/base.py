@@ -43,11 +43,13 @@ class DeviceEvent(Protocol):
 
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
-    form `prefix_cache.core._core`'s row copies take."""
+    form `prefix_cache.core._core`'s row copies take. Two torch calls: after a forward has
+    evicted the host's caches each costs tens of µs, and numpy's reshape far less."""
+    rows = tensor.shape[0]
     if tensor.numel() == 0:  # nothing to view; the row width still has to match
-        return np.empty((len(tensor), math.prod(tensor.shape[1:]) * tensor.element_size()),
+        return np.empty((rows, math.prod(tensor.shape[1:]) * tensor.element_size()),
                         dtype=np.uint8)
-    return tensor.detach().view(len(tensor), -1).view(torch.uint8).numpy()
+    return tensor.detach().view(torch.uint8).numpy().reshape(rows, -1)
 
 
 def _in_process(pid: int, release: Callable[[], None]) -> None:
@@ -71,6 +73,7 @@ class HostBuffer:
         self._release = (weakref.finalize(self, _in_process, os.getpid(), release)
                          if release is not None else None)
         self.device_view: torch.Tensor | None = None  # set by zero-copy backends
+        self._byte_rows: np.ndarray | None = None
         #: `device_view` as the widest integer words its rows allow (kept by zero-copy scatters)
         self.device_words: torch.Tensor | None = None
 
@@ -78,8 +81,16 @@ class HostBuffer:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def byte_rows(self) -> np.ndarray:
+        """`tensor`'s rows as uint8 (`byte_rows`), made on first use: the host row copies'
+        view of a pool, which every save and gather would otherwise make again."""
+        if self._byte_rows is None:
+            self._byte_rows = byte_rows(self.tensor)
+        return self._byte_rows
+
     def close(self) -> None:
-        self.device_view = self.device_words = None
+        self.device_view = self.device_words = self._byte_rows = None
         if self._release is not None:
             self._release()  # a finalizer runs at most once: close() stays idempotent
 

@@ -81,6 +81,26 @@ def test_copy_rows_matches_index_copy_over_random_slot_sets(dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_rows_into_a_host_buffer_by_host_slots_keeps_its_byte_view(dtype: torch.dtype
+                                                                        ) -> None:
+    """The core's save on CPU: a pool's HostBuffer lends the view it made once, the slots
+    come as an int64 array; three writes land as index_copy_ would land them."""
+    rng = np.random.default_rng(7)
+    buffer = HostBuffer(pool_of(256, (24,), dtype), pinned=False)
+    want = buffer.tensor.clone()
+    for step in range(3):
+        slots = random_slot_set(256, 40, rng)
+        rows = rows_of(len(slots), (24,), dtype, step)
+        want = expected_write(want, slots, rows)
+        copy_rows(rows, slots.numpy(), buffer)
+        assert torch.equal(buffer.tensor, want)
+    view = buffer.byte_rows
+    assert view is buffer.byte_rows and view.shape == (256, 24 * buffer.tensor.element_size())
+    buffer.close()
+    assert buffer._byte_rows is None  # no view outlives close
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_runs_singletons_and_a_full_pool_write(dtype: torch.dtype) -> None:
     for slots in ([3, 4, 5, 9, 1, 2, 7], [7, 6, 5, 4], list(range(32)), [31], [0, 0, 0]):
         slot_t = torch.tensor(slots, dtype=torch.int64)

@@ -49,7 +49,7 @@ class CpuBackend(DeviceBackend):
         is written: one outside the pool raises IndexError naming it and leaves the pool
         unchanged. A slot given several times (the null block 0) keeps its last row.
         """
-        copy_rows(rows, slots, pool.tensor)
+        copy_rows(rows, slots if host_slots is None else host_slots, pool)
         return Transfer()
 
     def copy_to_host(self, tensor: torch.Tensor, *, ready: DeviceEvent | None,
@@ -60,23 +60,23 @@ class CpuBackend(DeviceBackend):
         return out.copy_(tensor), Transfer()
 
 
-def copy_rows(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
+def copy_rows(rows: torch.Tensor, slots: torch.Tensor | np.ndarray,
+              pool: torch.Tensor | HostBuffer) -> None:
     """`pool[slots[i]] = rows[i]` for host tensors `rows` [n, F...] and `pool` [num_slots, F...]
-    (int64 `slots`), as `pool.index_copy_(0, slots, rows.to(pool.dtype))` does, through
-    `_core.copy_rows` on their bytes (any dtype, bfloat16 included): every slot is checked
-    before a byte is written, and a slot given twice keeps its last row. A pool that is not
-    contiguous, or rows of another row shape, take `index_copy_` itself."""
-    if rows.dtype != pool.dtype:
-        rows = rows.to(pool.dtype)
-    if not pool.is_contiguous() or pool.dim() == 0 or rows.dim() != pool.dim() \
-            or rows.shape[1:] != pool.shape[1:]:
-        pool.index_copy_(0, slots, rows)  # torch's own checks and messages
+    (int64 `slots`, a tensor or an array), as `pool.index_copy_(0, slots, rows.to(pool.dtype))`
+    does, through `_core.copy_rows` on their bytes (any dtype, bfloat16 included): every slot
+    is checked before a byte is written, and a slot given twice keeps its last row. A pool that
+    is not contiguous, or rows of another row shape, take `index_copy_` itself. A HostBuffer
+    pool lends its byte view, made once (`HostBuffer.byte_rows`)."""
+    target = pool.tensor if isinstance(pool, HostBuffer) else pool
+    if rows.dtype != target.dtype:
+        rows = rows.to(target.dtype)
+    if rows.dim() != target.dim() or rows.shape[1:] != target.shape[1:] or (
+            not isinstance(pool, HostBuffer) and (target.dim() == 0 or not target.is_contiguous())):
+        target.index_copy_(0, torch.as_tensor(slots), rows)  # torch's own checks and messages
         return
-    if slots.dtype != torch.int64:
+    slot_array = slots.numpy() if isinstance(slots, torch.Tensor) else slots
+    if slot_array.dtype != np.int64:
         raise TypeError(f"cpu scatter: slots must be int64, got {slots.dtype}")
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    if not slots.is_contiguous():
-        slots = slots.contiguous()
-    _core.copy_rows(byte_rows(rows), slots.numpy(), byte_rows(pool))
-
+    _core.copy_rows(byte_rows(rows.contiguous()), np.ascontiguousarray(slot_array),
+                    pool.byte_rows if isinstance(pool, HostBuffer) else byte_rows(target))

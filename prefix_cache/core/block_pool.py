@@ -215,11 +215,12 @@ class PrefixBlockPool:
         """`out[i] = rows of name at slots[i]` into `out`, a contiguous host tensor of the key's
         dtype: one copy per run of consecutive slots (`_core.gather_rows`, GIL released),
         split across GATHER_THREADS threads of its own when it is large."""
-        flat = self.keys[name].flat
-        if out.dtype != flat.dtype or not out.is_contiguous():
-            raise TypeError(f"gather of {name!r}: out must be a contiguous {flat.dtype} tensor, "
-                            f"got {out.dtype} of strides {out.stride()}")
-        _core.gather_rows(byte_rows(flat), np.ascontiguousarray(slots, dtype=np.int64),
+        storage = self.keys[name].storage
+        if out.dtype != storage.tensor.dtype or not out.is_contiguous():
+            raise TypeError(f"gather of {name!r}: out must be a contiguous "
+                            f"{storage.tensor.dtype} tensor, got {out.dtype} of strides "
+                            f"{out.stride()}")
+        _core.gather_rows(storage.byte_rows, np.ascontiguousarray(slots, dtype=np.int64),
                           byte_rows(out), GATHER_THREADS)
 
     def copy_block(self, src_block: int, dst_block: int) -> None:

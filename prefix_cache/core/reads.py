@@ -139,7 +139,7 @@ class RowRead:
         n = len(self.slots)
         complete = self.present is None or bool(self.present.all())
         out = outputs.empty(self.out_shape, self.dtype, zeroed=not complete)
-        target = out[:n]
+        target = out if n == self.out_shape[0] else out[:n]  # a step's own rows: all of out
         if complete:
             pool.gather(self.key, self.slots, target)
         elif self.present.any():
