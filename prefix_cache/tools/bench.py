@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -48,6 +49,10 @@ SAVES_IN_FLIGHT = 4
 #: µs of the stand-in forward running on the device while a timed step's calls are made (the
 #: length of M5's MLP-stack forward for a 256-token step on an H200), the same at every point.
 STEP_FORWARD_US = 3400
+#: Input sets a hit read's measurement rotates through: 4 x 32 MiB at M3's 8192 tokens.
+HIT_INPUT_SETS = 4
+#: Hit sizes of M3: judged at the first, the second reported beside it.
+HIT_TOKENS = (8192, 2048)
 #: Columns the printed report fits in.
 REPORT_WIDTH = 100
 
@@ -79,6 +84,21 @@ def _seconds(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _paired_ratios(base: Callable[[], None], variant: Callable[[], None], pairs: int
+                   ) -> list[float]:
+    """`variant`'s seconds ÷ `base`'s, per pair of runs made back to back, in alternating
+    order: a drift of the machine's speed over seconds (a device's clocks as it heats, a
+    host's load) moves both runs of a pair, not the ratio. Run each once first to warm up."""
+    ratios = []
+    for rep in range(pairs):
+        if rep % 2 == 0:
+            alone, with_variant = _seconds(base), _seconds(variant)
+        else:
+            with_variant, alone = _seconds(variant), _seconds(base)
+        ratios.append(with_variant / alone)
+    return ratios
 
 
 def _without_dma(backend: DeviceBackend, fn: Callable[[], Any]) -> Any:
@@ -261,51 +281,64 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     return EngineTiming(statistics.median(times[1:]) * 1e6, times[0] * 1e6, int(host))
 
 
-def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int
-                ) -> tuple[float, float, float, float]:
-    """GB/s of a hit read (random blocks of the pool into a new tensor the caller owns, whose
-    memory the cache recycles once the caller drops it, as a pipeline does), of that read
-    into fresh memory (no recycling, `output_cache_bytes=0`), of a host memcpy of the same
-    bytes out of the same pool into a new tensor (contiguous rows), and of that memcpy into
-    one tensor reused (what recycling can reach)."""
+def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, float]:
+    """GB/s of hit reads and of memcpys of the same bytes, each repetition reading rows the
+    HIT_INPUT_SETS - 1 before it did not (inputs that stay in the host's caches would time
+    the caches, not the memory a hit reads):
+    - `hit`: random blocks of the pool into a new tensor the caller owns, whose memory the
+      cache recycles once the caller drops it, as a pipeline does;
+    - `fresh`: the same into fresh memory (no recycling, `output_cache_bytes=0`);
+    - `memcpy`: contiguous rows of the pool into one tensor reused (resident): the limit;
+    - `memcpy_new`: the same into a new tensor (paying its page faults);
+    - `memcpy_hot`: the same rows again and again into the reused tensor (cache-hot)."""
     from prefix_cache.core.block_pool import PrefixBlockPool
-    num_blocks = 4 * hit_tokens // BLOCK + 2
+    blocks_per_set = -(-hit_tokens // BLOCK)
+    num_blocks = HIT_INPUT_SETS * blocks_per_set + 1
     pool = PrefixBlockPool(num_blocks, BLOCK, devices.get_backend("cpu"))
     pool.install(pool.allocate(HIDDEN_KEY, (WIDTH,), dtype))
     flat = pool.keys[HIDDEN_KEY].flat
     flat.normal_()
-    slots = _random_slots(num_blocks, hit_tokens, np.random.default_rng(1)).numpy()
+    # disjoint sets of random blocks (block 0 is vLLM's null block), and disjoint row windows
+    blocks = np.random.default_rng(1).permutation(np.arange(1, num_blocks))
+    slot_sets = [(b[:, None] * BLOCK + np.arange(BLOCK)).ravel()[:hit_tokens]
+                 for b in blocks.reshape(HIT_INPUT_SETS, blocks_per_set)]
+    windows = [flat[BLOCK + i * hit_tokens: BLOCK + (i + 1) * hit_tokens]
+               for i in range(HIT_INPUT_SETS)]
     nbytes = hit_tokens * WIDTH * flat.element_size()
-
     recycled = OutputBuffers(PrefixCacheConfig.output_cache_bytes)  # the default
     fresh = OutputBuffers(0)  # keeps nothing: every output is new memory
     reused = torch.empty((hit_tokens, WIDTH), dtype=dtype)
+    turn = itertools.count()
 
     def read(outputs: OutputBuffers) -> None:
+        slots = slot_sets[next(turn) % HIT_INPUT_SETS]
         RowRead("bench", HIDDEN_KEY, slots, np.ones(len(slots), bool), [], hit_tokens + 1,
                 WIDTH, dtype).resolve(pool, outputs, 10, lambda r: None)
 
-    def memcpy(out: torch.Tensor | None = None) -> None:
+    def memcpy(out: torch.Tensor | None = None, rotate: bool = True) -> None:
         out = torch.empty((hit_tokens, WIDTH), dtype=dtype) if out is None else out
-        out.copy_(flat[BLOCK: BLOCK + hit_tokens])
+        out.copy_(windows[next(turn) % HIT_INPUT_SETS if rotate else 0])
 
-    result = (nbytes / _timeit(lambda: read(recycled), repeat) / 1e9,
-              nbytes / _timeit(lambda: read(fresh), repeat) / 1e9,
-              nbytes / _timeit(memcpy, repeat) / 1e9,
-              nbytes / _timeit(lambda: memcpy(reused), repeat) / 1e9)
+    runs = {"hit": lambda: read(recycled), "fresh": lambda: read(fresh),
+            "memcpy": lambda: memcpy(reused), "memcpy_new": memcpy,
+            "memcpy_hot": lambda: memcpy(reused, rotate=False)}
+    result = {name: nbytes / _timeit(run, repeat) / 1e9 for name, run in runs.items()}
     pool.close()
     recycled.clear()
     return result
 
 
-def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: int,
-              with_cache: bool, write_stream: str = "compute") -> float:
-    """Steps per second of a stand-in forward plus, optionally, the cache's calls.
+def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: int, pairs: int,
+              write_stream: str = "compute") -> tuple[list[float], float]:
+    """M5: steps per second of a stand-in forward with the cache's calls ÷ without, per pair
+    of loops of `steps` steps run back to back (see `_paired_ratios`); and the median
+    steps per second without.
 
     The forward is an MLP stack whose last projection gives the WIDTH-wide rows the cache
     saves: on a device, an 8B-class model's MLPs (32 layers of 4096 -> 14336 -> 4096,
     ~3.4 ms a step for 256 tokens on an H200); on CPU one small layer, run by the host itself.
-    Each step is the next chunk of one long prompt, walking through four chunks' blocks.
+    Each step is the next chunk of one long prompt, walking through four chunks' blocks; the
+    output builder runs one step behind, on the engine thread (the costliest place for it).
     """
     chunks = 4  # more than the steps unconsumed at once: a step never rewrites a held one's slots
     batch = _RunnerBatch(1, chunks * tokens)
@@ -332,24 +365,30 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
 
-        def run() -> None:
+        def without_cache() -> None:
+            for step in range(steps):
+                batch.move_to(step % chunks * tokens)
+                forward()
+            _sync(backend)
+
+        def with_cache() -> None:
             pending = None
             for step in range(steps):
                 batch.move_to(step % chunks * tokens)
-                if with_cache:
-                    cache.new_step_starts(so)
+                cache.new_step_starts(so)
                 hidden = forward()
-                if with_cache:
-                    sid = cache.save_outputs(hidden, None, num_tokens_unpadded=tokens,
-                                             num_tokens_padded=tokens)
-                    if pending is not None:  # the output builder runs one step behind
-                        cache.materialize(pending, ["r0"])
-                    pending = sid
-            if pending is not None:
-                cache.materialize(pending, ["r0"])
+                sid = cache.save_outputs(hidden, None, num_tokens_unpadded=tokens,
+                                         num_tokens_padded=tokens)
+                if pending is not None:
+                    cache.materialize(pending, ["r0"])
+                pending = sid
+            cache.materialize(pending, ["r0"])
             _sync(backend)
 
-        return steps / _timeit(run, 3)
+        without_cache(), with_cache()  # warm-up
+        ratios = [1 / r for r in _paired_ratios(without_cache, with_cache, pairs)]
+        off = steps / statistics.median(_seconds(without_cache) for _ in range(3))
+    return ratios, off
 
 
 def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
@@ -399,20 +438,12 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
         runs["compute_kernel"] = lambda: _without_dma(backend, lambda: loop(in_stream_save))
     if pool.device_view is not None:
         runs["full_grid"] = full_grid_on_copy_stream
-    # each ratio from a pair of loops run back to back, in alternating order: a GEMM loop
-    # heats the device and its clocks drift over seconds, which timing every loop with
-    # saves after every loop alone would count as the saves' cost
-    ratios: dict[str, list[float]] = {name: [] for name in runs}
+    # a GEMM loop heats the device and its clocks drift over seconds: timing every loop
+    # with saves after every loop alone would count that drift as the saves' cost
     for run in (lambda: loop(None), *runs.values()):
         run()  # warm-up
-    for rep in range(3):
-        for name, run in runs.items():
-            if rep % 2 == 0:
-                alone, with_saves = _seconds(lambda: loop(None)), _seconds(run)
-            else:
-                with_saves, alone = _seconds(run), _seconds(lambda: loop(None))
-            ratios[name].append(with_saves / alone)
-    out = {name: statistics.median(values) for name, values in ratios.items()}
+    out = {name: statistics.median(_paired_ratios(lambda: loop(None), run, 3))
+           for name, run in runs.items()}
     pool.close()
     staging.close()
     return out
@@ -622,18 +653,23 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     metrics["M2p"] = Metric(figures["compute"]["M2p"], "one 2048-token prefill step, µs per step",
                             "new_step_starts + save_outputs"
                             + _other_stream(figures, "M2p", "{:.0f} µs"))
-    metrics["M5"] = Metric(figures["compute"]["M5"], f"cache off {off:.0f} steps/s",
-                           "256-token steps of an MLP-stack forward, 0% hits"
+    m5 = figures["compute"]
+    metrics["M5"] = Metric(m5["M5"], f"cache off {off:.0f} steps/s",
+                           f"256-token steps of an MLP-stack forward, 0% hits; pairs of loops "
+                           f"back to back, {m5['M5_low']:.2f}-{m5['M5_high']:.2f}"
                            + _other_stream(figures, "M5", "{:.3f}"))
-    hit_gbs, fresh_gbs, memcpy_gbs, reused_gbs = measure_hit(2048 if quick else 8192, dtype,
-                                                             repeat)
-    metrics["M3"] = Metric(hit_gbs / reused_gbs,
-                           f"memcpy of the pool's rows into a resident tensor {reused_gbs:.1f} "
-                           f"GB/s (the limit)",
-                           f"hit gather (random blocks, outputs recycled) {hit_gbs:.1f} GB/s, "
-                           f"into fresh outputs {fresh_gbs:.1f} GB/s "
-                           f"({fresh_gbs / reused_gbs:.2f}); memcpy into a new tensor "
-                           f"{memcpy_gbs:.1f} GB/s (gather / it: {hit_gbs / memcpy_gbs:.2f})")
+    big, small = (measure_hit(tokens, dtype, max(repeat, 5)) for tokens in HIT_TOKENS)
+    metrics["M3"] = Metric(big["hit"] / big["memcpy"],
+                           f"memcpy of the pool's rows into a resident tensor "
+                           f"{big['memcpy']:.1f} GB/s (the limit), {HIT_TOKENS[0]} tokens",
+                           f"hit gather (random blocks, outputs recycled) {big['hit']:.1f} GB/s;"
+                           f" into fresh outputs {big['fresh'] / big['memcpy']:.2f}; against "
+                           f"a memcpy into a new tensor {big['hit'] / big['memcpy_new']:.2f}, "
+                           f"against the same rows again (cache-hot) "
+                           f"{big['hit'] / big['memcpy_hot']:.2f}; at {HIT_TOKENS[1]} tokens "
+                           f"{small['hit'] / small['memcpy']:.2f} ({small['hit']:.1f} ÷ "
+                           f"{small['memcpy']:.1f} GB/s). Every repetition reads rows the last "
+                           f"{HIT_INPUT_SETS - 1} did not")
     allocations, syncs, counted = engine_thread_stalls(backend, dtype, 200 if quick else 1000)
     metrics["M4"] = Metric(allocations + syncs,
                            f"{counted} mixed steps after warm-up: {allocations} pinned "
@@ -669,20 +705,22 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
 
 def engine_figures(backend: DeviceBackend, dtype: torch.dtype, quick: bool,
                    streams: Sequence[str]) -> tuple[dict[str, dict[str, float]], float]:
-    """M2 and M2p (µs per step) and M5 for each write stream of `streams`, measured in that
-    order, and M5's cache-off steps per second."""
+    """M2 and M2p (µs per step) and M5 (the median pair; `M5_low`, `M5_high` the extreme
+    pairs) for each write stream of `streams`, measured in that order, and the cache-off
+    steps per second."""
     figures: dict[str, dict[str, float]] = {w: {} for w in streams}
     for w in streams:
         figures[w]["M2"] = engine_thread_us(backend, 64, 1, dtype, 30 if quick else 200,
                                             write_stream=w).median_us
         figures[w]["M2p"] = engine_thread_us(backend, 1, 2048, dtype, 20 if quick else 100,
                                              write_stream=w).median_us
-    steps = 10 if quick else 50
-    off = step_loop(backend, 256, dtype, steps, with_cache=False)
+    steps, pairs = (10, 7) if quick else (50, 9)
+    offs = []
     for w in streams:
-        figures[w]["M5"] = step_loop(backend, 256, dtype, steps, with_cache=True,
-                                     write_stream=w) / off
-    return figures, off
+        ratios, off = step_loop(backend, 256, dtype, steps, pairs, write_stream=w)
+        figures[w].update(M5=statistics.median(ratios), M5_low=min(ratios), M5_high=max(ratios))
+        offs.append(off)
+    return figures, statistics.median(offs)
 
 
 def _other_stream(figures: dict[str, dict[str, float]], name: str, fmt: str) -> str:
