@@ -91,9 +91,10 @@ def test_saves_into_one_slot_land_in_save_order_across_dma_and_kernel(backend) -
     torch.cuda._sleep(5_000_000)
     first = backend.scatter_rows(big, torch.from_numpy(slots_big), pool, ready=None,
                                  staging=None, in_stream=True)
-    assert backend._dma.pending()
+    assert isinstance(first.event, DmaDone) and backend._dma.pending()
     second = backend.scatter_rows(small, torch.from_numpy(slots_small), pool, ready=None,
                                   staging=None, in_stream=True)
+    assert isinstance(second.event, DmaDone)  # after the DMA, not beside it on the kernel
     for transfer in (first, second):
         _land(transfer)
     assert torch.equal(pool.tensor[16:32], small.cpu())

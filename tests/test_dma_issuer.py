@@ -32,16 +32,20 @@ _sz = ctypes.c_size_t
 
 
 class FakeRuntime:
-    """cudaSetDevice ... cudaMemcpyBatchAsync, CUDA 13 forms, as ctypes callbacks.
+    """cudaSetDevice ... cudaMemcpyBatchAsync as ctypes callbacks, in the forms of runtime
+    `version` (12.8-12.9 give the batch call a `failIdx` before the stream; 13 drops it).
 
     `device_busy` cleared: events recorded from then on stay incomplete until it is set.
-    `fail_batch`: the batch call returns cudaErrorInvalidValue. `calls` records each batch
-    call's (first destination, runs)."""
+    `fail_batch_from`: batch calls from that one on (0: the first) return
+    cudaErrorInvalidValue. `calls` records each batch call that copied: (first destination,
+    runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: int = 13000) -> None:
+        self.version = version
         self.device_busy = threading.Event()
         self.device_busy.set()
-        self.fail_batch = False
+        self.fail_batch_from: int | None = None
+        self.batch_calls = 0
         self.events_left: int | None = None  # events it can still create (None: any number)
         self.calls: list[tuple[int, int]] = []
         self.waits = 0
@@ -59,8 +63,7 @@ class FakeRuntime:
             proto(_int, _vp, _vp, ctypes.c_uint)(self._wait_event),
             proto(_int)(lambda: 0),
             proto(_vp, _int)(lambda err: ctypes.addressof(ERROR_NAME)),
-            proto(_int, ctypes.POINTER(_vp), ctypes.POINTER(_vp), ctypes.POINTER(_sz), _sz, _vp,
-                  ctypes.POINTER(_sz), _sz, _vp)(self._batch),
+            self._batch_function(),
         ]
         self.addresses = tuple(ctypes.cast(f, _vp).value for f in self.functions)
         _ALIVE.append(self.functions)
@@ -95,8 +98,18 @@ class FakeRuntime:
         self.waits += 1
         return 0
 
-    def _batch(self, dsts, srcs, sizes, count, attrs, attr_idx, num_attrs, stream) -> int:
-        if self.fail_batch:
+    def _batch_function(self) -> object:
+        head = (ctypes.POINTER(_vp), ctypes.POINTER(_vp), ctypes.POINTER(_sz), _sz, _vp,
+                ctypes.POINTER(_sz), _sz)
+        if self.version >= 13000:
+            return ctypes.CFUNCTYPE(_int, *head, _vp)(
+                lambda dsts, srcs, sizes, count, *rest: self._batch(dsts, srcs, sizes, count))
+        return ctypes.CFUNCTYPE(_int, *head, ctypes.POINTER(_sz), _vp)(
+            lambda dsts, srcs, sizes, count, *rest: self._batch(dsts, srcs, sizes, count))
+
+    def _batch(self, dsts, srcs, sizes, count) -> int:
+        call, self.batch_calls = self.batch_calls, self.batch_calls + 1
+        if self.fail_batch_from is not None and call >= self.fail_batch_from:
             return INVALID_VALUE
         self.calls.append((dsts[0], count))
         for i in range(count):
@@ -104,13 +117,13 @@ class FakeRuntime:
         return 0
 
 
-@pytest.fixture
-def runtime() -> FakeRuntime:
-    return FakeRuntime()
+@pytest.fixture(params=[13000, 12080], ids=["cuda13", "cuda12.8"])
+def runtime(request: pytest.FixtureRequest) -> FakeRuntime:
+    return FakeRuntime(request.param)
 
 
 def issuer_of(runtime: FakeRuntime, ring: int = 8) -> _dma.Issuer:
-    return _dma.Issuer(runtime.addresses, 13000, 0, 1234, ring)
+    return _dma.Issuer(runtime.addresses, runtime.version, 0, 1234, ring)
 
 
 def save(issuer: _dma.Issuer, rows: np.ndarray, slots: list[int] | np.ndarray,
@@ -171,15 +184,36 @@ def test_a_slot_outside_the_pool_raises_and_queues_nothing(runtime) -> None:
 def test_a_failed_batch_is_over_and_names_its_call(runtime) -> None:
     pool = np.zeros((16, ROW), dtype=np.uint8)
     issuer = issuer_of(runtime)
-    runtime.fail_batch = True
+    runtime.fail_batch_from = 0
     job = save(issuer, np.ones((2, ROW), dtype=np.uint8), [4, 5], pool)
     assert issuer.wait(job, 5.0)
     assert issuer.error(job) == "cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)"
-    runtime.fail_batch = False
+    runtime.fail_batch_from = None
     rows = np.ones((2, ROW), dtype=np.uint8)  # alive until copied
     later = save(issuer, rows, [4, 5], pool)
     issuer.synchronize(later)
     assert issuer.error(later) is None and (pool[4:6] == 1).all()
+    issuer.close()
+
+
+def test_a_batch_failing_partway_is_over_only_once_the_runs_it_issued_have_landed(
+        runtime) -> None:
+    """The first 16 runs reach the copy stream, the next call fails: until those runs are
+    copied the job is still writing its slots, so it is not over (a later save by another
+    path could be overtaken); then it is over, failed, naming its call."""
+    pool = np.zeros((128, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    runtime.device_busy.clear()
+    runtime.fail_batch_from = 1
+    rows = np.ones((40, ROW), dtype=np.uint8)
+    job = save(issuer, rows, np.arange(40) * 2 + 1, pool)  # 40 runs of one slot
+    assert issuer.flush(5.0)
+    assert not issuer.query(job) and not issuer.wait(job, 0.05) and issuer.error(job) is None
+    runtime.device_busy.set()
+    assert issuer.wait(job, 5.0) and issuer.query(job)
+    assert issuer.error(job) == "cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)"
+    issuer.synchronize(job)  # over: returns at once
+    assert [count for _, count in runtime.calls] == [16]
     issuer.close()
 
 

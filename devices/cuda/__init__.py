@@ -64,7 +64,7 @@ class CudaBackend(AcceleratorBackend):
         self.device_slots = self.zero_copy
         #: saves of a key at least this large go by DMA (tests lower it to send every save)
         self.dma_min_bytes = dma_min_bytes()
-        self._dma = self._start_dma()
+        self._dma = self._start_dma() if self.zero_copy else None  # serves mapped pools only
 
     def _start_dma(self) -> RunCopier | None:
         """The copy-engine path, unless turned off or the runtime has no batch copies."""
@@ -134,7 +134,10 @@ class CudaBackend(AcceleratorBackend):
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         if slots.device.type == "cpu":
             host_slots = slots.numpy()
-        if self._dma is not None and host_slots is not None and pool.pinned and (
+        # DMA into mapped pools only: a staged write lands on the host later, and a DMA save
+        # into one of its slots could land first
+        if self._dma is not None and host_slots is not None and self.zero_copy \
+                and pool.device_view is not None and (
                 rows.numel() * rows.element_size() >= self.dma_min_bytes or self._dma.pending()):
             return self._scatter_dma(rows, host_slots[: rows.shape[0]], pool, ready=ready,
                                      in_stream=in_stream)
@@ -225,15 +228,16 @@ class CudaBackend(AcceleratorBackend):
         return super().drain(timeout_s)
 
     def close(self) -> None:
-        if self._slot_pages is None:
+        if self._slot_pages is None and self._dma is None:
             return
         # no copy may still read a page being unregistered: a copy that never ends keeps them
         if not self.drain(CLOSE_DRAIN_TIMEOUT_S):
-            logger.error("cuda backend: copies still running after %.0fs; slot pages kept "
-                         "registered", CLOSE_DRAIN_TIMEOUT_S)
+            logger.error("cuda backend: copies still running after %.0fs; slot pages and the "
+                         "copy-engine issuer kept", CLOSE_DRAIN_TIMEOUT_S)
             return
-        self._slot_pages.close()
-        self._slot_pages = None
+        if self._slot_pages is not None:
+            self._slot_pages.close()
+            self._slot_pages = None
         if self._dma is not None:
             self._dma.close()
             self._dma = None

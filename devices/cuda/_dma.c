@@ -6,7 +6,8 @@
  * the runs, orders the copy stream after the caller's stream with an event, and queues the
  * job; a thread of this module, which never takes the GIL, issues the batch and records the
  * job's done event, in submit order. A job is done once it is issued and that event has
- * completed, or once an issuing call failed (`error` then names it).
+ * completed, or once an issuing call failed (`error` then names it); the done event follows
+ * the runs a failed batch did issue, so such a job is over only once they have landed.
  *
  * No CUDA header or library is linked: the caller passes the addresses of the runtime's
  * functions, resolved from the libcudart torch loaded, so this builds on any host.
@@ -59,6 +60,7 @@ enum { JOB_FREE, JOB_QUEUED, JOB_ISSUED, JOB_FAILED };
 typedef struct {
     int state;
     int released;  /* its handle is gone: FREE once issued */
+    int recorded;  /* its done event follows every run issued: ISSUED, not FAILED, at once */
     int error;
     const char *failed_call;
     void *done;
@@ -108,10 +110,9 @@ issue(Issuer *self, Job *job)
 {
     static const MemcpyAttributes attrs = {ACCESS_ORDER_STREAM, 0, 0, 0, 0,
                                            PREFER_OVERLAP_COMPUTE};
-    size_t attr_index = 0, fail_index = 0;
+    size_t attr_index = 0, fail_index = 0, at = 0;
     int err = CUDA_SUCCESS;
-    job->failed_call = "cudaMemcpyBatchAsync";
-    for (size_t at = 0; at < job->count && err == CUDA_SUCCESS; at += RUNS_PER_CALL) {
+    while (at < job->count) {
         size_t count = job->count - at < RUNS_PER_CALL ? job->count - at : RUNS_PER_CALL;
         err = self->batch_has_fail_idx
             ? ((Batch12Fn)self->batch)(job->dsts + at, job->srcs + at, job->sizes + at, count,
@@ -119,15 +120,28 @@ issue(Issuer *self, Job *job)
                                        self->copy_stream)
             : ((Batch13Fn)self->batch)(job->dsts + at, job->srcs + at, job->sizes + at, count,
                                        (void *)&attrs, &attr_index, 1, self->copy_stream);
+        if (err != CUDA_SUCCESS) {
+            self->get_last_error();  /* this thread's; cleared for its next call */
+            job->error = err;
+            job->failed_call = "cudaMemcpyBatchAsync";
+            break;
+        }
+        at += count;
     }
-    if (err == CUDA_SUCCESS) {
-        err = self->event_record(job->done, self->copy_stream);
-        job->failed_call = "cudaEventRecord";
+    if (err != CUDA_SUCCESS && at == 0) {
+        return;  /* nothing of it reached the copy stream: over now */
     }
-    if (err != CUDA_SUCCESS) {
-        self->get_last_error();  /* this thread's; cleared for its next call */
+    /* after the runs issued, a failed batch's too: its slots may still be written until then */
+    int recorded = self->event_record(job->done, self->copy_stream);
+    if (recorded != CUDA_SUCCESS) {
+        self->get_last_error();
+        if (err == CUDA_SUCCESS) {
+            job->error = recorded;
+            job->failed_call = "cudaEventRecord";
+        }
+        return;
     }
-    job->error = err;
+    job->recorded = 1;
 }
 
 static void *
@@ -152,7 +166,7 @@ issue_loop(void *arg)
             job->failed_call = "cudaSetDevice";
         }
         pthread_mutex_lock(&self->lock);
-        job->state = job->error == CUDA_SUCCESS ? JOB_ISSUED : JOB_FAILED;
+        job->state = job->recorded ? JOB_ISSUED : JOB_FAILED;
         if (job->released) {
             job->state = JOB_FREE;
         }
@@ -393,8 +407,14 @@ issuer_submit(Issuer *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     pthread_mutex_lock(&self->lock);
+    if (self->stopping) {  /* close() raced this call: its thread would never issue the job */
+        pthread_mutex_unlock(&self->lock);
+        PyErr_Format(PyExc_RuntimeError, "dma: submit after close()");
+        goto done;
+    }
     job->state = JOB_QUEUED;
     job->released = 0;
+    job->recorded = 0;
     job->error = CUDA_SUCCESS;
     self->submitted++;
     pthread_cond_signal(&self->work);
@@ -405,7 +425,8 @@ done:
     return result;
 }
 
-/* The job's state; an ISSUED job whose event failed becomes FAILED (caller holds the lock). */
+/* The job's state; an ISSUED job whose event failed, or whose batch failed partway and whose
+ * event completed, becomes FAILED (caller holds the lock). */
 static int
 settle(Issuer *self, Job *job)
 {
@@ -419,6 +440,8 @@ settle(Issuer *self, Job *job)
             job->error = err;
             job->failed_call = "cudaEventQuery";
             job->state = JOB_FAILED;
+        } else if (job->error != CUDA_SUCCESS) {
+            job->state = JOB_FAILED;  /* the runs it issued have landed; the rest never will */
         }
     }
     return job->state;

@@ -109,12 +109,14 @@ class DeferredWriter:
                      if (keep := self._pool.still_claimed(chunk.slots, chunk.claims)).any()]
 
         def issue() -> Iterator[Transfer]:
-            ready = self._backend.record_event()
             slots = torch.from_numpy(np.concatenate([kept for _, kept in parts]))
-            for key in parts[0][0].rows:
-                rows = torch.cat([chunk.rows[key] for chunk, _ in parts])
+            rows = {key: torch.cat([chunk.rows[key] for chunk, _ in parts])
+                    for key in parts[0][0].rows}
+            # after the cats, on this stream: the copies, elsewhere, wait for it to read them
+            ready = self._backend.record_event()
+            for key, key_rows in rows.items():
                 yield self._backend.scatter_rows(
-                    rows.reshape(len(slots), -1), slots, self._pool.keys[key].storage,
+                    key_rows.reshape(len(slots), -1), slots, self._pool.keys[key].storage,
                     ready=ready, staging=None)
 
         try:
