@@ -222,6 +222,10 @@ class DeviceBackend(ABC):
         """Wait at most `timeout_s` for every copy issued so far; False if one still runs."""
         return True
 
+    def stats(self) -> dict[str, int]:
+        """Counters of the backend's own paths since it started (none here)."""
+        return {}
+
     def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private copy of `tensor` on its device, ordered on the current stream."""
         return tensor.detach().clone()

@@ -226,7 +226,7 @@ class OmniPrefixCacheManager:
 
     def stats(self) -> dict[str, int | float]:
         """Counters since start: tokens, rows, bytes, staging waits, time per public call, pool
-        and free output bytes."""
+        and free output bytes, and the backend's own (`backend.*`)."""
         self._launcher.committer.sweep()  # count writes that completed as landed
         out = self._stats.snapshot()
         out["staging_waits"] = self.staging.waits
@@ -244,6 +244,8 @@ class OmniPrefixCacheManager:
             pool_bytes = self.pool.nbytes()  # the engine thread installs keys under the lock
         for key, nbytes in pool_bytes.items():
             out[f"pool_bytes.{key}"] = nbytes
+        for key, count in self.backend.stats().items():
+            out[f"backend.{key}"] = count
         return out
 
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.vllm, pytest.mark.slow]
 
 from prefix_cache import HIDDEN_KEY  # noqa: E402
+from prefix_cache.devices.cuda.dma import DMA_MIN_BYTES_ENV  # noqa: E402
 from tests.gpu_engine_run import MM_KEY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,8 @@ def run_on_and_off(case: str, multiprocessing: bool, model_dir: Path, tmp: Path
             pytest.fail(f"{case} with caching {caching} exited {code}:\n"
                         f"{log_path.read_text()[-4000:]}")
         results[caching] = torch.load(out, weights_only=False)
+    if os.environ.get(DMA_MIN_BYTES_ENV) == "0":  # every save by the copy engine, as asked
+        assert results["on"]["stats"].get("backend.dma_jobs", 0) > 0, results["on"]["stats"]
     return results["on"], results["off"]
 
 

@@ -222,6 +222,10 @@ class CudaBackend(AcceleratorBackend):
             raise out_of_range_error(f"cuda scatter ({CHECK_SLOTS_ENV}=1)", refused, n,
                                      num_slots, host)
 
+    def stats(self) -> dict[str, int]:
+        """`dma_jobs`: saves issued to the copy engine (the rest took the kernel)."""
+        return {"dma_jobs": 0 if self._dma is None else self._dma.submitted}
+
     def drain(self, timeout_s: float) -> bool:
         if self._dma is not None and not self._dma.flush(timeout_s):
             return False  # a DMA save is still not issued on the copy stream
