@@ -50,6 +50,10 @@ from prefix_cache.integration.adapter import translate_step
 
 __all__ = ["OmniPrefixCacheManager", "StageCacheOutputs"]
 
+#: Pools and staging of managers whose shutdown timed out: a device copy may still write into
+#: them, so neither they nor their registrations are released while this process lives.
+_STRANDED: list[tuple[PrefixBlockPool, StagingPool]] = []
+
 
 @dataclass
 class _PendingStep:
@@ -260,15 +264,17 @@ class OmniPrefixCacheManager:
         if os.getpid() != self._pid:
             return
         timeout = self.config.staging_claim_timeout_s
-        self._launcher.committer.close(timeout)
+        landed = self._launcher.committer.close(timeout)
         self._reads.close()
         self._deferred.close()
         with self._lock:
             self._steps.clear()
-        if not self.backend.drain(timeout):  # a copy may still write into a pool: keep them
+        if not (landed and self.backend.drain(timeout)):
+            _STRANDED.append((self.pool, self.staging))  # a copy may still write into them
             raise OmniPrefixCacheError(
-                f"shutdown: {self.backend.name} copies still running after {timeout:.1f}s; "
-                f"pinned pools left registered")
+                f"shutdown: {'writes still landing' if not landed else 'copies still running'}"
+                f" on {self.backend.name} after {timeout:.1f}s; the pools and staging buffers "
+                f"are kept, registered, for the life of the process")
         self.pool.close()
         self.staging.close()
         if self._owns_backend:

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import tracemalloc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -640,6 +641,24 @@ def test_shutdown_drains_the_copy_stream_before_it_releases_any_pool(backend):
     manager.shutdown()
     assert calls[0] == "drain" and "release pool" in calls
     manager.shutdown()  # idempotent
+
+
+def test_a_shutdown_whose_copies_never_finish_keeps_the_pools_for_the_process(backend):
+    """A device copy that never completes (drain times out): the pools and staging it may
+    still write into are neither released nor freed, even once the manager is dropped."""
+    manager, d = make(backend, staging_claim_timeout_s=0.05)
+    run_step(manager, d, d.step(new=[("a", list(range(4)), [1], 0, 4)]), backend.device)
+    backend.drain = lambda timeout_s: False  # as a copy stuck on the device
+    storages = [weakref.ref(key.storage) for key in manager.pool.keys.values()]
+    released: list[str] = []
+    for key in manager.pool.keys.values():
+        key.storage.close = spy(released, "release pool", key.storage.close)
+    with pytest.raises(OmniPrefixCacheError, match="copies still running on .* the pools and "
+                                                   "staging buffers are kept"):
+        manager.shutdown()
+    del manager
+    gc.collect()
+    assert released == [] and all(ref() is not None for ref in storages)
 
 
 # --------------------------------------------------------------------------- devices
