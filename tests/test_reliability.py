@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
+from prefix_cache import (ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
                           OmniPrefixCacheUnmatchError, PrefixCacheConfig)
 from prefix_cache import devices
