@@ -394,6 +394,77 @@ def test_a_process_opening_a_mooncake_channel_logs_no_info_lines(
     assert info == []
 
 
+def test_close_waits_for_an_operation_in_flight_and_later_ones_are_refused(
+        channel: StageChannel) -> None:
+    """A get is taking an entry on one thread when another closes the handle: the close
+    waits, so the backend's files or connection are never released under the get (a file
+    descriptor closed there could be reused by an unrelated file and then written), and the
+    next operation is refused, naming the request."""
+    channel.put("r", sample_outputs(1))
+    taking, release = threading.Event(), threading.Event()
+    take = channel._take
+
+    def slow_take(request_id: str) -> torch.Tensor | None:
+        taking.set()
+        release.wait(10)
+        return take(request_id)
+
+    channel._take = slow_take
+    got: list[Any] = []
+    getter = threading.Thread(target=lambda: got.append(channel.get("r", timeout_s=10)))
+    getter.start()
+    assert taking.wait(10)
+    closer = threading.Thread(target=channel.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() released the handle under a get in flight"
+    release.set()
+    getter.join(10)
+    closer.join(10)
+    assert not closer.is_alive() and same_rows(got[0], sample_outputs(1))
+    with pytest.raises(OmniPrefixCacheChannelError, match=r"is closed \(request s\)"):
+        channel.get("s", timeout_s=1)
+
+
+def test_a_mooncake_read_that_fails_keeps_the_entry_for_the_next_get(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_class = mooncake_module._store_class()
+    failing_reads = [1]
+
+    class FailingOneRead:
+        """The real client, whose next read of an entry fails once (a transfer error)."""
+
+        def __init__(self) -> None:
+            self.real = real_class()
+
+        def get_into(self, key: str, ptr: int, size: int) -> int:
+            if failing_reads and "." in key.rsplit("/", 1)[-1]:  # an entry, not a tail
+                failing_reads.pop()
+                return -800
+            return self.real.get_into(key, ptr, size)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(mooncake_module, "_store_class", lambda: FailingOneRead)
+    with open_channel(mooncake_store.spec) as channel:
+        channel.put("r", sample_outputs(4))
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match=r"request r failed \(read returned -800 .*the entry is kept"):
+            channel.get("r", timeout_s=5)
+        assert same_rows(channel.get("r", timeout_s=5), sample_outputs(4))
+
+
+@pytest.mark.parametrize("option", ["ttl=0", "wait=-1", "ttl=nan"])
+def test_a_bad_shm_option_leaves_no_namespace_and_no_open_file(tmp_path: Path,
+                                                                 option: str) -> None:
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError):
+        open_channel(f"shm://?dir={tmp_path}&{option}")
+    assert list(tmp_path.iterdir()) == []
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+
+
 def _put_and_report(channel: StageChannel, done: multiprocessing.Queue) -> None:
     """In a forked child: put one entry through the parent's handle, then say so."""
     channel.put("forked", sample_outputs(3))

@@ -12,10 +12,13 @@ entries, release its resources. This class builds the bounded waits and lifecycl
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,16 +29,24 @@ from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelTimeoutError)
 from prefix_cache.devices.base import check_timeout, poll_until
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TTL_S = 600.0
 #: How long a put waits for room in a full channel before it fails the entry.
 DEFAULT_FULL_WAIT_S = 10.0
 _FIRST_POLL_S = 0.001
 _MAX_POLL_S = 0.02
+#: How long `close()` waits for the operations other threads have in flight on the handle.
+CLOSE_WAIT_S = 30.0
 
 
 class StageChannel(ABC):
     """Entries live from their put until one get consumes them or `ttl_s` passes, never longer;
-    unconsumed entries never hold more than `capacity_bytes` (failure markers aside)."""
+    unconsumed entries never hold more than `capacity_bytes` (failure markers aside).
+
+    Invariant: the backend's resources (files, a store connection) are released only while no
+    operation of any thread is in flight on them (`_operation`), so none uses them after.
+    """
 
     def __init__(self, *, ttl_s: float, capacity_bytes: int, full_wait_s: float) -> None:
         if not ttl_s > 0 or not math.isfinite(ttl_s):
@@ -50,6 +61,8 @@ class StageChannel(ABC):
         self._sweep_every_s = min(ttl_s, 60.0) / 4
         self._next_sweep = 0.0
         self._closed = False
+        self._in_flight = 0  # operations running on the backend, on any thread
+        self._idle = threading.Condition()
 
     @property
     @abstractmethod
@@ -75,20 +88,21 @@ class StageChannel(ABC):
         """Publishes, in place of `request_id`'s rows, that they could not be published and why:
         its consumer's get raises a channel error naming the request and `cause`. A failure
         marker is a few hundred bytes and is published even into a full channel."""
-        self._check_open()
+        self._check_open(request_id)
         self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)),
                         bounded=False)
 
     def _put_entry(self, entry: StageEntry, *, bounded: bool) -> None:
         encoded = encode(entry)
-        self._maybe_sweep()
-        reservation = (self._wait_for_room(entry.request_id, encoded.nbytes) if bounded
-                       else self._reserve(encoded.nbytes, force=True))
-        try:
-            self._publish(entry.request_id, encoded, reservation)
-        except BaseException:
-            self._unreserve(reservation)
-            raise
+        with self._operation(entry.request_id):  # a reservation never outlives the handle
+            self._maybe_sweep()
+            reservation = (self._wait_for_room(entry.request_id, encoded.nbytes) if bounded
+                           else self._reserve(encoded.nbytes, force=True))
+            try:
+                self._publish(entry.request_id, encoded, reservation)
+            except BaseException:
+                self._unreserve(reservation)
+                raise
 
     def _wait_for_room(self, request_id: str, nbytes: int) -> Any:
         """A reservation of `nbytes` of the capacity, waiting up to `full_wait_s`; else raises."""
@@ -97,6 +111,7 @@ class StageChannel(ABC):
                 f"request {request_id}: its entry of {nbytes} bytes exceeds the whole capacity "
                 f"({self.capacity_bytes} bytes) of channel {self.spec}")
         def room() -> Any:
+            self._check_open(request_id)  # closed meanwhile: its close waits for this put
             reservation = self._reserve(nbytes, force=False)
             if reservation is None:
                 self._maybe_sweep()  # expired entries make room too
@@ -118,10 +133,11 @@ class StageChannel(ABC):
         """The entry published for `request_id`, waiting up to `timeout_s`; consumes it. An
         entry the publisher failed (`fail`) raises a channel error naming its cause."""
         check_timeout(timeout_s, f"get for request {request_id}")
-        self._check_open()
+        self._check_open(request_id)
         def arrived() -> StageEntry | None:
-            self._maybe_sweep()
-            entry = self._take_entry(request_id)
+            with self._operation(request_id):
+                self._maybe_sweep()
+                entry = self._take_entry(request_id)
             if entry is not None and entry.error is not None:
                 raise OmniPrefixCacheChannelError(
                     f"request {request_id}: its stage could not publish its rows on channel "
@@ -134,10 +150,19 @@ class StageChannel(ABC):
             first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
 
     def close(self) -> None:
-        """Releases this handle (idempotent); the namespace's owner also frees every entry."""
-        if not self._closed:
+        """Releases this handle (idempotent); the namespace's owner also frees every entry.
+        Operations other threads have in flight end first (at most CLOSE_WAIT_S); later ones
+        raise a channel error."""
+        with self._idle:
+            if self._closed:
+                return
             self._closed = True
-            self._close()
+            idle = self._idle.wait_for(lambda: self._in_flight == 0, CLOSE_WAIT_S)
+        if not idle:
+            logger.error("channel %s: %d operations still running %g s after close(); its "
+                         "resources are kept", self.spec, self._in_flight, CLOSE_WAIT_S)
+            return
+        self._close()
 
     def __enter__(self) -> StageChannel:
         return self
@@ -169,9 +194,26 @@ class StageChannel(ABC):
             self._next_sweep = now + self._sweep_every_s
             self._sweep()
 
-    def _check_open(self) -> None:
+    def _check_open(self, request_id: str | None = None) -> None:
         if self._closed:
-            raise OmniPrefixCacheChannelError(f"channel {self.spec} is closed")
+            raise OmniPrefixCacheChannelError(
+                f"channel {self.spec} is closed"
+                + (f" (request {request_id})" if request_id is not None else ""))
+
+    @contextmanager
+    def _operation(self, request_id: str | None = None) -> Iterator[None]:
+        """One use of the backend's resources: refused once the handle is closed, and waited
+        for by `close()`."""
+        with self._idle:
+            self._check_open(request_id)
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.notify_all()
 
     @abstractmethod
     def used_bytes(self) -> int:

@@ -97,12 +97,17 @@ class ShmChannel(StageChannel):
             self._key = os.read(key_fd, 64)
         finally:
             os.close(key_fd)
-        self._budget_fd = self._open_private(_BUDGET_FILE, os.O_RDWR)
-        self._lock_fd = self._open_private(_LOCK_FILE, os.O_RDWR)
-        self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
-        self._thread_lock = threading.Lock()  # flock excludes processes, not this one's threads
-        capacity, _ = self._read_budget()
-        super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
+        fds = [self._open_private(_BUDGET_FILE, os.O_RDWR)]
+        try:
+            fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
+            self._budget_fd, self._lock_fd = fds
+            self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
+            self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
+            capacity, _ = self._read_budget()
+            super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
+        except BaseException:  # a bad option or file: nothing of the handle stays behind
+            _release(directory, os.getpid(), owner, tuple(fds))
+            raise
         self._finalizer = weakref.finalize(self, _release, directory, os.getpid(), owner,
                                            (self._budget_fd, self._lock_fd))
 
@@ -186,7 +191,7 @@ class ShmChannel(StageChannel):
 
     def used_bytes(self) -> int:
         """Bytes of the capacity held by unconsumed entries and puts in flight."""
-        with self._locked():
+        with self._operation(), self._locked():
             return self._read_budget()[1]
 
     def _open_private(self, name: str, flags: int) -> int:
