@@ -257,8 +257,8 @@ class MooncakeChannel(StageChannel):
 
     def entry_keys(self, request_id: str) -> list[str]:
         """The store keys of `request_id`'s unconsumed entries, oldest first."""
-        self._check_open()
-        return unconsumed_keys(self._store, self._tails, self.entry_key(request_id))
+        with self._operation(request_id):
+            return unconsumed_keys(self._store, self._tails, self.entry_key(request_id))
 
     def used_bytes(self) -> int:
         """Bytes of this handle's entries not yet seen consumed, and its puts in flight."""
@@ -415,13 +415,17 @@ class MooncakeChannel(StageChannel):
             read = self._store.get_into(key, ptr, size)
         if read in _ABSENT:
             return None  # taken by another reader since the lookup
+        if read != size:  # left in place: a later get may still read it
+            raise OmniPrefixCacheChannelError(
+                f"mooncake channel {self.spec}: reading the entry for request {request_id} "
+                f"failed (read returned {read} for {size} bytes); the entry is kept")
         removed = self._store.remove(key, force=True)
         if removed == OBJECT_NOT_FOUND:
             return None  # another reader claimed it first
-        if removed != 0 or read != size:
+        if removed != 0:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: taking the entry for request {request_id} "
-                f"failed (read returned {read} for {size} bytes, remove returned {removed})")
+                f"failed (remove returned {removed})")
         with self._lock:
             live = self._live.pop(key, None)
             if live is not None:
