@@ -18,6 +18,7 @@ from prefix_cache import (  # noqa: E402
     PrefixCacheConfig,
     stage_prefix_cache_config,
 )
+from prefix_cache.integration.gate import check_stage_outputs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -151,6 +152,13 @@ def test_speculative_decoding_is_refused() -> None:
 
     with pytest.raises(OmniPrefixCacheUnmatchError, match="speculative"):
         gate(speculative_config=spec)
+    # prefix caching off: the gate has nothing to say, but the stage still must not publish
+    off = cache_config(16, enable_prefix_caching=False)
+    assert gate(speculative_config=spec, cache_config=off) is None
+    with pytest.raises(OmniPrefixCacheUnmatchError,
+                       match="stage outputs refused: speculative decoding .* draft tokens"):
+        check_stage_outputs(speculative_config=spec)
+    check_stage_outputs(speculative_config=None)
 
 
 def test_prefix_match_unit_below_block_size_is_refused() -> None:

@@ -10,8 +10,20 @@ from prefix_cache.errors import OmniPrefixCacheUnmatchError
 _FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
+#: Why a stage with speculative decoding neither caches nor publishes its rows.
+_SPECULATIVE = ("speculative decoding keeps num_computed_tokens optimistic during the forward "
+                "and computes rows of draft tokens it may reject")
+
+
 def _refuse(reason: str) -> OmniPrefixCacheUnmatchError:
     return OmniPrefixCacheUnmatchError(f"omni prefix cache refused for this stage: {reason}")
+
+
+def check_stage_outputs(*, speculative_config: Any = None) -> None:
+    """Refuse a stage whose rows cannot be published as the model's, prefix caching on or off:
+    the rows of rejected draft tokens would reach the next stage as real positions."""
+    if speculative_config is not None:
+        raise OmniPrefixCacheUnmatchError(f"stage outputs refused: {_SPECULATIVE}")
 
 
 def _is_full_attention(spec: Any) -> bool:
@@ -39,8 +51,7 @@ def stage_prefix_cache_config(*, kv_cache_config: Any, cache_config: Any,
         raise _refuse(f"kv_role {getattr(kv_transfer_config, 'kv_role', None)!r} receives "
                       f"remote KV, which is indistinguishable from a local prefix hit")
     if speculative_config is not None:
-        raise _refuse("speculative decoding keeps num_computed_tokens optimistic during the "
-                      "forward, so rows would be mirrored at the wrong slots")
+        raise _refuse(f"{_SPECULATIVE}, so rows would be mirrored at the wrong slots")
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) != 1 or not _is_full_attention(groups[0].kv_cache_spec):
         kinds = [type(g.kv_cache_spec).__name__ for g in groups]

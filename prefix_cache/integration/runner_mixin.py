@@ -29,7 +29,7 @@ from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.integration.forward_output import describe, read_forward_output
-from prefix_cache.integration.gate import stage_prefix_cache_config
+from prefix_cache.integration.gate import check_stage_outputs, stage_prefix_cache_config
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
@@ -107,6 +107,7 @@ class StageRunnerBase:
             return self.omni_prefix_cache
         from prefix_cache.channel import open_channel
         vllm_config = self.vllm_config
+        check_stage_outputs(speculative_config=vllm_config.speculative_config)
         config = stage_prefix_cache_config(
             kv_cache_config=self.kv_cache_config, cache_config=vllm_config.cache_config,
             kv_transfer_config=vllm_config.kv_transfer_config,
