@@ -240,3 +240,35 @@ def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
     if cached:
         assert stats["calls.save_outputs"] == stats["calls.new_step_starts"] == 3
         assert stats["calls.discard_step"] == 1
+
+
+@pytest.mark.parametrize("ending", ["close", "turn off"])
+def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
+        ending: str) -> None:
+    """`a` has rows but its finish never comes: its consumer gets a failure naming the cause
+    at once, not a timeout; `b`, finished before, keeps its entry."""
+    backend = get_backend("cpu")
+    view = OneBlockView()
+    with open_channel() as channel:
+        driver = StageOutputDriver(StageDelivery(channel, external_id=lambda r: f"ext-{r}"),
+                                   backend, cache=None, policy=ModelCachePolicy(),
+                                   empty_hidden=lambda: torch.empty(0, HIDDEN))
+        driver.begin_step(step(["a", "b"], {"a": 3, "b": 2}), [])
+        driver.save_step(rows(0, 5)[HIDDEN_KEY], None, StepBatch(["a", "b"], [0, 0], [3, 5]), 5)
+        driver.end_step()
+        view.batch = []
+        driver.begin_step(step([], {}, finished=("b",)), [FinishedRequest("b", "ext-b", 2)])
+        driver.end_step()
+        if ending == "turn off":
+            driver.turn_off("its forward output could not be read")
+            why = "stopped publishing .* its forward output could not be read"
+        else:
+            why = "shut down before the request finished"
+        driver.close() if ending == "close" else driver._thread.drain()
+        with pytest.raises(OmniPrefixCacheChannelError, match=f"request ext-a: .*{why}"):
+            channel.get_entry("ext-a", timeout_s=5)
+        assert torch.equal(channel.get_entry("ext-b", timeout_s=5).outputs[HIDDEN_KEY],
+                           rows(3, 5)[HIDDEN_KEY])
+        stats = driver.stats()
+        driver.close()
+    assert stats["delivery_failed"] == 1 and stats["delivery_requests_held"] == 0

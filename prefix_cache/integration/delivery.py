@@ -20,13 +20,17 @@ when the worker shares the scheduler's process): the request is published then,
 rows a step already in flight computes for it afterwards are dropped (an
 asynchronous scheduler's one stale step), and the runner's own `finish` later
 only forgets it.
+
+A request whose finish will never be heard (the stage stops publishing, or shuts
+down first) is not left for its consumer to time out on: `fail_held` publishes a
+failure naming the cause in its place.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,8 +75,10 @@ class StageDelivery:
     One thread adds and finishes; `stats()` may be read from another.
     """
 
-    def __init__(self, sink: StageSink | None = None) -> None:
+    def __init__(self, sink: StageSink | None = None, *,
+                 external_id: Callable[[str], str] = lambda req_id: req_id) -> None:
         self._sink = sink
+        self._external_id = external_id  # a runner id's id in the engine's caller
         self._lock = threading.Lock()
         self._parts: dict[str, list[_Part]] = {}
         self._published_early: set[str] = set()  # published; the runner's finish is to come
@@ -153,6 +159,17 @@ class StageDelivery:
             self._published_early.add(request.req_id)
         self._publish(request)
 
+    def fail_held(self, cause: str) -> int:
+        """Publish, for every request still held (its finish never came and will not be
+        heard), that its rows cannot come, and why; free them. Returns how many."""
+        with self._lock:
+            held = sorted(self._parts.keys() | self._broken.keys())
+            self._parts.clear()
+            self._broken.clear()
+        for req_id in held:
+            self._fail(self._external_id(req_id), req_id, cause)
+        return len(held)
+
     def _publish(self, request: FinishedRequest) -> None:
         """Put the request's entry; if that fails, put a failure in its place (its consumer's
         get raises, naming the cause) and go on: one request's failure is its own."""
@@ -169,14 +186,21 @@ class StageDelivery:
                                meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
             except Exception as exc:  # a full /dev/shm, a store gone: this entry fails alone
                 cause = f"publishing its {num_rows} rows failed: {type(exc).__name__}: {exc}"
-        with self._lock:
-            if cause is None:
+        if cause is None:
+            with self._lock:
                 self._published += 1
-                return
+            return
+        self._fail(request.external_id, request.req_id, cause)
+
+    def _fail(self, external_id: str, req_id: str, cause: str) -> None:
+        """Publish a failure in place of the request's rows (counted), logged either way."""
+        with self._lock:
             self._failed += 1
-        logger.error("request %s (%s): %s", request.external_id, request.req_id, cause)
+        logger.error("request %s (%s): %s", external_id, req_id, cause)
+        if self._sink is None:
+            return
         try:
-            self._sink.fail(request.external_id, cause)
+            self._sink.fail(external_id, cause)
         except Exception as exc:
             logger.error("request %s: its failure could not be published either: %s: %s",
-                         request.external_id, type(exc).__name__, exc)
+                         external_id, type(exc).__name__, exc)

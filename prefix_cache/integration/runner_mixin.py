@@ -130,7 +130,7 @@ class StageRunnerBase:
                         config.num_blocks, config.block_size)
         channel = open_channel(channel_spec(vllm_config))
         self._omni_stage = StageOutputDriver(
-            StageDelivery(channel), backend, cache=manager,
+            StageDelivery(channel, external_id=external_request_id), backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
             timeout_s=30.0 if config is None else config.staging_claim_timeout_s)
@@ -264,5 +264,5 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
     def _omni_turn_off(self, reason: str) -> None:
         logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
                        "published: %s", reason)
-        self._omni_stage.turn_off()  # closed (cache shut down) at the runner's shutdown
+        self._omni_stage.turn_off(reason)  # closed (cache shut down) at the runner's shutdown
         self.omni_prefix_cache = None

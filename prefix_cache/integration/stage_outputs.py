@@ -30,6 +30,7 @@ import torch
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
+from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.output_thread import OutputThread
 from prefix_cache.core.outputs import split_outputs
@@ -129,9 +130,17 @@ class StageOutputDriver:
         """False once turned off: the engine runs on, nothing is saved or published."""
         return not self._off
 
-    def turn_off(self) -> None:
-        """Stop saving and publishing from this step on; queued work still runs until `close`."""
+    def turn_off(self, reason: str) -> None:
+        """Stop saving and publishing from this step on; queued work still runs, then every
+        request still held gets a failure naming `reason` in place of its rows."""
         self._off, self._in_step, self._step = True, False, None
+        try:
+            self._thread.submit("fail the requests held at turn-off",
+                                lambda: self.delivery.fail_held(
+                                    f"the stage stopped publishing before the request "
+                                    f"finished: {reason}"))
+        except OmniPrefixCacheError:
+            pass  # the thread failed: `close` raises that and fails the held requests
 
     def end_step(self) -> None:
         """The step's output is built: queue its rows (a step without rows ends here)."""
@@ -184,12 +193,16 @@ class StageOutputDriver:
         return out
 
     def close(self) -> None:
-        """Publish what is queued (bounded), then stop the thread and the cache; idempotent."""
+        """Publish what is queued (bounded), fail every request still held, then stop the
+        thread and the cache; idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             self._thread.close()
         finally:
-            if self.cache is not None:
-                self.cache.shutdown()
+            try:  # after whatever the thread published, and whether or not it failed
+                self.delivery.fail_held("the stage shut down before the request finished")
+            finally:
+                if self.cache is not None:
+                    self.cache.shutdown()
