@@ -598,6 +598,24 @@ def test_readers_racing_for_one_id_get_each_entry_exactly_once(channel: StageCha
     assert taken[0] == sorted(taken[0]) and taken[1] == sorted(taken[1])  # each in put order
 
 
+def test_mooncake_a_handle_never_orphans_another_handles_chain_under_the_same_id(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """A's entry under `r` is consumed; B starts a chain of its own under `r`. A's next put must
+    not write over B's tail (B's entry would be lost), and A's chain expiring must not take
+    B's tail with it."""
+    with open_channel(mooncake_store.spec + "&ttl=1") as first, \
+            open_channel(first.spec.replace("ttl=1", "ttl=60")) as second:
+        first.put("r", _marked(1))
+        assert _mark(second.get("r", timeout_s=5)) == 1
+        second.put("r", _marked(2))
+        with pytest.raises(OmniPrefixCacheChannelError, match="another handle's entries"):
+            first.put("r", _marked(3))
+        time.sleep(2.5)  # first's chain under `r` expires and is swept
+        assert _mark(first.get("r", timeout_s=5)) == 2
+        first.put("r", _marked(4))  # B's chain drained: A may start anew
+        assert _mark(second.get("r", timeout_s=5)) == 4
+
+
 def test_mooncake_a_put_between_a_takes_read_and_remove_survives(
         mooncake_store: MooncakeStoreProcesses) -> None:
     with open_channel(mooncake_store.spec) as publisher, \

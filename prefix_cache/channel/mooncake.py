@@ -341,14 +341,17 @@ class MooncakeChannel(StageChannel):
                     self._used -= self._live.pop(key).nbytes
 
     def _chain_for(self, head: str, request_id: str) -> _Chain:
-        """The chain a new entry of `request_id` joins, its `first` moved past consumed ones."""
+        """The chain a new entry of `request_id` joins, its `first` moved past consumed ones.
+
+        The tail is read every time: once this handle's entries were consumed, another handle
+        may have started a chain of its own under the id, which writing ours would orphan."""
         with self._lock:
             chain = self._chains.get(head)
-        if chain is None:
-            foreign = self._read_tail(head, request_id)
-            if foreign is not None and any(
+        tail = self._read_tail(head, request_id)
+        if chain is None or tail is None or tail.token != chain.token:
+            if tail is not None and any(
                     e == 1 for e in self._store.batch_is_exist(
-                        [foreign.key(head, i) for i in range(foreign.first, foreign.next)])):
+                        [tail.key(head, i) for i in range(tail.first, tail.next)])):
                 raise OmniPrefixCacheChannelError(
                     f"request {request_id}: another handle's entries under this id are "
                     f"unconsumed on channel {self.spec}; one handle publishes under an id at "
@@ -439,9 +442,18 @@ class MooncakeChannel(StageChannel):
                 key, live = self._live.popitem(last=False)
                 self._used -= live.nbytes
                 due.append(key)
-            for head in [h for h, c in self._chains.items() if c.expires_at <= now]:
-                del self._chains[head]
-                due.append(head)
+        with self._publish_lock:  # no put of this handle rewrites a tail meanwhile
+            with self._lock:
+                expired = {h: c for h, c in self._chains.items() if c.expires_at <= now}
+                for head in expired:
+                    del self._chains[head]
+            for head, chain in expired.items():  # a tail another handle wrote since stays
+                try:
+                    tail = self._tails.read(head)
+                except ValueError:
+                    continue  # unreadable: not for this sweep to remove
+                if tail is not None and tail.token == chain.token:
+                    due.append(head)
         if due:
             self._store.batch_remove(due, force=True)  # those consumed meanwhile: not found
 
