@@ -81,3 +81,16 @@ def test_a_full_channel_fails_that_request_alone_and_its_consumer_is_told() -> N
         assert torch.equal(channel.get("ext-c", timeout_s=5)["hidden"], rows(0, 3)["hidden"])
         assert delivery.stats()["delivery_failed"] == 1
         assert delivery.stats()["delivery_published"] == 2
+
+
+def test_rows_that_cannot_be_joined_fail_that_request_alone() -> None:
+    sink = Recording()
+    delivery = StageDelivery(sink)
+    delivery.add("a", 0, rows(0, 4))
+    delivery.add("a", 4, {"hidden": torch.zeros(2, 3), "mm.audio": torch.zeros(2, 1)})  # width
+    delivery.add("b", 0, rows(0, 2))
+    delivery.finish(FinishedRequest("a", "ext-a", prompt_len=4))
+    delivery.finish(FinishedRequest("b", "ext-b", prompt_len=2))
+    assert sink.put_ids == ["ext-b"]
+    assert re.search(r"its rows could not be joined: RuntimeError", sink.failures["ext-a"])
+    assert delivery.stats()["delivery_failed"] == 1

@@ -5,8 +5,9 @@ A step hands over a request's rows from some position on: 0 for a prefix hit
 request recomputed after preemption hands over rows it already delivered; they
 replace the earlier ones from that position. Rows that would leave a gap break
 the request, since the next stage would silently miss positions: its entry is
-published as a failure naming the gap, as is one whose publish fails (a full
-`/dev/shm`, a store gone). Either way the stage goes on with other requests.
+published as a failure naming the gap, as is one whose parts do not join or whose
+publish fails (a full `/dev/shm`, a store gone). Either way the stage goes on with
+other requests.
 
 When the request finishes, all its rows from position 0 go to the stage channel
 under its external id, and are forgotten here. The worker only learns that a
@@ -173,9 +174,12 @@ class StageDelivery:
     def _publish(self, request: FinishedRequest) -> None:
         """Put the request's entry; if that fails, put a failure in its place (its consumer's
         get raises, naming the cause) and go on: one request's failure is its own."""
-        rows = self.pop(request.req_id)
+        try:
+            rows, cause = self.pop(request.req_id), None
+        except Exception as exc:  # parts that do not join (a key's row shape changed)
+            rows, cause = {}, f"its rows could not be joined: {type(exc).__name__}: {exc}"
         with self._lock:
-            cause = self._broken.pop(request.req_id, None)
+            cause = self._broken.pop(request.req_id, None) or cause
         if self._sink is None:
             return
         if cause is None:
