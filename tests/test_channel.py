@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
-from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelTimeoutError,
+from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelFullError,
+                                  OmniPrefixCacheChannelTimeoutError,
                                   StageChannel, open_channel)
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
 from prefix_cache.channel import mooncake as mooncake_module
@@ -463,6 +464,34 @@ def test_a_bad_shm_option_leaves_no_namespace_and_no_open_file(tmp_path: Path,
         open_channel(f"shm://?dir={tmp_path}&{option}")
     assert list(tmp_path.iterdir()) == []
     assert set(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def _reserve_and_die(spec: str, nbytes: int) -> None:
+    """In a forked child: take room for an entry, then die before publishing it."""
+    other = open_channel(spec)
+    assert other._reserve(nbytes, force=False) is not None
+    os._exit(0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork and /dev/shm: Linux")
+def test_a_publisher_dead_between_reserve_and_publish_does_not_keep_its_room(
+        tmp_path: Path) -> None:
+    """Its temp file stays, but no live writer holds it: the next put that needs the room
+    gets it. A live writer's room stays counted."""
+    entry = {HIDDEN_KEY: torch.arange(900, dtype=torch.float32)}  # 3.6 KB
+    with open_channel(f"shm://?dir={tmp_path}&capacity=8192&wait=0.3") as channel:
+        child = multiprocessing.get_context("fork").Process(target=_reserve_and_die,
+                                                            args=(channel.spec, 6000))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0 and channel.used_bytes() == 6000
+        channel.put("r", entry)
+        assert torch.equal(channel.get("r", timeout_s=5)[HIDDEN_KEY], entry[HIDDEN_KEY])
+        held = channel._reserve(6000, force=False)  # a live writer, mid-put
+        with pytest.raises(OmniPrefixCacheChannelFullError):
+            channel.put("s", entry)
+        channel._unreserve(held)
+        assert channel.used_bytes() == 0 and not any(tmp_path.glob("*/.tmp-*"))
 
 
 def _put_and_report(channel: StageChannel, done: multiprocessing.Queue) -> None:

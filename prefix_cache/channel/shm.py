@@ -34,6 +34,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode
 
@@ -76,6 +77,31 @@ def _create_private_file(path: Path) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # exact, whatever the umask
     return fd
+
+
+@dataclass
+class _Reservation:
+    """A put's room: its temp file, and a descriptor holding an exclusive flock on it until
+    the entry is published or the room returned, so a recount can tell a dead writer's."""
+
+    path: Path
+    fd: int
+
+
+def _writer_alive(path: str) -> bool:
+    """Whether a live writer holds the temp file at `path` (its flock); a gone file is not
+    held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -242,20 +268,27 @@ class ShmChannel(StageChannel):
 
     def _recount_used(self) -> int:
         """The bytes in use, counted from the files (caller holds the lock): corrects what a
-        process that died mid-operation left counted."""
+        process that died mid-operation left counted, and frees the rooms of dead writers."""
         used = 0
         for f in os.scandir(self.directory):
-            if _ENTRY_RE.fullmatch(f.name) or f.name.startswith(_TEMP_PREFIX):
-                try:
-                    used += f.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    pass
+            temp = f.name.startswith(_TEMP_PREFIX)
+            if not (temp or _ENTRY_RE.fullmatch(f.name)):
+                continue
+            try:
+                size = f.stat(follow_symlinks=False).st_size
+                if temp and not _writer_alive(f.path):
+                    os.unlink(f.path)  # its writer died between reserve and publish
+                    continue
+            except FileNotFoundError:
+                continue
+            used += size
         capacity, _ = self._read_budget()
         os.pwrite(self._budget_fd, _BUDGET.pack(capacity, used), 0)
         return used
 
-    def _reserve(self, nbytes: int, *, force: bool) -> Path | None:
+    def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
         temp = self.directory / (_TEMP_PREFIX + secrets.token_hex(8))
+        fd = -1
         try:
             with self._locked():
                 capacity, used = self._read_budget()
@@ -263,42 +296,43 @@ class ShmChannel(StageChannel):
                         and self._recount_used() + nbytes > capacity:
                     return None
                 fd = _create_private_file(temp)
-                try:
-                    os.ftruncate(fd, nbytes)
-                finally:
-                    os.close(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # before any recount can see the file
+                os.ftruncate(fd, nbytes)
                 self._add_used(nbytes)
         except OSError as e:
+            if fd >= 0:
+                os.close(fd)
             temp.unlink(missing_ok=True)
             raise self._gone_or(e, f"cannot reserve {nbytes} bytes for an entry") from e
-        return temp
+        return _Reservation(temp, fd)
 
-    def _unreserve(self, reservation: Path) -> None:
-        with self._locked():
-            try:
-                size = os.stat(reservation, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                return  # swept as expired meanwhile, and uncounted then
-            reservation.unlink()
-            self._add_used(-size)
-
-    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Path) -> None:
+    def _unreserve(self, reservation: _Reservation) -> None:
         try:
-            fd = os.open(reservation, os.O_WRONLY | os.O_NOFOLLOW)
-            try:
-                for offset, piece in encoded.pieces:
-                    _write_all(fd, piece, offset)
-            finally:
-                os.close(fd)
+            with self._locked():
+                try:
+                    size = os.stat(reservation.path, follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    return  # swept as expired meanwhile, and uncounted then
+                reservation.path.unlink()
+                self._add_used(-size)
+        finally:
+            os.close(reservation.fd)
+
+    def _publish(self, request_id: str, encoded: EncodedEntry,
+                 reservation: _Reservation) -> None:
+        try:
+            for offset, piece in encoded.pieces:
+                _write_all(reservation.fd, piece, offset)
             head = self.entry_path(request_id).name
             with self._locked():
                 index = 0
                 while os.path.lexists(self.directory / _chain_name(head, index)):
                     index += 1
-                os.rename(reservation, self.directory / _chain_name(head, index))
+                os.rename(reservation.path, self.directory / _chain_name(head, index))
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
+        os.close(reservation.fd)  # published: its lock goes with it
 
     def _take(self, request_id: str) -> torch.Tensor | None:
         head = self.entry_path(request_id).name
