@@ -86,19 +86,20 @@ def _seconds(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _paired_ratios(base: Callable[[], None], variant: Callable[[], None], pairs: int
-                   ) -> list[float]:
-    """`variant`'s seconds ÷ `base`'s, per pair of runs made back to back, in alternating
+def _paired_seconds(base: Callable[[], None], variant: Callable[[], None], pairs: int
+                    ) -> list[tuple[float, float]]:
+    """(`base`'s seconds, `variant`'s) per pair of runs made back to back, in alternating
     order: a drift of the machine's speed over seconds (a device's clocks as it heats, a
-    host's load) moves both runs of a pair, not the ratio. Run each once first to warm up."""
-    ratios = []
+    host's load) moves both runs of a pair, not their ratio. Run each once first to warm
+    up."""
+    times = []
     for rep in range(pairs):
         if rep % 2 == 0:
             alone, with_variant = _seconds(base), _seconds(variant)
         else:
             with_variant, alone = _seconds(variant), _seconds(base)
-        ratios.append(with_variant / alone)
-    return ratios
+        times.append((alone, with_variant))
+    return times
 
 
 def _without_dma(backend: DeviceBackend, fn: Callable[[], Any]) -> Any:
@@ -331,8 +332,8 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, f
 def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: int, pairs: int,
               write_stream: str = "compute") -> tuple[list[float], float]:
     """M5: steps per second of a stand-in forward with the cache's calls ÷ without, per pair
-    of loops of `steps` steps run back to back (see `_paired_ratios`); and the median
-    steps per second without.
+    of loops of `steps` steps run back to back (see `_paired_seconds`); and the median
+    steps per second without, from the same loops.
 
     The forward is an MLP stack whose last projection gives the WIDTH-wide rows the cache
     saves: on a device, an 8B-class model's MLPs (32 layers of 4096 -> 14336 -> 4096,
@@ -386,9 +387,9 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
             _sync(backend)
 
         without_cache(), with_cache()  # warm-up
-        ratios = [1 / r for r in _paired_ratios(without_cache, with_cache, pairs)]
-        off = steps / statistics.median(_seconds(without_cache) for _ in range(3))
-    return ratios, off
+        times = _paired_seconds(without_cache, with_cache, pairs)
+    ratios = [alone / cached for alone, cached in times]
+    return ratios, steps / statistics.median(alone for alone, _ in times)
 
 
 def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
@@ -442,7 +443,8 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
     # with saves after every loop alone would count that drift as the saves' cost
     for run in (lambda: loop(None), *runs.values()):
         run()  # warm-up
-    out = {name: statistics.median(_paired_ratios(lambda: loop(None), run, 3))
+    out = {name: statistics.median(with_saves / alone for alone, with_saves
+                                   in _paired_seconds(lambda: loop(None), run, 3))
            for name, run in runs.items()}
     pool.close()
     staging.close()
