@@ -134,10 +134,10 @@ class CudaBackend(AcceleratorBackend):
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         if slots.device.type == "cpu":
             host_slots = slots.numpy()
+        mapped = self.zero_copy and pool.device_view is not None  # else staged
         # DMA into mapped pools only: a staged write lands on the host later, and a DMA save
         # into one of its slots could land first
-        if self._dma is not None and host_slots is not None and self.zero_copy \
-                and pool.device_view is not None and (
+        if self._dma is not None and host_slots is not None and mapped and (
                 rows.numel() * rows.element_size() >= self.dma_min_bytes or self._dma.pending()):
             return self._scatter_dma(rows, host_slots[: rows.shape[0]], pool, ready=ready,
                                      in_stream=in_stream)
@@ -146,7 +146,7 @@ class CudaBackend(AcceleratorBackend):
             raise RuntimeError(         # kernel may not overtake a DMA save into its slots
                 f"cuda backend: a copy-engine save still running after "
                 f"{CLOSE_DRAIN_TIMEOUT_S:.0f}s")
-        if self.zero_copy and pool.device_view is not None:
+        if mapped:
             return self._scatter_mapped(rows, slots, pool, ready=ready, in_stream=in_stream)
         return super().scatter_rows(rows, slots, pool, ready=ready, staging=staging,
                                     in_stream=in_stream)
