@@ -427,16 +427,31 @@ def test_close_waits_for_an_operation_in_flight_and_later_ones_are_refused(
         channel.get("s", timeout_s=1)
 
 
+class RealClient:
+    """The Mooncake Store client a channel makes, the real one, for a test to override some
+    of its calls (`use_client`)."""
+
+    real_class: Any = None
+
+    def __init__(self) -> None:
+        self.real = type(self).real_class()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def use_client(monkeypatch: pytest.MonkeyPatch, client_class: type[RealClient]) -> None:
+    """Channels opened from now on (in this test) make their client from `client_class`."""
+    client_class.real_class = mooncake_module._store_class()
+    monkeypatch.setattr(mooncake_module, "_store_class", lambda: client_class)
+
+
 def test_a_mooncake_read_that_fails_keeps_the_entry_for_the_next_get(
         mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_class = mooncake_module._store_class()
     failing_reads = [1]
 
-    class FailingOneRead:
-        """The real client, whose next read of an entry fails once (a transfer error)."""
-
-        def __init__(self) -> None:
-            self.real = real_class()
+    class FailingOneRead(RealClient):
+        """Its next read of an entry fails once (a transfer error)."""
 
         def get_into(self, key: str, ptr: int, size: int) -> int:
             if failing_reads and "." in key.rsplit("/", 1)[-1]:  # an entry, not a tail
@@ -444,10 +459,7 @@ def test_a_mooncake_read_that_fails_keeps_the_entry_for_the_next_get(
                 return -800
             return self.real.get_into(key, ptr, size)
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.real, name)
-
-    monkeypatch.setattr(mooncake_module, "_store_class", lambda: FailingOneRead)
+    use_client(monkeypatch, FailingOneRead)
     with open_channel(mooncake_store.spec) as channel:
         channel.put("r", sample_outputs(4))
         with pytest.raises(OmniPrefixCacheChannelError,
@@ -521,15 +533,15 @@ def test_a_forked_child_waits_for_its_parents_namespace_lock() -> None:
 
 def test_a_mooncake_channel_that_cannot_register_its_tail_buffer_closes_its_connection(
         mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_class = mooncake_module._store_class()
     opened: list[Any] = []
 
-    class RefusingRegistrations:
-        """The real client, whose buffer registrations fail (as when memory cannot be
-        pinned), recording its close."""
+    class RefusingRegistrations(RealClient):
+        """Its buffer registrations fail (as when memory cannot be pinned); it records its
+        close."""
 
         def __init__(self) -> None:
-            self.real, self.closed = real_class(), False
+            super().__init__()
+            self.closed = False
             opened.append(self)
 
         def register_buffer(self, ptr: int, size: int) -> int:
@@ -539,10 +551,7 @@ def test_a_mooncake_channel_that_cannot_register_its_tail_buffer_closes_its_conn
             self.closed = True
             return self.real.close()
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.real, name)
-
-    monkeypatch.setattr(mooncake_module, "_store_class", lambda: RefusingRegistrations)
+    use_client(monkeypatch, RefusingRegistrations)
     with pytest.raises(OmniPrefixCacheChannelError, match="registering a .*-byte buffer failed"):
         open_channel(mooncake_store.spec)
     assert [store.closed for store in opened] == [True]
