@@ -9,8 +9,9 @@ and the cache's stats to OUT for the test to compare.
 Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
 
 - `main`: two waves of six prompts sharing 64-token prefixes (the second wave hits the first's
-  blocks), two decode-heavy requests (48 tokens each), and a 512-token prompt aborted
-  mid-prefill;
+  blocks, and its requests stop at any of a third of the vocabulary: an asynchronous scheduler,
+  vLLM's default on the GPU, has already fed the stop token when it reads it), two
+  decode-heavy requests (48 tokens each), and a 512-token prompt aborted mid-prefill;
 - `preempt`: four requests whose decodes outgrow a 13-block KV cache, so vLLM preempts and
   recomputes;
 - `mm`: `main` on a runner whose forward also emits a per-token multimodal key, which the
@@ -40,6 +41,7 @@ PREEMPT_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_token
                             long_prefill_token_threshold=32, num_blocks=14, max_model_len=192,
                             dtype="bfloat16")
 MM_KEY = "codes.audio"
+STOP_TOKEN_IDS = tuple(range(0, 1024, 3))
 
 
 def main_workload(seed: int = 0) -> list[StageRequest]:
@@ -51,7 +53,8 @@ def main_workload(seed: int = 0) -> list[StageRequest]:
         for i in range(6):
             prompt = prefixes[i % 3] + [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 30))]
             requests.append(StageRequest(f"w{wave}-{i}", prompt, rng.randrange(2, 6),
-                                         arrive_at_step=40 * wave + i))
+                                         arrive_at_step=40 * wave + i,
+                                         stop_token_ids=STOP_TOKEN_IDS if wave else ()))
     requests += [StageRequest(f"decode-{i}", prefixes[i] + [rng.randrange(1, 1000)
                                                              for _ in range(9)],
                               48, arrive_at_step=80 + i) for i in range(2)]
@@ -126,6 +129,7 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
             engine.close()
     torch.save({"stats": stats, "runner": None if runner is None else runner.__module__,
                 "cached": {k: r.cached_tokens for k, r in result.results.items()},
+                "generated": {k: r.generated for k, r in result.results.items()},
                 "entries": {k: {"aborted": r.entry.aborted, "meta": dict(r.entry.meta),
                                 "outputs": dict(r.entry.outputs)}
                             for k, r in result.results.items()}}, out)

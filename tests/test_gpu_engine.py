@@ -1,6 +1,7 @@
 """The GPU worker in a real vLLM GPU engine: every request's channel entry with prefix caching
 on matches the run with it off, in-process and multiprocess, under decode-heavy requests,
-preemption, an abort mid-prefill, a multimodal key and CUDA graphs.
+preemption, an abort mid-prefill, stop tokens under asynchronous scheduling, a multimodal key
+and CUDA graphs; a finished request has one row per token fed.
 
 Each engine runs in a process of its own (`tests/gpu_engine_run.py`), the on and off runs of a
 case side by side. Needs an NVIDIA GPU and a vLLM GPU build (on the H200 machine, the offline
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.vllm, pytest.mark.slow]
 
 from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.devices.cuda.dma import DMA_MIN_BYTES_ENV  # noqa: E402
-from tests.gpu_engine_run import MM_KEY  # noqa: E402
+from tests.gpu_engine_run import MM_KEY, main_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Rows of the same tokens computed in different batch compositions (chunking, preemption's
@@ -75,8 +76,9 @@ def assert_entries_match(on: dict[str, Any], off: dict[str, Any]) -> None:
             if entry["aborted"]:  # each run got as far as its own steps took it
                 n = min(rows.shape[0], ref.shape[0])
                 rows, ref = rows[:n], ref[:n]
-            else:
-                assert rows.shape[0] == entry["meta"]["num_rows"]
+            else:  # one row per token fed: the last generated token never is
+                expected = entry["meta"]["prompt_len"] + on["generated"][req_id] - 1
+                assert rows.shape[0] == entry["meta"]["num_rows"] == expected, req_id
             torch.testing.assert_close(rows.float(), ref.float(), rtol=RTOL, atol=ATOL,
                                        msg=lambda m, r=req_id, k=key: f"{r} {k}: {m}")
 
@@ -95,7 +97,10 @@ def test_entries_match_with_prefix_caching_on_and_off(
     assert on["entries"]["long-aborted"]["aborted"]
     for i in range(2):  # decode-heavy: prompt + 48 generated - 1 rows
         meta = on["entries"][f"decode-{i}"]["meta"]
-        assert meta["num_rows"] >= meta["prompt_len"] + 47
+        assert meta["num_rows"] == meta["prompt_len"] + 47
+    # requests that sampled a stop token, fed again by a step already in flight
+    assert [r.req_id for r in main_workload() if r.stop_token_ids
+            and on["generated"][r.req_id] < r.max_tokens]
 
 
 def test_preempted_requests_deliver_the_same_rows(model_dir: Path, tmp_path: Path) -> None:
@@ -103,7 +108,7 @@ def test_preempted_requests_deliver_the_same_rows(model_dir: Path, tmp_path: Pat
     assert_entries_match(on, off)
     for run in (on, off):
         for entry in run["entries"].values():
-            assert entry["meta"]["num_rows"] >= entry["meta"]["prompt_len"] + 99
+            assert entry["meta"]["num_rows"] == entry["meta"]["prompt_len"] + 99
 
 
 def test_a_multimodal_key_declared_by_model_attributes_matches(

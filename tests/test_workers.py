@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -23,16 +24,17 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import open_channel  # noqa: E402
+from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
-from prefix_cache.integration.workers.base import adopt_runner  # noqa: E402
+from prefix_cache.integration.workers.base import PrefixCacheWorkerMixin, adopt_runner  # noqa: E402
 from prefix_cache.integration.workers.finishes import FinishReporting, report_finishes  # noqa: E402
 from tests.vllm_fixtures import (  # noqa: E402
     FAKE_TOKEN_ID,
     engine_runner,
     fake_model_step,
-    make_request,  # noqa: F401
+    make_request,
     make_scheduler,
     thinker_model_dir,
 )
@@ -230,6 +232,82 @@ def test_the_scheduler_reports_each_finish_once_as_it_decides_it() -> None:
     fake_model_step(scheduler, output, FAKE_TOKEN_ID)
     fake_model_step(scheduler, scheduler.schedule(), FAKE_TOKEN_ID)
     assert heard == [["a"], ["c"], ["b"]]  # each once
+
+
+@pytest.mark.parametrize("engine_core_process, async_scheduling, refusal", [
+    (False, False, "VLLM_ENABLE_V1_MULTIPROCESSING=1"),  # the finish's step may never run
+    (True, True, "async_scheduling=False"),  # a stop token's row cannot be told apart
+    (True, False, None),
+])
+def test_a_worker_away_from_the_scheduler_is_refused_where_its_finishes_would_be_wrong(
+        engine_core_process: bool, async_scheduling: bool, refusal: str | None) -> None:
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(
+        parallel_config=SimpleNamespace(distributed_executor_backend="mp"),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling)))
+    check = PrefixCacheWorkerMixin._check_finishes_reach_a_separate_worker
+    with multiprocessing_mode(engine_core_process):
+        if refusal is None:
+            check(worker)
+            return
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=refusal):
+            check(worker)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
+        async_scheduling: bool) -> None:
+    """An asynchronous engine core runs the worker's step N+1 before the scheduler reads step
+    N's output: a request whose stop token step N sampled has it fed in step N+1, a row a
+    synchronous engine never computes. Steps are driven as vLLM's batch queue drives them."""
+    prompt_len, stop = 20, 2
+    with open_channel() as channel:
+        delivery = StageDelivery(channel)
+
+        def heard(finished: Any) -> None:  # as the runner's omni_requests_finished
+            for req_id, rows_standing in finished.items():
+                delivery.finish_early(FinishedRequest(req_id, req_id, prompt_len, rows_standing))
+
+        def in_process_worker(vllm_config: Any) -> None:
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
+            vllm_config.scheduler_config.async_scheduling = async_scheduling
+            assert report_finishes(vllm_config, heard)
+
+        scheduler = make_scheduler(num_blocks=32, block_size=16, max_num_seqs=4,
+                                   max_num_batched_tokens=128, configure=in_process_worker)
+        fed: dict[str, int] = {}
+
+        def worker_step(output: Any) -> None:  # rows of every token the step feeds
+            for req_id, n in output.num_scheduled_tokens.items():
+                start = fed.get(req_id, 0)
+                delivery.add(req_id, start, {HIDDEN_KEY: torch.arange(
+                    start, start + n, dtype=torch.float32)[:, None]})
+                fed[req_id] = start + n
+
+        # tokens each generates: a stop token last, or (d) as many as max_tokens allows
+        generated = {"a": 1, "b": 3, "c": 5, "d": 4}
+        for req_id, n in generated.items():
+            scheduler.add_request(make_request(req_id, [10 + ord(req_id)] * prompt_len,
+                                               n if req_id == "d" else 16, stop_token_ids=[stop]))
+
+        def sample(request: Any) -> int:
+            last = request.num_output_tokens + 1 == generated[request.request_id]
+            return stop if last and request.request_id != "d" else FAKE_TOKEN_ID
+
+        queue: list[Any] = []  # steps run, their outputs not yet read: 2 when asynchronous
+        while scheduler.has_requests() or queue:
+            if scheduler.has_requests():
+                queue.append(scheduler.schedule())
+                worker_step(queue[-1])
+            if len(queue) == (2 if async_scheduling else 1) or not scheduler.has_requests():
+                fake_model_step(scheduler, queue.pop(0), sample)
+        entries = {r: channel.get_entry(r, timeout_s=1) for r in generated}
+    stale = {r: fed[r] - (prompt_len + n - 1) for r, n in generated.items()}
+    # each stop token fed by a step in flight; vLLM schedules no step past max_tokens
+    assert stale == {r: int(async_scheduling and r != "d") for r in generated}
+    for req_id, n in generated.items():
+        assert not entries[req_id].aborted
+        assert torch.equal(entries[req_id].outputs[HIDDEN_KEY][:, 0],
+                           torch.arange(prompt_len + n - 1, dtype=torch.float32)), req_id
 
 
 @pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])

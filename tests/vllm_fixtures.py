@@ -144,7 +144,7 @@ def _block_hasher(hash_block_size: int) -> Any:
 
 
 def make_request(req_id: str, prompt_token_ids: Sequence[int], max_tokens: int, *,
-                 hash_block_size: int = 16) -> Request:
+                 hash_block_size: int = 16, stop_token_ids: Sequence[int] = ()) -> Request:
     """A greedy request that ignores EOS, hashed like EngineCore does for prefix caching.
 
     `hash_block_size` must be the scheduler's block size (its hash block size).
@@ -154,15 +154,17 @@ def make_request(req_id: str, prompt_token_ids: Sequence[int], max_tokens: int, 
 
     return Request(req_id, list(prompt_token_ids),
                    sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                  ignore_eos=True),
+                                                  ignore_eos=True,
+                                                  stop_token_ids=list(stop_token_ids)),
                    pooling_params=None, block_hasher=_block_hasher(hash_block_size))
 
 
 def fake_model_step(scheduler: Scheduler, scheduler_output: SchedulerOutput,
-                    token_id: int = FAKE_TOKEN_ID) -> dict[int, Any]:
+                    token_id: int | Callable[[Request], int] = FAKE_TOKEN_ID) -> dict[int, Any]:
     """Finish one step as the model runner would: every request whose prefill is complete
-    samples `token_id`; a request in a partial (chunked) prefill samples nothing, as the
-    runner's `discard_request_mask` does. Returns `update_from_output`'s outputs."""
+    samples `token_id` (or what it returns for the request); a request in a partial (chunked)
+    prefill samples nothing, as the runner's `discard_request_mask` does. Returns
+    `update_from_output`'s outputs."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -171,7 +173,7 @@ def fake_model_step(scheduler: Scheduler, scheduler_output: SchedulerOutput,
         request = scheduler.requests.get(req_id)
         # The scheduler has already advanced num_computed_tokens by this step's tokens.
         done = request is not None and request.num_computed_tokens >= request.num_tokens
-        sampled.append([token_id] if done else [])
+        sampled.append([token_id(request) if callable(token_id) else token_id] if done else [])
     output = ModelRunnerOutput(req_ids=req_ids,
                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                sampled_token_ids=sampled)

@@ -18,9 +18,10 @@ carries the prompt length and row count so the consumer can judge.
 
 The scheduler may report a finish before the runner hears of it (`finish_early`,
 when the worker shares the scheduler's process): the request is published then,
-rows a step already in flight computes for it afterwards are dropped (an
-asynchronous scheduler's one stale step), and the runner's own `finish` later
-only forgets it.
+rows a step already in flight computes for it afterwards are dropped, and the
+runner's own `finish` later only forgets it. Such an in-flight step (an
+asynchronous scheduler's) feeds the request's stop token; the scheduler says how
+many rows stand, and its row is cut whether it arrived before the finish or not.
 
 A request whose finish will never be heard (the stage stops publishing, or shuts
 down first) is not left for its consumer to time out on: `fail_held` publishes a
@@ -53,11 +54,14 @@ class StageSink(Protocol):
 
 @dataclass(frozen=True)
 class FinishedRequest:
-    """A request the scheduler retired: runner id, external id, prompt length (None: unknown)."""
+    """A request the scheduler retired: runner id, external id, prompt length (None: unknown),
+    and how many of its rows stand (None: all; the rest came from a step whose tokens the
+    scheduler discards)."""
 
     req_id: str
     external_id: str
     prompt_len: int | None
+    rows_standing: int | None = None
 
 
 @dataclass
@@ -178,6 +182,8 @@ class StageDelivery:
             rows, cause = self.pop(request.req_id), None
         except Exception as exc:  # parts that do not join (a key's row shape changed)
             rows, cause = {}, f"its rows could not be joined: {type(exc).__name__}: {exc}"
+        if request.rows_standing is not None:
+            rows = {key: r[:request.rows_standing] for key, r in rows.items()}
         with self._lock:
             cause = self._broken.pop(request.req_id, None) or cause
         if self._sink is None:

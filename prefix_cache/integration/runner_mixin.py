@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -166,12 +166,13 @@ class StageRunnerBase:
 
     # ------------------------------------------------------------------ finishes
 
-    def omni_requests_finished(self, req_ids: Sequence[str]) -> None:
-        """The scheduler just retired `req_ids` (before vLLM returns their last outputs): publish
-        them now, not when the next step tells this runner (that step may never run)."""
+    def omni_requests_finished(self, finished: Mapping[str, int | None]) -> None:
+        """The scheduler just retired these requests (before vLLM returns their last outputs),
+        each with how many of its rows stand (None: all): publish them now, not when the next
+        step tells this runner (that step may never run)."""
         stage = self._omni_stage
         if stage is not None and stage.active:
-            stage.finish_now([self._omni_finished(r) for r in req_ids])
+            stage.finish_now([self._omni_finished(r, rows) for r, rows in finished.items()])
 
     def _omni_begin_step(self, stage: StageOutputDriver, scheduler_output: Any) -> None:
         """Start the step on the stage, before the runner drops the finished requests' states
@@ -179,9 +180,10 @@ class StageRunnerBase:
         stage.begin_step(scheduler_output, [self._omni_finished(r)
                                             for r in scheduler_output.finished_req_ids])
 
-    def _omni_finished(self, req_id: str) -> FinishedRequest:
+    def _omni_finished(self, req_id: str, rows_standing: int | None = None) -> FinishedRequest:
         # prompt length None: aborted before it was ever scheduled
-        return FinishedRequest(req_id, external_request_id(req_id), self._omni_prompt_len(req_id))
+        return FinishedRequest(req_id, external_request_id(req_id), self._omni_prompt_len(req_id),
+                               rows_standing)
 
     # ------------------------------------------------------------------ per step
 

@@ -66,6 +66,7 @@ class RequestCheck:
 
     req_id: str
     prompt_len: int
+    generated: int  # stage 1's generated tokens (caching on)
     cached_tokens: int
     rows_on: int
     rows_off: int
@@ -80,7 +81,7 @@ class RequestCheck:
         if self.aborted:  # mid-prefill in both runs (maybe a step apart); common rows agree
             return 0 < self.rows_on < self.prompt_len and 0 < self.rows_off < self.prompt_len \
                 and self.max_diff <= self.tolerance
-        return self.rows_on == self.rows_off >= self.prompt_len \
+        return self.rows_on == self.rows_off == self.prompt_len + self.generated - 1 \
             and self.max_diff <= self.tolerance and self.tokens_match
 
 
@@ -95,7 +96,8 @@ def compare(on: Any, off: Any, tolerance: float) -> list[RequestCheck]:
         common = min(n_on, n_off)
         diff = float((rows_a[:common] - rows_b[:common]).abs().max()) if common else 0.0
         checks.append(RequestCheck(
-            req_id, a.prompt_len, a.cached_tokens, n_on, n_off, diff, a.aborted or b.aborted,
+            req_id, a.prompt_len, a.generated, a.cached_tokens, n_on, n_off, diff,
+            a.aborted or b.aborted,
             a.tokens == b.tokens, min(a.min_margin, b.min_margin), tolerance))
     return checks
 

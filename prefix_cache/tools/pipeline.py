@@ -31,14 +31,15 @@ ROWS_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class StageRequest:
-    """A thinker request: its prompt, tokens to generate, and the thinker steps it arrives
-    (and, optionally, is aborted) at."""
+    """A thinker request: its prompt, tokens to generate (at most; fewer if it samples one of
+    `stop_token_ids`), and the thinker steps it arrives (and, optionally, is aborted) at."""
 
     req_id: str
     prompt: list[int]
     max_tokens: int
     arrive_at_step: int = 0
     abort_at_step: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -48,6 +49,7 @@ class RequestResult:
     req_id: str
     prompt_len: int
     cached_tokens: int = 0
+    generated: int = 0  # tokens stage 1 generated (its final output)
     entry: StageEntry | None = None
     tokens: list[int] = field(default_factory=list)
     min_margin: float = float("inf")  # smallest top-1 minus top-2 logprob over its tokens
@@ -121,7 +123,8 @@ def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[Stag
             req = arrivals.pop(0)
             thinker.engine.add_request(req.req_id, {"prompt_token_ids": req.prompt},
                                        SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
-                                                      ignore_eos=True, detokenize=False))
+                                                      ignore_eos=True, detokenize=False,
+                                                      stop_token_ids=list(req.stop_token_ids)))
         finished_now = list(aborts.get(step, []))
         if finished_now:
             thinker.engine.abort_request(finished_now)
@@ -130,6 +133,7 @@ def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[Stag
                 results[out.request_id].cached_tokens = max(
                     results[out.request_id].cached_tokens, out.num_cached_tokens or 0)
                 if out.finished:
+                    results[out.request_id].generated = len(out.outputs[0].token_ids)
                     finished_now.append(out.request_id)
         take_rows(finished_now)
         if talker is not None and talker.has_work():

@@ -83,15 +83,29 @@ class PrefixCacheWorkerMixin:
         super().init_device()
         runner = adopt_runner(self, self.runner_hooks, self.runner_cls)
         if not report_finishes(self.vllm_config, runner.omni_requests_finished):
-            from vllm import envs
-            if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-                raise OmniPrefixCacheUnmatchError(
-                    f"{type(self).__name__}: an in-process engine core "
-                    f"(VLLM_ENABLE_V1_MULTIPROCESSING=0) with workers in processes of their "
-                    f"own ({self.vllm_config.parallel_config.distributed_executor_backend!r} "
-                    f"executor) tells a worker of a finish only at its next step, which may "
-                    f"never run; run the engine core in its own process "
-                    f"(VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+            self._check_finishes_reach_a_separate_worker()
+
+    def _check_finishes_reach_a_separate_worker(self) -> None:
+        """A worker outside the scheduler's process hears of a finish only at the next step:
+        refuse the engines where that step may never run, or where the step before it fed
+        the stop token (asynchronous scheduling) and this worker cannot tell its row apart."""
+        from vllm import envs
+        executor = self.vllm_config.parallel_config.distributed_executor_backend
+        if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise OmniPrefixCacheUnmatchError(
+                f"{type(self).__name__}: an in-process engine core "
+                f"(VLLM_ENABLE_V1_MULTIPROCESSING=0) with workers in processes of their "
+                f"own ({executor!r} executor) tells a worker of a finish only at its next "
+                f"step, which may never run; run the engine core in its own process "
+                f"(VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+        if self.vllm_config.scheduler_config.async_scheduling:
+            raise OmniPrefixCacheUnmatchError(
+                f"{type(self).__name__}: asynchronous scheduling with workers in processes "
+                f"of their own ({executor!r} executor): a request's last step feeds its stop "
+                f"token before the scheduler reads the stop, and a worker away from the "
+                f"scheduler cannot tell that row from a real one, so the next stage would get "
+                f"one row too many; start the engine with async_scheduling=False, or with a "
+                f"single worker (the 'uni' executor)")
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's warm-up, which may run real steps with made-up requests (Model Runner V2's

@@ -9,6 +9,13 @@ hands every id that joins the scheduler's `finished_req_ids` (a stop found in
 to the worker's listener once, as soon as it joins: before vLLM returns that
 request's last output.
 
+With the finish goes how many of the request's rows stand. An asynchronous
+scheduler schedules step N+1 before it reads step N's output; when that output
+stops the request, step N+1 has already fed the stop token, and its row is one a
+synchronous engine never computes. The scheduler counts such in-flight tokens
+(`num_output_placeholders`) and discards their outputs; their rows are cut from
+the request's entry the same way.
+
 The worker installs it through its engine's `SchedulerConfig.scheduler_cls`,
 which the engine core reads after building its executor, when the worker and the
 scheduler share a process and so the config object: executors "uni" and
@@ -20,13 +27,14 @@ are pending).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: Executors that run the worker in the engine core's process (sharing its config object).
 SAME_PROCESS_EXECUTORS = ("uni", "external_launcher")
 
-FinishListener = Callable[[Sequence[str]], None]
+#: Called with finished request ids, each with the number of its rows that stand (None: all).
+FinishListener = Callable[[Mapping[str, int | None]], None]
 
 
 class FinishReporting:
@@ -38,6 +46,14 @@ class FinishReporting:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._omni_reported: set[str] = set()
+        self._omni_rows_standing: dict[str, int] = {}  # finished with a step still in flight
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        in_flight = getattr(request, "num_output_placeholders", 0)
+        if in_flight:  # rows of tokens scheduled but never to be accepted do not stand
+            self._omni_rows_standing[request.request_id] = \
+                request.num_computed_tokens - in_flight
+        return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._omni_report(self.finished_req_ids)
@@ -62,9 +78,10 @@ class FinishReporting:
         if not fresh:
             return
         self._omni_reported |= fresh
+        rows = {req_id: self._omni_rows_standing.pop(req_id, None) for req_id in sorted(fresh)}
         listener = self._omni_listener()
         if listener is not None:
-            listener(sorted(fresh))
+            listener(rows)
 
 
 def report_finishes(vllm_config: Any, listener: FinishListener) -> bool:
