@@ -98,9 +98,11 @@ def test_entries_match_with_prefix_caching_on_and_off(
     for i in range(2):  # decode-heavy: prompt + 48 generated - 1 rows
         meta = on["entries"][f"decode-{i}"]["meta"]
         assert meta["num_rows"] == meta["prompt_len"] + 47
-    # requests that sampled a stop token, fed again by a step already in flight
+    # requests that sampled a stop token, fed again by a step already in flight (vLLM's GPU
+    # engine schedules asynchronously by default), and those rows cut
     assert [r.req_id for r in main_workload() if r.stop_token_ids
             and on["generated"][r.req_id] < r.max_tokens]
+    assert on["stats"]["delivery_rows_cut"] > 0 and off["stats"]["delivery_rows_cut"] > 0
 
 
 def test_preempted_requests_deliver_the_same_rows(model_dir: Path, tmp_path: Path) -> None:

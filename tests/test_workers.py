@@ -304,6 +304,7 @@ def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
     stale = {r: fed[r] - (prompt_len + n - 1) for r, n in generated.items()}
     # each stop token fed by a step in flight; vLLM schedules no step past max_tokens
     assert stale == {r: int(async_scheduling and r != "d") for r in generated}
+    assert delivery.stats()["delivery_rows_cut"] == sum(stale.values())
     for req_id, n in generated.items():
         assert not entries[req_id].aborted
         assert torch.equal(entries[req_id].outputs[HIDDEN_KEY][:, 0],

@@ -90,15 +90,18 @@ class StageDelivery:
         self._broken: dict[str, str] = {}  # requests whose rows can no longer come whole: why
         self._published = 0
         self._failed = 0
+        self._rows_cut = 0  # rows of steps whose tokens the scheduler discarded
 
     def stats(self) -> dict[str, int]:
-        """Requests and bytes held (waiting for their finish), requests published so far, and
-        requests whose entry failed (published as failures)."""
+        """Requests and bytes held (waiting for their finish), requests published so far,
+        requests whose entry failed (published as failures), and rows cut from entries (fed
+        by steps whose tokens the scheduler discarded)."""
         with self._lock:
             held = sum(t.numel() * t.element_size() for parts in self._parts.values()
                        for p in parts for t in p.rows.values())
             return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
-                    "delivery_published": self._published, "delivery_failed": self._failed}
+                    "delivery_published": self._published, "delivery_failed": self._failed,
+                    "delivery_rows_cut": self._rows_cut}
 
     def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
         """`rows` (every key the same row count) hold positions `start, start + 1, ...`.
@@ -182,8 +185,11 @@ class StageDelivery:
             rows, cause = self.pop(request.req_id), None
         except Exception as exc:  # parts that do not join (a key's row shape changed)
             rows, cause = {}, f"its rows could not be joined: {type(exc).__name__}: {exc}"
-        if request.rows_standing is not None:
+        if request.rows_standing is not None and rows:
+            num_rows = next(iter(rows.values())).shape[0]
             rows = {key: r[:request.rows_standing] for key, r in rows.items()}
+            with self._lock:
+                self._rows_cut += max(0, num_rows - request.rows_standing)
         with self._lock:
             cause = self._broken.pop(request.req_id, None) or cause
         if self._sink is None:
