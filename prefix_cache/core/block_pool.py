@@ -20,10 +20,11 @@ import torch
 from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, byte_rows
 
-#: Threads a large gather is split across (4 MiB of rows each at least, the caller's thread
+#: Threads a large gather is split across (512 KiB of rows each at least, the caller's thread
 #: among them), as torch splits a large copy across the host's cores: one thread moves
-#: 4.1-5.4 GB/s on this project's 2-core machine, two 7.1-9.5 GB/s.
-GATHER_THREADS = min(8, os.cpu_count() or 1)
+#: 4.1-5.4 GB/s on this project's 2-core machine, two 7.1-9.5 GB/s; the H200 machine's
+#: 16 cores take 16 (benchmarks/gather_sweep.py).
+GATHER_THREADS = min(16, os.cpu_count() or 1)
 
 
 class Tiers:
