@@ -247,7 +247,8 @@ def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
 def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
         ending: str) -> None:
     """`a` has rows but its finish never comes: its consumer gets a failure naming the cause
-    at once, not a timeout; `b`, finished before, keeps its entry."""
+    at once, not a timeout; `b`, finished before, keeps its entry; requests that finish after
+    a turn-off get the failure too."""
     backend = get_backend("cpu")
     view = OneBlockView()
     with open_channel() as channel:
@@ -260,16 +261,27 @@ def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
         view.batch = []
         driver.begin_step(step([], {}, finished=("b",)), [FinishedRequest("b", "ext-b", 2)])
         driver.end_step()
+        later = []
         if ending == "turn off":
             driver.turn_off("its forward output could not be read")
             why = "stopped publishing .* its forward output could not be read"
+            # the engine runs on: a step's rows are not taken, its finishes get failures,
+            # whether the runner hears of them or the scheduler reports them first
+            later = ["c", "d"]
+            driver.begin_step(step(["c"], {"c": 2}), [])
+            driver.save_step(rows(0, 2)[HIDDEN_KEY], None, StepBatch(["c"], [0], [2]), 2)
+            driver.end_step()
+            driver.begin_step(step([], {}, finished=("c",)), [FinishedRequest("c", "ext-c", 2)])
+            driver.end_step()
+            driver.finish_now([FinishedRequest("d", "ext-d", 2)])
         else:
             why = "shut down before the request finished"
         driver.close() if ending == "close" else driver._thread.drain()
-        with pytest.raises(OmniPrefixCacheChannelError, match=f"request ext-a: .*{why}"):
-            channel.get_entry("ext-a", timeout_s=5)
+        for req in ["a", *later]:
+            with pytest.raises(OmniPrefixCacheChannelError, match=f"request ext-{req}: .*{why}"):
+                channel.get_entry(f"ext-{req}", timeout_s=5)
         assert torch.equal(channel.get_entry("ext-b", timeout_s=5).outputs[HIDDEN_KEY],
                            rows(3, 5)[HIDDEN_KEY])
         stats = driver.stats()
         driver.close()
-    assert stats["delivery_failed"] == 1 and stats["delivery_requests_held"] == 0
+    assert stats["delivery_failed"] == 1 + len(later) and stats["delivery_requests_held"] == 0

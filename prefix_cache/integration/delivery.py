@@ -23,9 +23,10 @@ runner's own `finish` later only forgets it. Such an in-flight step (an
 asynchronous scheduler's) feeds the request's stop token; the scheduler says how
 many rows stand, and its row is cut whether it arrived before the finish or not.
 
-A request whose finish will never be heard (the stage stops publishing, or shuts
-down first) is not left for its consumer to time out on: `fail_held` publishes a
-failure naming the cause in its place.
+A request whose finish will never be heard (the stage shuts down first) is not
+left for its consumer to time out on: `fail_held` publishes a failure naming the
+cause in its place. A stage that stops publishing (`stop_publishing`) does so for
+the requests it holds and, as they finish, for every later one.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class StageDelivery:
         self._published = 0
         self._failed = 0
         self._rows_cut = 0  # rows of steps whose tokens the scheduler discarded
+        self._stopped: str | None = None  # why no rows are published any more
 
     def stats(self) -> dict[str, int]:
         """Requests and bytes held (waiting for their finish), requests published so far,
@@ -112,7 +114,7 @@ class StageDelivery:
         if not rows:
             return
         with self._lock:
-            if req_id in self._published_early or req_id in self._broken:
+            if req_id in self._published_early or req_id in self._broken or self._stopped:
                 return
             try:
                 self._add(req_id, start, rows)
@@ -178,9 +180,21 @@ class StageDelivery:
             self._fail(self._external_id(req_id), req_id, cause)
         return len(held)
 
+    def stop_publishing(self, cause: str) -> int:
+        """Publish no rows from now on: every request held gets a failure naming `cause` now
+        (`fail_held`), every later one when it finishes. Returns how many were held."""
+        with self._lock:
+            self._stopped = cause
+        return self.fail_held(cause)
+
     def _publish(self, request: FinishedRequest) -> None:
         """Put the request's entry; if that fails, put a failure in its place (its consumer's
         get raises, naming the cause) and go on: one request's failure is its own."""
+        with self._lock:
+            stopped = self._stopped
+        if stopped is not None:  # said once, when the stage stopped: not again per request
+            self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
+            return
         try:
             rows, cause = self.pop(request.req_id), None
         except Exception as exc:  # parts that do not join (a key's row shape changed)
@@ -208,11 +222,12 @@ class StageDelivery:
             return
         self._fail(request.external_id, request.req_id, cause)
 
-    def _fail(self, external_id: str, req_id: str, cause: str) -> None:
+    def _fail(self, external_id: str, req_id: str, cause: str,
+              log_level: int = logging.ERROR) -> None:
         """Publish a failure in place of the request's rows (counted), logged either way."""
         with self._lock:
             self._failed += 1
-        logger.error("request %s (%s): %s", external_id, req_id, cause)
+        logger.log(log_level, "request %s (%s): %s", external_id, req_id, cause)
         if self._sink is None:
             return
         try:

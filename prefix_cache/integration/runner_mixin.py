@@ -158,9 +158,10 @@ class StageRunnerBase:
             self._omni_paused = False
 
     def _omni_stepping(self, dummy: bool = False) -> StageOutputDriver | None:
-        """The stage driver when this step is a real one it should see, else None."""
+        """The stage driver when this step is a real one it should see (turned off too: the
+        requests a step retires still get their failures), else None."""
         stage = self._omni_stage
-        if stage is None or not stage.active or self._omni_paused or dummy:
+        if stage is None or self._omni_paused or dummy:
             return None
         return stage
 
@@ -171,7 +172,7 @@ class StageRunnerBase:
         each with how many of its rows stand (None: all): publish them now, not when the next
         step tells this runner (that step may never run)."""
         stage = self._omni_stage
-        if stage is not None and stage.active:
+        if stage is not None:
             stage.finish_now([self._omni_finished(r, rows) for r, rows in finished.items()])
 
     def _omni_begin_step(self, stage: StageOutputDriver, scheduler_output: Any) -> None:
@@ -221,7 +222,7 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
         self._omni_begin_step(stage, scheduler_output)
-        self._omni_in_step = True
+        self._omni_in_step = stage.active
         try:
             output = super().execute_model(scheduler_output, *args, **kwargs)
         finally:

@@ -88,11 +88,13 @@ class StageOutputDriver:
     # ------------------------------------------------------------------ engine thread
 
     def begin_step(self, scheduler_output: Any, finished: Sequence[FinishedRequest]) -> None:
-        """Start a step; the requests it retires are published after their last rows."""
+        """Start a step; the requests it retires are published after their last rows (once
+        turned off, no step starts, and they get their failures)."""
         self._thread.check()  # a failure on the output thread surfaces here
-        if self.cache is not None:
-            self.cache.new_step_starts(scheduler_output)
-        self._step, self._in_step = None, True
+        if not self._off:
+            if self.cache is not None:
+                self.cache.new_step_starts(scheduler_output)
+            self._step, self._in_step = None, True
         if finished:
             requests = list(finished)
             self._thread.submit(f"publish {len(requests)} finished requests",
@@ -108,7 +110,10 @@ class StageOutputDriver:
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
                   num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
         """Take this step's rows (the cache copies them; nothing here waits for a copy);
-        `slot_mapping`: the runner's device slot mapping, for the cache's write."""
+        `slot_mapping`: the runner's device slot mapping, for the cache's write. Outside a
+        step (turned off) there is nothing to take."""
+        if not self._in_step:
+            return
         n = batch.num_rows
         if self.cache is not None:
             step_id = self.cache.save_outputs(hidden, mm, num_tokens_unpadded=n,
@@ -127,16 +132,18 @@ class StageOutputDriver:
 
     @property
     def active(self) -> bool:
-        """False once turned off: the engine runs on, nothing is saved or published."""
+        """False once turned off: the engine runs on, nothing is saved, and each request gets
+        a failure in place of its rows."""
         return not self._off
 
     def turn_off(self, reason: str) -> None:
         """Stop saving and publishing from this step on; queued work still runs, then every
-        request still held gets a failure naming `reason` in place of its rows."""
+        request still held, and each one that finishes later, gets a failure naming `reason`
+        in place of its rows."""
         self._off, self._in_step, self._step = True, False, None
         try:
-            self._thread.submit("fail the requests held at turn-off",
-                                lambda: self.delivery.fail_held(
+            self._thread.submit("stop publishing rows",
+                                lambda: self.delivery.stop_publishing(
                                     f"the stage stopped publishing before the request "
                                     f"finished: {reason}"))
         except OmniPrefixCacheError:
