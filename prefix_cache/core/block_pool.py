@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,13 +17,8 @@ import numpy as np
 import torch
 
 from prefix_cache.core import _core
-from prefix_cache.devices.base import DeviceBackend, HostBuffer, byte_rows
+from prefix_cache.devices.base import DeviceBackend, HostBuffer
 
-#: Threads a large gather is split across (512 KiB of rows each at least, the caller's thread
-#: among them), as torch splits a large copy across the host's cores: one thread moves
-#: 4.1-5.4 GB/s on this project's 2-core machine, two 7.1-9.5 GB/s; the H200 machine's
-#: 16 cores take 16 (benchmarks/gather_sweep.py).
-GATHER_THREADS = min(16, os.cpu_count() or 1)
 
 
 class Tiers:
@@ -214,15 +208,16 @@ class PrefixBlockPool:
 
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]` into `out`, a contiguous host tensor of the key's
-        dtype: one copy per run of consecutive slots (`_core.gather_rows`, GIL released),
-        split across GATHER_THREADS threads of its own when it is large."""
-        storage = self.keys[name].storage
-        if out.dtype != storage.tensor.dtype or not out.is_contiguous():
-            raise TypeError(f"gather of {name!r}: out must be a contiguous "
-                            f"{storage.tensor.dtype} tensor, got {out.dtype} of strides "
-                            f"{out.stride()}")
-        _core.gather_rows(storage.byte_rows, np.ascontiguousarray(slots, dtype=np.int64),
-                          byte_rows(out), GATHER_THREADS)
+        dtype, by torch's `index_select` (GIL released, split across torch's threads as its
+        copies are: on the H200 host it outran a memcpy of as many bytes, where a gather of
+        one copy per run of slots split across threads of its own reached half of it;
+        benchmarks/gather_sweep.py)."""
+        flat = self.keys[name].flat
+        if out.dtype != flat.dtype or not out.is_contiguous():
+            raise TypeError(f"gather of {name!r}: out must be a contiguous {flat.dtype} "
+                            f"tensor, got {out.dtype} of strides {out.stride()}")
+        torch.index_select(flat, 0, torch.from_numpy(np.ascontiguousarray(slots, np.int64)),
+                           out=out.view(len(slots), flat.shape[1]))
 
     def copy_block(self, src_block: int, dst_block: int) -> None:
         """Mirror vLLM's copy of block `src_block` into `dst_block`, a new tenant of `dst_block`."""
