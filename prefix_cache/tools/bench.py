@@ -80,6 +80,21 @@ def _timeit(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _timeit_interleaved(runs: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+    """Median seconds of each of `runs` over `repeat` rounds after one warm-up round; each
+    round calls every run once, starting one further along each time, so a host that slows
+    for a while (another process, the kernel's memory scans) slows them alike."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeat + 1):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            start = time.perf_counter()
+            runs[name]()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _seconds(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -283,9 +298,9 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
 
 
 def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, float]:
-    """GB/s of hit reads and of memcpys of the same bytes, each repetition reading rows the
-    HIT_INPUT_SETS - 1 before it did not (inputs that stay in the host's caches would time
-    the caches, not the memory a hit reads):
+    """GB/s of hit reads and of memcpys of the same bytes, interleaved, each repetition reading
+    rows the HIT_INPUT_SETS - 1 before it did not (inputs that stay in the host's caches would
+    time the caches, not the memory a hit reads):
     - `hit`: random blocks of the pool into a new tensor the caller owns, whose memory the
       cache recycles once the caller drops it, as a pipeline does;
     - `fresh`: the same into fresh memory (no recycling, `output_cache_bytes=0`);
@@ -323,7 +338,8 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, f
     runs = {"hit": lambda: read(recycled), "fresh": lambda: read(fresh),
             "memcpy": lambda: memcpy(reused), "memcpy_new": memcpy,
             "memcpy_hot": lambda: memcpy(reused, rotate=False)}
-    result = {name: nbytes / _timeit(run, repeat) / 1e9 for name, run in runs.items()}
+    result = {name: nbytes / seconds / 1e9
+              for name, seconds in _timeit_interleaved(runs, repeat).items()}
     pool.close()
     recycled.clear()
     return result
