@@ -209,9 +209,9 @@ class PrefixBlockPool:
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]` into `out`, a contiguous host tensor of the key's
         dtype, by torch's `index_select` (GIL released, split across torch's threads as its
-        copies are: on the H200 host it outran a memcpy of as many bytes, where a gather of
-        one copy per run of slots split across threads of its own reached half of it;
-        benchmarks/gather_sweep.py)."""
+        copies are: on the H200 host it moves 0.85-1.15 of a memcpy of as many bytes at every
+        thread count, where a gather of one copy per run of slots across threads started per
+        call reached half of it; benchmarks/gather_sweep.py)."""
         flat = self.keys[name].flat
         if out.dtype != flat.dtype or not out.is_contiguous():
             raise TypeError(f"gather of {name!r}: out must be a contiguous {flat.dtype} "
