@@ -17,20 +17,21 @@ def rows(start: int, end: int) -> dict[str, torch.Tensor]:
 
 def test_steps_concatenate_by_position() -> None:
     delivery = StageDelivery()
-    delivery.add("a", 0, rows(0, 5))
-    delivery.add("a", 5, rows(5, 6))
-    out = delivery.pop("a")
+    delivery.add("a", 0, rows(0, 5), 5)
+    delivery.add("a", 5, rows(5, 6), 1)
+    out, positions = delivery.pop("a")
+    assert positions == 6
     assert torch.equal(out["hidden"], rows(0, 6)["hidden"])
     assert torch.equal(out["mm.audio"], rows(0, 6)["mm.audio"])
-    assert delivery.pop("a") == {}
+    assert delivery.pop("a") == ({}, 0)
 
 
 def test_rows_recomputed_after_preemption_replace_the_delivered_ones() -> None:
     delivery = StageDelivery()
-    delivery.add("a", 0, rows(0, 8))
-    delivery.add("a", 8, rows(8, 10))
-    delivery.add("a", 4, {k: v + 100 for k, v in rows(4, 12).items()})  # resumed at its hit
-    hidden = delivery.pop("a")["hidden"]
+    delivery.add("a", 0, rows(0, 8), 8)
+    delivery.add("a", 8, rows(8, 10), 2)
+    delivery.add("a", 4, {k: v + 100 for k, v in rows(4, 12).items()}, 8)  # resumed at its hit
+    hidden = delivery.pop("a")[0]["hidden"]
     assert hidden.shape == (12, 2)
     assert torch.equal(hidden[:4], rows(0, 4)["hidden"])
     assert torch.equal(hidden[4:], rows(4, 12)["hidden"] + 100)
@@ -53,9 +54,9 @@ class Recording:
 def test_rows_past_the_delivered_ones_fail_that_request_naming_the_gap() -> None:
     sink = Recording()
     delivery = StageDelivery(sink)
-    delivery.add("a", 0, rows(0, 4))
-    delivery.add("a", 8, rows(8, 9))  # positions 4..7 never came: no silent hole
-    delivery.add("b", 0, rows(0, 2))
+    delivery.add("a", 0, rows(0, 4), 4)
+    delivery.add("a", 8, rows(8, 9), 1)  # positions 4..7 never came: no silent hole
+    delivery.add("b", 0, rows(0, 2), 2)
     assert delivery.stats()["delivery_requests_held"] == 1  # a's rows are gone, b's held
     delivery.finish(FinishedRequest("a", "a", prompt_len=4))
     delivery.finish(FinishedRequest("b", "b", prompt_len=2))
@@ -69,9 +70,9 @@ def test_a_full_channel_fails_that_request_alone_and_its_consumer_is_told() -> N
 
     with open_channel("shm://?capacity=4096&wait=0.1") as channel:
         delivery = StageDelivery(channel)
-        delivery.add("a", 0, rows(0, 4))
-        delivery.add("big", 0, rows(0, 1000))  # 12 KiB of rows: more than the channel holds
-        delivery.add("c", 0, rows(0, 3))
+        delivery.add("a", 0, rows(0, 4), 4)
+        delivery.add("big", 0, rows(0, 1000), 1000)  # 12 KiB of rows: more than the channel holds
+        delivery.add("c", 0, rows(0, 3), 3)
         for rid in ("a", "big", "c"):
             delivery.finish(FinishedRequest(rid, f"ext-{rid}", prompt_len=3))
         with pytest.raises(OmniPrefixCacheChannelError,
@@ -86,9 +87,9 @@ def test_a_full_channel_fails_that_request_alone_and_its_consumer_is_told() -> N
 def test_rows_that_cannot_be_joined_fail_that_request_alone() -> None:
     sink = Recording()
     delivery = StageDelivery(sink)
-    delivery.add("a", 0, rows(0, 4))
-    delivery.add("a", 4, {"hidden": torch.zeros(2, 3), "mm.audio": torch.zeros(2, 1)})  # width
-    delivery.add("b", 0, rows(0, 2))
+    delivery.add("a", 0, rows(0, 4), 4)
+    delivery.add("a", 4, {"hidden": torch.zeros(2, 3), "mm.audio": torch.zeros(2, 1)}, 2)  # width
+    delivery.add("b", 0, rows(0, 2), 2)
     delivery.finish(FinishedRequest("a", "ext-a", prompt_len=4))
     delivery.finish(FinishedRequest("b", "ext-b", prompt_len=2))
     assert sink.put_ids == ["ext-b"]

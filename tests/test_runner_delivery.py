@@ -35,8 +35,8 @@ def rows(start: int, end: int) -> dict[str, torch.Tensor]:
 def test_a_finished_request_is_published_from_position_0_then_freed() -> None:
     with open_channel() as channel:
         delivery = StageDelivery(channel)
-        delivery.add("a-1234abcd", 0, rows(0, 5))
-        delivery.add("a-1234abcd", 5, rows(5, 7))
+        delivery.add("a-1234abcd", 0, rows(0, 5), 5)
+        delivery.add("a-1234abcd", 5, rows(5, 7), 2)
         assert delivery.stats()["delivery_requests_held"] == 1
         delivery.finish(FinishedRequest("a-1234abcd", "a", prompt_len=5))
         assert delivery.stats() == {"delivery_requests_held": 0, "delivery_bytes_held": 0,
@@ -51,7 +51,7 @@ def test_a_finished_request_is_published_from_position_0_then_freed() -> None:
 def test_a_request_short_of_its_prompt_is_published_marked_aborted() -> None:
     with open_channel() as channel:
         delivery = StageDelivery(channel)
-        delivery.add("b", 0, rows(0, 64))  # its first prefill chunk, then the abort
+        delivery.add("b", 0, rows(0, 64), 64)  # its first prefill chunk, then the abort
         delivery.finish(FinishedRequest("b", "b", prompt_len=160))
         delivery.finish(FinishedRequest("c", "c", prompt_len=None))  # never scheduled
         partial = channel.get_entry("b", timeout_s=1)
@@ -63,9 +63,9 @@ def test_a_request_short_of_its_prompt_is_published_marked_aborted() -> None:
 def test_a_finish_the_scheduler_reported_is_published_once_and_later_rows_are_dropped() -> None:
     with open_channel() as channel:
         delivery = StageDelivery(channel)
-        delivery.add("d-1", 0, rows(0, 6))
+        delivery.add("d-1", 0, rows(0, 6), 6)
         delivery.finish_early(FinishedRequest("d-1", "d", prompt_len=4))
-        delivery.add("d-1", 6, rows(6, 7))  # an asynchronous scheduler's stale step
+        delivery.add("d-1", 6, rows(6, 7), 1)  # an asynchronous scheduler's stale step
         assert delivery.stats()["delivery_requests_held"] == 0
         delivery.finish(FinishedRequest("d-1", "d", prompt_len=4))  # the runner hears of it
         entry = channel.get_entry("d", timeout_s=1)
@@ -94,7 +94,7 @@ def test_a_failed_publish_fails_that_entry_alone_naming_its_cause() -> None:
     with open_channel() as channel:
         delivery = StageDelivery(FullOnce(channel, "b"))
         for req in ("a", "b", "c"):
-            delivery.add(f"{req}-1", 0, rows(0, 3))
+            delivery.add(f"{req}-1", 0, rows(0, 3), 3)
             delivery.finish(FinishedRequest(f"{req}-1", req, prompt_len=3))
         with pytest.raises(OmniPrefixCacheChannelError,
                            match="request b: .*publishing its 3 rows failed: .*No space left"):
@@ -108,10 +108,10 @@ def test_a_failed_publish_fails_that_entry_alone_naming_its_cause() -> None:
 def test_rows_that_would_leave_a_gap_fail_that_request_alone() -> None:
     with open_channel() as channel:
         delivery = StageDelivery(channel)
-        delivery.add("g-1", 0, rows(0, 4))
-        delivery.add("g-1", 6, rows(6, 8))  # positions 4 and 5 never came
-        delivery.add("g-1", 8, rows(8, 9))  # nor does anything after, for this request
-        delivery.add("h-1", 0, rows(0, 2))
+        delivery.add("g-1", 0, rows(0, 4), 4)
+        delivery.add("g-1", 6, rows(6, 8), 2)  # positions 4 and 5 never came
+        delivery.add("g-1", 8, rows(8, 9), 1)  # nor does anything after, for this request
+        delivery.add("h-1", 0, rows(0, 2), 2)
         delivery.finish(FinishedRequest("g-1", "g", prompt_len=4))
         delivery.finish(FinishedRequest("h-1", "h", prompt_len=2))
         with pytest.raises(OmniPrefixCacheChannelError, match="positions 4..5 would be missing"):
@@ -122,11 +122,32 @@ def test_rows_that_would_leave_a_gap_fail_that_request_alone() -> None:
 
 def test_a_key_missing_from_some_steps_reads_zeros_there() -> None:
     delivery = StageDelivery()
-    delivery.add("a", 0, rows(0, 3))
-    delivery.add("a", 3, {**rows(3, 5), "codes": torch.ones(2, 4)})
-    out = delivery.pop("a")
+    delivery.add("a", 0, rows(0, 3), 3)
+    delivery.add("a", 3, {**rows(3, 5), "codes": torch.ones(2, 4)}, 2)
+    out, positions = delivery.pop("a")
+    assert positions == 5
     assert torch.equal(out["codes"], torch.cat([torch.zeros(3, 4), torch.ones(2, 4)]))
     assert torch.equal(out[HIDDEN_KEY], rows(0, 5)[HIDDEN_KEY])
+
+
+def test_steps_that_emit_no_key_count_their_positions_and_leave_no_gap() -> None:
+    """A stage that delivers multimodal keys only (no full hidden states) may emit none in
+    some steps, a prefill say: those positions read zeros, and the request is whole."""
+    with open_channel() as channel:
+        delivery = StageDelivery(channel)
+        delivery.add("a", 0, {}, 4)  # the prompt's step: no key
+        delivery.add("a", 4, {"codes": torch.ones(2, 3)}, 2)
+        delivery.add("b", 16, {}, 4)  # a prefix hit of 16 tokens, whose rows had no key
+        delivery.add("b", 20, {"codes": torch.ones(1, 3)}, 1)
+        delivery.add("c", 0, {}, 5)  # none at all
+        for req_id, prompt_len in (("a", 4), ("b", 20), ("c", 5)):
+            delivery.finish(FinishedRequest(req_id, req_id, prompt_len))
+        a, b, c = (channel.get_entry(r, timeout_s=1) for r in "abc")
+    assert torch.equal(a.outputs["codes"], torch.cat([torch.zeros(4, 3), torch.ones(2, 3)]))
+    assert torch.equal(b.outputs["codes"], torch.cat([torch.zeros(20, 3), torch.ones(1, 3)]))
+    assert not a.aborted and not b.aborted and b.meta["num_rows"] == 21
+    assert c.outputs == {} and c.meta["num_rows"] == 5 and not c.aborted
+    assert delivery.stats()["delivery_failed"] == 0
 
 
 # ---------------------------------------------------------------------- the output thread
@@ -241,6 +262,41 @@ def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
     if cached:
         assert stats["calls.save_outputs"] == stats["calls.new_step_starts"] == 3
         assert stats["calls.discard_step"] == 1
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cache", "no-cache"])
+def test_a_stage_delivering_multimodal_keys_only_publishes_a_prefill_that_emitted_none(
+        cached: bool) -> None:
+    """needs_full_hidden_states=False, and the prompt's step emits no multimodal key: its
+    positions read zeros, and the decode step's codes follow them."""
+    backend = get_backend("cpu")
+    view = OneBlockView()
+    policy = ModelCachePolicy(needs_full_hidden_states=False)
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=4, block_size=32), view,
+                                     backend=backend) if cached else None
+    if manager is not None:
+        manager.register_policy(policy)
+    with open_channel() as channel:
+        driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
+                                   policy=policy, empty_hidden=lambda: torch.empty(0, HIDDEN))
+        driver.begin_step(step(["a"], {"a": 5}), [])
+        driver.save_step(rows(0, 5)[HIDDEN_KEY], None, StepBatch(["a"], [0], [5]), 5)
+        driver.end_step()
+        view.computed = 5
+        so = step([], {"a": 1})
+        so.scheduled_cached_reqs.req_ids = ["a"]
+        driver.begin_step(so, [])
+        driver.save_step(rows(5, 6)[HIDDEN_KEY], {"codes": torch.full((1, 3), 7.0)},
+                         StepBatch(["a"], [5], [1]), 1)
+        driver.end_step()
+        view.batch = []
+        driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "a", 5)])
+        driver.end_step()
+        entry = channel.get_entry("a", timeout_s=5)
+        driver.close()
+    assert set(entry.outputs) == {"codes"} and not entry.aborted
+    assert torch.equal(entry.outputs["codes"],
+                       torch.cat([torch.zeros(5, 3), torch.full((1, 3), 7.0)]))
 
 
 @pytest.mark.parametrize("ending", ["close", "turn off"])

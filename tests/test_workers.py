@@ -280,7 +280,7 @@ def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
             for req_id, n in output.num_scheduled_tokens.items():
                 start = fed.get(req_id, 0)
                 delivery.add(req_id, start, {HIDDEN_KEY: torch.arange(
-                    start, start + n, dtype=torch.float32)[:, None]})
+                    start, start + n, dtype=torch.float32)[:, None]}, n)
                 fed[req_id] = start + n
 
         # tokens each generates: a stop token last, or (d) as many as max_tokens allows

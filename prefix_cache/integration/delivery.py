@@ -2,6 +2,8 @@
 
 A step hands over a request's rows from some position on: 0 for a prefix hit
 (hit rows, then the step's), the request's computed-token count otherwise. A
+step that emitted no key at all (a stage that delivers multimodal keys only, in
+a prefill say) hands over its positions without rows; they read zeros. A
 request recomputed after preemption hands over rows it already delivered; they
 replace the earlier ones from that position. Rows that would leave a gap break
 the request, since the next stage would silently miss positions: its entry is
@@ -67,12 +69,11 @@ class FinishedRequest:
 
 @dataclass
 class _Part:
-    start: int
-    rows: dict[str, torch.Tensor]  # key -> [n, *feat]
+    """Positions `start..end - 1`: per key, their rows (none: a step that emitted no key)."""
 
-    @property
-    def end(self) -> int:
-        return self.start + next(iter(self.rows.values())).shape[0]
+    start: int
+    end: int
+    rows: dict[str, torch.Tensor]  # key -> [end - start, *feat]
 
 
 class StageDelivery:
@@ -105,41 +106,47 @@ class StageDelivery:
                     "delivery_published": self._published, "delivery_failed": self._failed,
                     "delivery_rows_cut": self._rows_cut}
 
-    def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
-        """`rows` (every key the same row count) hold positions `start, start + 1, ...`.
+    def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor], num_rows: int) -> None:
+        """`num_rows` positions `start, start + 1, ...`, and `rows` of them per key (each
+        `num_rows` long; none for a step that emitted no key).
 
         Rows that would leave a gap break the request: its entry becomes a failure naming
-        the gap, and the stage goes on.
+        the gap, and the stage goes on. Positions without any key leave none: nothing can be
+        missing before them, so they cover what came before too.
         """
-        if not rows:
+        if num_rows == 0:
             return
         with self._lock:
             if req_id in self._published_early or req_id in self._broken or self._stopped:
                 return
             try:
-                self._add(req_id, start, rows)
+                self._add(req_id, _Part(start, start + num_rows, rows))
             except OmniPrefixCacheUnmatchError as exc:
                 logger.error("%s", exc)
                 self._broken[req_id] = str(exc)
                 self._parts.pop(req_id, None)
 
-    def _add(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
+    def _add(self, req_id: str, part: _Part) -> None:
         parts = self._parts.get(req_id, [])
         delivered = parts[-1].end if parts else 0
-        if start > delivered:
-            raise OmniPrefixCacheUnmatchError(
-                f"request {req_id}: rows from position {start} but only {delivered} rows were "
-                f"delivered; positions {delivered}..{start - 1} would be missing")
+        if part.start > delivered:
+            if part.rows:
+                raise OmniPrefixCacheUnmatchError(
+                    f"request {req_id}: rows from position {part.start} but only {delivered} "
+                    f"rows were delivered; positions {delivered}..{part.start - 1} would be "
+                    f"missing")
+            part = _Part(delivered, part.end, {})
         self._parts[req_id] = parts
-        while parts and parts[-1].start >= start:  # recomputed rows replace delivered ones
+        while parts and parts[-1].start >= part.start:  # recomputed rows replace delivered ones
             parts.pop()
-        if parts and parts[-1].end > start:
-            kept = start - parts[-1].start
-            parts[-1] = _Part(parts[-1].start, {k: v[:kept] for k, v in parts[-1].rows.items()})
-        parts.append(_Part(start, rows))
+        if parts and parts[-1].end > part.start:
+            last, kept = parts[-1], part.start - parts[-1].start
+            parts[-1] = _Part(last.start, part.start, {k: v[:kept] for k, v in last.rows.items()})
+        parts.append(part)
 
-    def pop(self, req_id: str) -> dict[str, torch.Tensor]:
-        """`req_id`'s rows from position 0, per key (empty if it has none); forgets them.
+    def pop(self, req_id: str) -> tuple[dict[str, torch.Tensor], int]:
+        """`req_id`'s rows from position 0, per key, and how many positions it has (({}, 0)
+        if none); forgets them.
 
         A key missing from some steps (a model may emit it for some tokens only)
         reads zeros at those positions, as absent mm rows do on a prefix hit.
@@ -147,12 +154,12 @@ class StageDelivery:
         with self._lock:
             parts = self._parts.pop(req_id, None)
         if not parts:
-            return {}
+            return {}, 0
         like = {key: rows for p in reversed(parts) for key, rows in p.rows.items()}
         return {key: torch.cat([p.rows[key] if key in p.rows else
                                 ref.new_zeros((p.end - p.start, *ref.shape[1:]))
                                 for p in parts])
-                for key, ref in like.items()}
+                for key, ref in like.items()}, parts[-1].end
 
     def finish(self, request: FinishedRequest) -> None:
         """The runner retired `request`: publish its rows under its external id (unless
@@ -196,20 +203,20 @@ class StageDelivery:
             self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
             return
         try:
-            rows, cause = self.pop(request.req_id), None
+            (rows, num_rows), cause = self.pop(request.req_id), None
         except Exception as exc:  # parts that do not join (a key's row shape changed)
-            rows, cause = {}, f"its rows could not be joined: {type(exc).__name__}: {exc}"
-        if request.rows_standing is not None and rows:
-            num_rows = next(iter(rows.values())).shape[0]
-            rows = {key: r[:request.rows_standing] for key, r in rows.items()}
+            rows, num_rows = {}, 0
+            cause = f"its rows could not be joined: {type(exc).__name__}: {exc}"
+        if request.rows_standing is not None and num_rows > request.rows_standing:
             with self._lock:
-                self._rows_cut += max(0, num_rows - request.rows_standing)
+                self._rows_cut += num_rows - request.rows_standing
+            num_rows = request.rows_standing
+            rows = {key: r[:num_rows] for key, r in rows.items()}
         with self._lock:
             cause = self._broken.pop(request.req_id, None) or cause
         if self._sink is None:
             return
         if cause is None:
-            num_rows = next(iter(rows.values())).shape[0] if rows else 0
             aborted = request.prompt_len is None or num_rows < request.prompt_len
             try:
                 self._sink.put(request.external_id, rows, aborted=aborted,

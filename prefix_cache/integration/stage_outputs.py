@@ -173,9 +173,9 @@ class StageOutputDriver:
                 rows = {key: by_req[req_id] for key, by_req in outs.mm_outputs.items()}
                 if outs.hidden_states is not None:
                     rows[HIDDEN_KEY] = outs.hidden_states[req_id]
-                if rows:  # a hit's rows start at 0, the others where the step's tokens do
-                    count = next(iter(rows.values())).shape[0]
-                    self.delivery.add(req_id, start + end - first - count, rows)
+                # a hit's rows start at 0, the others where the step's tokens do
+                count = next(iter(rows.values())).shape[0] if rows else end - first
+                self.delivery.add(req_id, start + end - first - count, rows, count)
             return
         host: dict[str, torch.Tensor] = {}
         for key, (rows, transfer) in step.host_rows.items():
@@ -184,7 +184,8 @@ class StageOutputDriver:
                 transfer.finish()
             host[key] = rows
         for req_id, first, end, start in spans:
-            self.delivery.add(req_id, start, {k: v[first:end] for k, v in host.items()})
+            self.delivery.add(req_id, start, {k: v[first:end] for k, v in host.items()},
+                              end - first)
 
     @staticmethod
     def _publish(requests: list[FinishedRequest],
