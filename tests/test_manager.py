@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import closing
 from types import SimpleNamespace
 
 import numpy as np
@@ -485,3 +486,41 @@ def test_stats_reads_the_pool_keys_under_the_lock_the_engine_thread_installs_the
         manager.preallocate(HIDDEN_KEY, (2,), torch.float32)
         assert "pool_bytes." + HIDDEN_KEY in manager.stats()
     assert locked == [True]
+
+
+@pytest.mark.cuda
+def test_a_pool_the_device_cannot_map_sends_every_save_through_staging_with_host_slots(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cudaHostRegister` refused for the pool (a memlock limit, say) after the backend's self-
+    test mapped its small buffers: the pool is pinned through torch, and each save, given the
+    runner's device slot mapping on a busy stream, lands through staging by host slots."""
+    import prefix_cache.devices.cuda as cuda_backend
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("cudaHostRegister: out of memory (memlock limit)")
+
+    backend = cuda_backend.CudaBackend()  # its own: the fallback is for the rest of its life
+    assert backend.zero_copy
+    monkeypatch.setattr(cuda_backend, "register_host", refused)
+    manager, d = make(backend)
+    tokens = [list(range(100, 110)), list(range(200, 206))]
+    with closing(backend), manager:
+        for turn, (req, blocks) in enumerate((("a", [2, 5, 3]), ("b", [6, 7]))):
+            manager.new_step_starts(d.step(new=[(req, tokens[turn], blocks, 0,
+                                                 len(tokens[turn]))]))
+            n = len(tokens[turn])
+            slots = d.step_slots_cpu(d.batch_req_ids(), d.scheduled).to(backend.device)
+            rows = d.outputs(2).to(backend.device)
+            torch.cuda._sleep(50_000_000)  # the forward still running when the save returns
+            sid = manager.save_outputs(rows, None, num_tokens_unpadded=n, num_tokens_padded=n,
+                                       slot_mapping=slots)
+            rows.fill_(-1)  # the runner reuses its output buffer at once
+            assert not backend.zero_copy and backend.needs_staging
+            out = manager.materialize(sid, [req])
+            assert torch.equal(out.hidden_states[req], token_rows(tokens[turn], 2))
+            d.advance()
+        manager.new_step_starts(d.step(new=[("c", tokens[0][:8] + [7, 7], [2, 5, 4], 8, 2)]))
+        sid = manager.save_outputs(d.outputs(2).to(backend.device), None, num_tokens_unpadded=2,
+                                   num_tokens_padded=2)
+        hit = manager.materialize(sid, ["c"]).hidden_states["c"]
+    assert torch.equal(hit, token_rows(tokens[0][:8] + [7, 7], 2))  # 8 rows from the pool

@@ -123,10 +123,17 @@ class CudaBackend(AcceleratorBackend):
         return torch._C._cuda_getCurrentRawStream(self.device.index)  # as Triton's launch
 
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
+        """Page-locked host memory the device maps; where the mapping is refused (a memlock
+        limit, say), memory pinned through torch, and every save from then on takes the
+        staged path with host slots (a pool without a mapping cannot be written on the
+        device, and one save path keeps the saves into a slot in order)."""
         try:
             return register_host(shape, dtype, self.device)
-        except RuntimeError as exc:  # no mapping: the staged path only needs pinned pages
-            logger.warning("cudaHostRegister refused (%s); pinning through torch", exc)
+        except RuntimeError as exc:
+            if self.zero_copy:
+                logger.warning("cudaHostRegister refused (%s); pinning through torch, and "
+                               "saves take staged copies from now on", exc)
+                self.zero_copy = self.device_slots = False
             return super().alloc_host(shape, dtype)
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,

@@ -98,6 +98,8 @@ class StepWriter:
         failure there leaves the pool as it was.
         """
         n = layout.num_rows
+        if not self._backend.device_slots:  # given up since (a pool the device cannot map)
+            device_slots = None
         if device_slots is not None and self._check_slots:
             self._check_slot_mapping(step_id, device_slots[:n], layout.slots)
         in_stream = self.in_stream
