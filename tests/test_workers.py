@@ -23,7 +23,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
-from prefix_cache.channel import open_channel  # noqa: E402
+from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channel  # noqa: E402
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
@@ -340,3 +340,28 @@ def test_every_entry_arrives_though_the_engine_never_steps_again(
     assert aborted.aborted  # mid-prefill, or before its first step (prompt_len None)
     assert aborted.meta["prompt_len"] in (None, 640)
     assert aborted.meta["num_rows"] < 640
+
+
+def test_each_of_n_samples_is_published_under_its_index_and_the_request_id(
+        thinker_model_dir: Path) -> None:
+    """`SamplingParams(n=2)`: vLLM runs each sample as a request of its own, so each has its
+    own rows, under `f"{completion.index}_{out.request_id}"`; their prompt rows agree."""
+    from vllm import SamplingParams
+    prompt = list(range(100, 140))
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True)
+        try:
+            (out,) = engine.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                n=2, max_tokens=3, temperature=1.0, ignore_eos=True), use_tqdm=False)
+            entries = [channel.get_entry(f"{c.index}_{out.request_id}", timeout_s=10)
+                       for c in out.outputs]
+            with pytest.raises(OmniPrefixCacheChannelTimeoutError):  # none for the parent
+                channel.get_entry(out.request_id, timeout_s=0.5)
+        finally:
+            engine.close()
+    assert sorted(c.index for c in out.outputs) == [0, 1]
+    for completion, entry in zip(out.outputs, entries, strict=True):
+        assert not entry.aborted
+        assert entry.outputs[HIDDEN_KEY].shape[0] == len(prompt) + len(completion.token_ids) - 1
+    first, second = (e.outputs[HIDDEN_KEY][:len(prompt)] for e in entries)
+    torch.testing.assert_close(first, second)
