@@ -1,14 +1,12 @@
-"""Sweep a hit read's host gather (M3) over torch's thread count, against the memcpy that bounds
-it at the same count.
+"""Sweep a hit read's host gather (M3) over thread counts, against the memcpy that bounds it.
 
     PYTHONPATH=. python3 benchmarks/gather_sweep.py [--pinned]
 
 Random 16-row blocks of a pool of bf16 rows 2048 wide (4 KiB), as M3 reads them, into a
-resident output, by the pool's own gather (`PrefixBlockPool.gather`); each repetition reads
-rows the last three did not. Printed in GB/s, the median of 20 repetitions, beside a
-contiguous memcpy of as many bytes (torch's `copy_`, the limit). Both split across torch's
-threads, which an engine may have set lower (vLLM's multiprocess executor runs GPU workers
-with one). `--pinned` puts the pool in page-locked memory, as the cache does on a GPU machine.
+resident output; each repetition reads rows the last three did not. Printed in GB/s, the
+median of 20 repetitions: `_core.gather_rows` split across 1 to 16 threads, torch's
+`index_select` (its own thread pool), and a contiguous memcpy of as many bytes (the limit).
+`--pinned` puts the pool in page-locked memory, as the cache does on a GPU machine.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from prefix_cache import devices
-from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core import _core
+from prefix_cache.devices.base import byte_rows
 from prefix_cache.tools.demo import format_table
 
 WIDTH, BLOCK, INPUT_SETS, REPEAT = 2048, 16, 4, 20
@@ -40,42 +38,38 @@ def gb_per_s(nbytes: int, fn: Callable[[int], None]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def sweep(tokens: int, pinned: bool) -> list[list[str]]:
+def sweep(tokens: int, pinned: bool) -> list[str]:
     blocks_per_set = tokens // BLOCK
     num_blocks = INPUT_SETS * blocks_per_set + 1
-    backend = devices.get_backend("cuda" if pinned else "cpu")
-    pool = PrefixBlockPool(num_blocks, BLOCK, backend)
-    pool.install(pool.allocate("hidden", (WIDTH,), torch.bfloat16))
-    flat = pool.keys["hidden"].flat
-    flat.normal_()
+    pool = torch.empty((num_blocks * BLOCK, WIDTH), dtype=torch.bfloat16, pin_memory=pinned)
+    pool.normal_()
     blocks = np.random.default_rng(1).permutation(np.arange(1, num_blocks))
-    slot_sets = [(b[:, None] * BLOCK + np.arange(BLOCK)).ravel()
+    slot_sets = [(b[:, None] * BLOCK + np.arange(BLOCK)).ravel().astype(np.int64)
                  for b in blocks.reshape(INPUT_SETS, blocks_per_set)]
-    windows = [flat[BLOCK + i * tokens: BLOCK + (i + 1) * tokens] for i in range(INPUT_SETS)]
-    out = torch.zeros((tokens, WIDTH), dtype=torch.bfloat16)  # resident
+    index_sets = [torch.from_numpy(s) for s in slot_sets]
+    windows = [pool[BLOCK + i * tokens: BLOCK + (i + 1) * tokens] for i in range(INPUT_SETS)]
+    out = torch.empty((tokens, WIDTH), dtype=torch.bfloat16)
+    out.zero_()  # resident
+    src, dst = byte_rows(pool), byte_rows(out)
     nbytes = out.numel() * out.element_size()
-    rows = []
-    for threads in THREADS:
-        torch.set_num_threads(threads)
-        memcpy = gb_per_s(nbytes, lambda i: out.copy_(windows[i % INPUT_SETS]))
-        gather = gb_per_s(nbytes, lambda i: pool.gather("hidden", slot_sets[i % INPUT_SETS], out))
-        rows.append([str(tokens), str(threads), f"{memcpy:.1f}", f"{gather:.1f}",
-                     f"{gather / memcpy:.2f}"])
-    pool.close()
-    return rows
+
+    def gather(threads: int) -> Callable[[int], None]:
+        return lambda i: _core.gather_rows(src, slot_sets[i % INPUT_SETS], dst, threads)
+
+    runs = [lambda i: out.copy_(windows[i % INPUT_SETS]), *map(gather, THREADS),
+            lambda i: torch.index_select(pool, 0, index_sets[i % INPUT_SETS], out=out)]
+    return [str(tokens), *(f"{gb_per_s(nbytes, run):.1f}" for run in runs)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pinned", action="store_true")
     args = parser.parse_args()
-    default_threads = torch.get_num_threads()
-    print(f"{os.cpu_count()} CPUs, torch {torch.__version__} ({default_threads} threads by "
-          f"default); pool {'pinned' if args.pinned else 'pageable'}; GB/s")
-    rows = [row for tokens in (2048, 8192) for row in sweep(tokens, args.pinned)]
-    torch.set_num_threads(default_threads)
-    print(format_table(["tokens", "torch threads", "memcpy", "pool gather", "gather ÷ memcpy"],
-                       rows))
+    print(f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} "
+          f"threads; pool {'pinned' if args.pinned else 'pageable'}; GB/s")
+    rows = [sweep(tokens, args.pinned) for tokens in (2048, 8192)]
+    print(format_table(["tokens", "memcpy", *(f"gather x{t}" for t in THREADS),
+                        "index_select"], rows))
 
 
 if __name__ == "__main__":

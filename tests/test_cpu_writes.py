@@ -1,5 +1,5 @@
 """The host row copies (issue 22): the CPU pool write, `_core.copy_rows` and
-`CpuBackend.scatter_rows` over it, and every pool's hit gather, `PrefixBlockPool.gather`.
+`CpuBackend.scatter_rows` over it, and every pool's hit gather, `_core.gather_rows`.
 
 Checked against the `index_copy_` and fancy indexing they replace: random slot sets (runs,
 singletons, the null block 0 given several times), every dtype the pools hold,
@@ -8,8 +8,6 @@ outside the pool, mismatched buffers) raised before a byte is written.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import pytest
@@ -265,7 +263,8 @@ def test_the_core_function_refuses_what_is_not_byte_rows() -> None:
     assert dst[1:3].all() and not dst[[0, 3]].any()
 
 
-def test_a_large_copy_releases_the_gil_and_is_correct() -> None:
+@pytest.mark.parametrize("gather", [False, True], ids=["copy_rows", "gather_rows"])
+def test_a_large_copy_releases_the_gil_and_is_correct(gather: bool) -> None:
     """Over the no-GIL threshold another thread runs while the caller copies: with a switch
     interval longer than the copy, only a released GIL lets it count meanwhile."""
     import sys
@@ -274,6 +273,11 @@ def test_a_large_copy_releases_the_gil_and_is_correct() -> None:
     rows = np.random.default_rng(0).integers(0, 255, (8192, 8192), dtype=np.uint8)
     pool = np.zeros((16384, 8192), dtype=np.uint8)
     slots = np.random.default_rng(1).permutation(16384)[:8192].astype(np.int64)
+    if gather:
+        pool[slots] = rows
+        rows = np.zeros_like(rows)
+    src, dst = (pool, rows) if gather else (rows, pool)
+    copy = _core.gather_rows if gather else _core.copy_rows
     ticks = 0
     stop = threading.Event()
 
@@ -291,7 +295,7 @@ def test_a_large_copy_releases_the_gil_and_is_correct() -> None:
     try:
         for _ in range(20):  # on a loaded host the counter may find no core for a while
             before = ticks
-            _core.copy_rows(rows, slots, pool)
+            copy(src, slots, dst)
             counted.append(ticks - before)
             if counted[-1]:
                 break
@@ -354,37 +358,72 @@ def test_scatter_rows_matches_index_copy_on_drawn_slots(dtype: torch.dtype, num_
 
 # ------------------------------------------------------------------ the hit gather
 
-def gather_pool(feat: tuple[int, ...], dtype: torch.dtype, num_blocks: int = 64) -> Any:
-    from prefix_cache.core.block_pool import PrefixBlockPool
-    pool = PrefixBlockPool(num_blocks, 16, CpuBackend())
-    pool.install(pool.allocate("k", feat, dtype))
-    flat = pool.keys["k"].flat
-    flat.copy_(torch.arange(flat.numel()).reshape(flat.shape).to(dtype))
-    return pool
+@pytest.mark.parametrize("width", [1, 15, 4099, 65536, 65539])
+def test_gather_rows_matches_fancy_indexing(width: int) -> None:
+    """Runs past the streaming threshold, odd widths, repeated and scattered slots: each row of
+    the output is its slot's row of the pool, and the pool is left as it was."""
+    rng = np.random.default_rng(width)
+    num_slots = max(64, (1 << 21) // width)
+    n = min(num_slots - 8, 40 + (1 << 20) // width)
+    slots = np.concatenate([np.arange(3, 3 + n // 2), [0, 0], rng.integers(
+        0, num_slots, n - n // 2 - 2)]).astype(np.int64)
+    pool = rng.integers(0, 255, (num_slots, width), dtype=np.uint8)
+    before = pool.copy()
+    out = np.full((len(slots), width), 0xEE, dtype=np.uint8)
+    _core.gather_rows(pool, slots, out)
+    assert np.array_equal(out, pool[slots]) and np.array_equal(pool, before)
 
 
-@pytest.mark.parametrize("feat, dtype", [((4099,), torch.uint8), ((2048,), torch.bfloat16),
-                                         ((3, 5), torch.float32), ((1,), torch.int64)])
-def test_a_pool_gather_matches_fancy_indexing(feat: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Runs of whole blocks, repeated and scattered slots, the null block 0 twice: each row of
-    the output is its slot's row of the pool, in the key's shape, and the pool is unchanged."""
-    pool = gather_pool(feat, dtype)
-    flat = pool.keys["k"].flat
-    before = flat.clone()
-    rng = np.random.default_rng(len(feat))
-    slots = np.concatenate([np.arange(48, 112), [0, 0], rng.integers(0, 1024, 40)])
-    out = torch.full((len(slots), *feat), 7, dtype=dtype)
-    pool.gather("k", slots, out)
-    assert torch.equal(out.reshape(len(slots), -1), before[torch.from_numpy(slots)])
-    assert torch.equal(flat, before)
+@pytest.mark.parametrize("threads", [2, 3, 16, 64])
+def test_a_split_gather_matches_fancy_indexing(threads: int) -> None:
+    """At 512 KiB a thread at least, the rows split at row boundaries that cut runs in two; each
+    thread copies its share and the caller joins them all (more threads than allowed: 16)."""
+    rng = np.random.default_rng(threads)
+    width, num_slots = 4096, 8192
+    blocks = rng.permutation(np.arange(num_slots // 16))[:300]
+    slots = (blocks[:, None] * 16 + np.arange(16)).ravel()[:4701].astype(np.int64)  # 18.4 MiB
+    pool = rng.integers(0, 255, (num_slots, width), dtype=np.uint8)
+    out = np.zeros((len(slots), width), dtype=np.uint8)
+    _core.gather_rows(pool, slots, out, threads)
+    assert np.array_equal(out, pool[slots])
+    with pytest.raises(ValueError, match="threads must be at least 1, got 0"):
+        _core.gather_rows(pool, slots, out, 0)
+    with pytest.raises(TypeError, match="copy_rows takes 3 arguments, got 4"):
+        _core.copy_rows(out, slots, pool, 2)  # a pool write keeps row order: one thread
 
 
-def test_a_pool_gather_refuses_an_output_it_cannot_fill_and_a_slot_outside_the_pool() -> None:
-    pool = gather_pool((4,), torch.float32)
-    slots = np.array([1, 2])
-    with pytest.raises(TypeError, match="gather of 'k': out must be a contiguous torch.float32"):
-        pool.gather("k", slots, torch.zeros(2, 4, dtype=torch.float16))
-    with pytest.raises(TypeError, match="out must be a contiguous"):
-        pool.gather("k", slots, torch.zeros(4, 2).T)
-    with pytest.raises(IndexError):
-        pool.gather("k", np.array([1, 64 * 16]), torch.zeros(2, 4))
+@settings(max_examples=300, deadline=None)
+@example(slots=[I64.max], num_slots=1, width=1)
+@example(slots=[3, 0, 0], num_slots=4, width=0)
+@given(slots=st.lists(EXTREMES | st.integers(-3, 12), max_size=12),
+       num_slots=st.integers(0, 10), width=st.integers(0, 9))
+def test_gather_rows_refuses_extreme_slots_and_otherwise_matches_a_python_loop(
+        slots: list[int], num_slots: int, width: int) -> None:
+    pool = np.arange(num_slots * width, dtype=np.int64).astype(np.uint8).reshape(
+        num_slots, width)
+    out = np.full((len(slots), width), 0xEE, dtype=np.uint8)
+    try:
+        _core.gather_rows(pool, np.array(slots, dtype=np.int64), out)
+    except IndexError as exc:
+        bad = next(i for i, s in enumerate(slots) if not 0 <= s < num_slots)
+        assert f"gather_rows: slot {slots[bad]} (index {bad})" in str(exc)
+        assert (out == 0xEE).all()  # nothing written
+        return
+    for i, s in enumerate(slots):
+        assert np.array_equal(out[i], pool[s])
+
+
+def test_gather_rows_refuses_mismatched_or_shared_buffers() -> None:
+    pool = np.arange(32, dtype=np.uint8).reshape(8, 4)
+    slots = np.array([1, 2], dtype=np.int64)
+    with pytest.raises(ValueError, match="2 slots for 3 rows of 4 bytes, from rows of 4"):
+        _core.gather_rows(pool, slots, np.zeros((3, 4), dtype=np.uint8))
+    with pytest.raises(ValueError, match="rows of 8 bytes, from rows of 4 bytes"):
+        _core.gather_rows(pool, slots, np.zeros((2, 8), dtype=np.uint8))
+    with pytest.raises(ValueError, match="gather_rows: src and dst share memory"):
+        _core.gather_rows(pool, slots, pool[4:6])
+    with pytest.raises(TypeError, match="gather_rows: slots: expected a 1-D int64"):
+        _core.gather_rows(pool, slots.astype(np.int32), np.zeros((2, 4), dtype=np.uint8))
+    with pytest.raises(TypeError, match="gather_rows: dst: expected a C-contiguous writable"):
+        _core.gather_rows(pool, slots, np.zeros((4, 2), dtype=np.uint8).T)
+    assert np.array_equal(pool, np.arange(32, dtype=np.uint8).reshape(8, 4))

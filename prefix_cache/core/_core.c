@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -772,21 +773,26 @@ stream_copy(char *dst, const char *src, size_t len)
 #define HAVE_STREAM_STORES 0
 #endif
 
-/* Copy the n rows into the pool's `slots`, a run of consecutive slots at a time (the slots
- * were checked), in row order. Streaming stores for long runs are fenced before return. */
+/* Which way a copy runs between a caller's rows (one per index) and a pool's slots. */
+typedef enum { INTO_SLOTS, FROM_SLOTS } Direction;
+
+/* Copy rows [lo, hi) between `rows` and the pool's `slots`, a run of consecutive slots at a
+ * time (the slots were checked). Streaming stores for long runs are fenced before return. */
 static void
-copy_slot_runs(const char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row)
+copy_slot_runs(char *rows, char *pool, const int64_t *s, Py_ssize_t lo, Py_ssize_t hi,
+               size_t row, Direction dir)
 {
     if (row == 0) {
         return;
     }
-    for (Py_ssize_t i = 0; i < n;) {
+    for (Py_ssize_t i = lo; i < hi;) {
         Py_ssize_t first = i;
         /* s[i] < num_slots <= PY_SSIZE_T_MAX, so s[i] + 1 cannot overflow */
-        while (++i < n && s[i] == s[i - 1] + 1) {
+        while (++i < hi && s[i] == s[i - 1] + 1) {
         }
-        char *to = pool + (size_t)s[first] * row;
-        const char *from = rows + (size_t)first * row;
+        char *at_rows = rows + (size_t)first * row, *at_pool = pool + (size_t)s[first] * row;
+        char *to = dir == INTO_SLOTS ? at_pool : at_rows;
+        const char *from = dir == INTO_SLOTS ? at_rows : at_pool;
         size_t len = (size_t)(i - first) * row;
 #if HAVE_STREAM_STORES
         if (len >= COPY_ROWS_STREAM_BYTES) {
@@ -799,6 +805,132 @@ copy_slot_runs(const char *rows, char *pool, const int64_t *s, Py_ssize_t n, siz
 #endif
         memcpy(to, from, len);
     }
+}
+
+/* Copies are split across at most this many threads, each given at least SPLIT_BYTES: below
+ * that, starting a thread costs more than its share takes (a decode step's own rows, a few
+ * KiB, stay on the calling thread). */
+#define MAX_COPY_THREADS 16
+#define SPLIT_BYTES (512 << 10)
+
+/* One thread's share of a split copy: rows [lo, hi). */
+typedef struct {
+    char *rows, *pool;
+    const int64_t *slots;
+    Py_ssize_t lo, hi;
+    size_t row;
+    Direction dir;
+} CopyPart;
+
+static void *
+copy_part(void *arg)
+{
+    CopyPart *part = arg;
+    copy_slot_runs(part->rows, part->pool, part->slots, part->lo, part->hi, part->row, part->dir);
+    return NULL;
+}
+
+/* Rows [0, n) copied by up to `threads` threads (the caller's among them), each a contiguous
+ * share of the rows of at least SPLIT_BYTES; a thread that cannot start leaves its share to
+ * the caller. Call without the GIL. */
+static void
+copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, Direction dir,
+           int threads)
+{
+    Py_ssize_t most = row ? (Py_ssize_t)((size_t)n * row / SPLIT_BYTES) : 0;
+    Py_ssize_t parts = threads < most ? threads : most;
+    parts = parts < 1 ? 1 : parts > MAX_COPY_THREADS ? MAX_COPY_THREADS : parts;
+    CopyPart part[MAX_COPY_THREADS];
+    pthread_t thread[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        part[i] = (CopyPart){rows, pool, s, n * i / parts, n * (i + 1) / parts, row, dir};
+        started[i] = i > 0 && pthread_create(&thread[i], NULL, copy_part, &part[i]) == 0;
+    }
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        if (!started[i]) {
+            copy_part(&part[i]);
+        }
+    }
+    for (Py_ssize_t i = 1; i < parts; i++) {
+        if (started[i]) {
+            pthread_join(thread[i], NULL);
+        }
+    }
+}
+
+/* copy_rows and gather_rows: borrow (src, slots, dst), check every slot and that the arrays
+ * do not overlap, then copy with the GIL released; a gather splits across up to args[3]
+ * threads (a pool write keeps row order: a slot given twice holds its last row). */
+static PyObject *
+slot_copy(const char *fn, PyObject *const *args, Py_ssize_t nargs, Direction dir)
+{
+    char slots_name[32];
+    snprintf(slots_name, sizeof slots_name, "%s: slots", fn);
+    const ArraySpec slot_spec = {1, slots_name, 0, 1, 0, 1, 0};
+    if (nargs != 3 && !(nargs == 4 && dir == FROM_SLOTS)) {
+        return PyErr_Format(PyExc_TypeError, "%s takes %s arguments, got %zd", fn,
+                            dir == FROM_SLOTS ? "3 or 4" : "3", nargs);
+    }
+    long threads = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
+    if (threads == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (threads < 1) {
+        return PyErr_Format(PyExc_ValueError, "%s: threads must be at least 1, got %ld", fn,
+                            threads);
+    }
+    ByteRows src, dst;
+    IntArray slots;
+    slots.held = dst.held = 0;
+    PyObject *result = NULL;
+    if (borrow_rows(fn, args[0], "src", 0, &src) < 0 ||
+            borrow_rows(fn, args[2], "dst", 1, &dst) < 0 ||
+            borrow(args[1], &slot_spec, &slots) < 0) {
+        goto done;
+    }
+    const ByteRows *rows = dir == INTO_SLOTS ? &src : &dst;
+    const ByteRows *pool = dir == INTO_SLOTS ? &dst : &src;
+    Py_ssize_t n = rows->rows, width = rows->width, num_slots = pool->rows;
+    if (slots.len != n || pool->width != width) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd slots for %zd rows of %zd bytes, %s rows of "
+                     "%zd bytes", fn, slots.len, n, width,
+                     dir == INTO_SLOTS ? "into" : "from", pool->width);
+        goto done;
+    }
+    const int64_t *s = int64s(&slots);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || s[i] >= num_slots) {
+            PyErr_Format(PyExc_IndexError, "%s: slot %lld (index %zd) is outside 0..%zd", fn,
+                         (long long)s[i], i, num_slots - 1);
+            goto done;
+        }
+    }
+    /* the byte ranges: rows.len == n * width and pool.len == num_slots * width, both
+     * allocated, so every offset below (a slot < num_slots or a row < n, times width) fits */
+    uintptr_t src_lo = (uintptr_t)src.buf.buf, dst_lo = (uintptr_t)dst.buf.buf;
+    if (src.buf.len > 0 && dst.buf.len > 0 && src_lo < dst_lo + (uintptr_t)dst.buf.len &&
+            dst_lo < src_lo + (uintptr_t)src.buf.len) {
+        PyErr_Format(PyExc_ValueError, "%s: src and dst share memory; copy the rows first", fn);
+        goto done;
+    }
+    int nogil = rows->buf.len >= COPY_ROWS_NOGIL_BYTES;
+    PyThreadState *state = nogil ? PyEval_SaveThread() : NULL;
+    copy_split((char *)rows->buf.buf, (char *)pool->buf.buf, s, n, (size_t)width, dir,
+               nogil ? (int)(threads < MAX_COPY_THREADS ? threads : MAX_COPY_THREADS) : 1);
+    if (nogil) {
+        PyEval_RestoreThread(state);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (src.held) {
+        PyBuffer_Release(&src.buf);
+    }
+    if (dst.held) {
+        PyBuffer_Release(&dst.buf);
+    }
+    release(&slots, 1);
+    return result;
 }
 
 PyDoc_STRVAR(copy_rows_doc,
@@ -815,58 +947,21 @@ PyDoc_STRVAR(copy_rows_doc,
 static PyObject *
 copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    static const ArraySpec slot_spec = {1, "copy_rows: slots", 0, 1, 0, 1, 0};
-    if (nargs != 3) {
-        return PyErr_Format(PyExc_TypeError, "copy_rows takes 3 arguments, got %zd", nargs);
-    }
-    ByteRows src, pool;
-    IntArray slots;
-    slots.held = pool.held = 0;
-    PyObject *result = NULL;
-    if (borrow_rows("copy_rows", args[0], "src", 0, &src) < 0 ||
-            borrow_rows("copy_rows", args[2], "dst", 1, &pool) < 0 ||
-            borrow(args[1], &slot_spec, &slots) < 0) {
-        goto done;
-    }
-    Py_ssize_t n = src.rows, width = src.width, num_slots = pool.rows;
-    if (slots.len != n || pool.width != width) {
-        PyErr_Format(PyExc_ValueError, "copy_rows: %zd slots for %zd rows of %zd bytes, into "
-                     "rows of %zd bytes", slots.len, n, width, pool.width);
-        goto done;
-    }
-    const int64_t *s = int64s(&slots);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (s[i] < 0 || s[i] >= num_slots) {
-            PyErr_Format(PyExc_IndexError, "copy_rows: slot %lld (index %zd) is outside 0..%zd",
-                         (long long)s[i], i, num_slots - 1);
-            goto done;
-        }
-    }
-    /* the byte ranges: src.len == n * width and pool.len == num_slots * width, both
-     * allocated, so every offset below (a slot < num_slots or a row < n, times width) fits */
-    uintptr_t src_lo = (uintptr_t)src.buf.buf, dst_lo = (uintptr_t)pool.buf.buf;
-    if (src.buf.len > 0 && pool.buf.len > 0 && src_lo < dst_lo + (uintptr_t)pool.buf.len &&
-            dst_lo < src_lo + (uintptr_t)src.buf.len) {
-        PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst share memory; copy the rows "
-                        "first");
-        goto done;
-    }
-    int nogil = src.buf.len >= COPY_ROWS_NOGIL_BYTES;
-    PyThreadState *state = nogil ? PyEval_SaveThread() : NULL;
-    copy_slot_runs((const char *)src.buf.buf, (char *)pool.buf.buf, s, n, (size_t)width);
-    if (nogil) {
-        PyEval_RestoreThread(state);
-    }
-    result = Py_NewRef(Py_None);
-done:
-    if (src.held) {
-        PyBuffer_Release(&src.buf);
-    }
-    if (pool.held) {
-        PyBuffer_Release(&pool.buf);
-    }
-    release(&slots, 1);
-    return result;
+    return slot_copy("copy_rows", args, nargs, INTO_SLOTS);
+}
+
+PyDoc_STRVAR(gather_rows_doc,
+"gather_rows(src, slots, dst, threads=1) -> None\n\n"
+"dst[i] = src[slots[i]] for each of the n int64 slots, from src, a C-contiguous uint8\n"
+"[num_slots, W] array (a pool's rows as bytes), into dst, a writable C-contiguous uint8\n"
+"[n, W] array: copy_rows the other way, with the same copies of runs, GIL release, checks\n"
+"and errors (dst unchanged when it raises). A large gather is split across up to `threads`\n"
+"threads (at most 16), the caller's among them, each copying at least 512 KiB of rows.");
+
+static PyObject *
+gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return slot_copy("gather_rows", args, nargs, FROM_SLOTS);
 }
 
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
@@ -874,7 +969,7 @@ done:
 static PyMethodDef core_methods[] = {
     METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
-    METHOD(copy_rows),
+    METHOD(copy_rows), METHOD(gather_rows),
     {NULL, NULL, 0, NULL},
 };
 

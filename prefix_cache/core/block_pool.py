@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,8 +18,15 @@ import numpy as np
 import torch
 
 from prefix_cache.core import _core
-from prefix_cache.devices.base import DeviceBackend, HostBuffer
+from prefix_cache.devices.base import DeviceBackend, HostBuffer, byte_rows
 
+#: Threads a large gather is split across (512 KiB of rows each at least, the caller's thread
+#: among them). Threads of its own, not torch's: vLLM sets torch's to 1 in serving workers
+#: (0.32's GPU worker, any multiprocess executor's), where `index_select` moves 8-13 GB/s on
+#: the H200 host. There 8 of these move 28-30 GB/s at 2048 and 8192 tokens, 16 start too
+#: slowly for 2048 (19 GB/s; benchmarks/gather_sweep.py); the 2-core machine moves 4.1-5.4
+#: GB/s with one, 7.1-9.5 with two.
+GATHER_THREADS = min(8, os.cpu_count() or 1)
 
 
 class Tiers:
@@ -208,16 +216,15 @@ class PrefixBlockPool:
 
     def gather(self, name: str, slots: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = rows of name at slots[i]` into `out`, a contiguous host tensor of the key's
-        dtype, by torch's `index_select` (GIL released, split across torch's threads as its
-        copies are: on the H200 host it moves 0.85-1.15 of a memcpy of as many bytes at every
-        thread count, where a gather of one copy per run of slots across threads started per
-        call reached half of it; benchmarks/gather_sweep.py)."""
-        flat = self.keys[name].flat
-        if out.dtype != flat.dtype or not out.is_contiguous():
-            raise TypeError(f"gather of {name!r}: out must be a contiguous {flat.dtype} "
-                            f"tensor, got {out.dtype} of strides {out.stride()}")
-        torch.index_select(flat, 0, torch.from_numpy(np.ascontiguousarray(slots, np.int64)),
-                           out=out.view(len(slots), flat.shape[1]))
+        dtype: one copy per run of consecutive slots (`_core.gather_rows`, GIL released),
+        split across GATHER_THREADS threads of its own when it is large."""
+        storage = self.keys[name].storage
+        if out.dtype != storage.tensor.dtype or not out.is_contiguous():
+            raise TypeError(f"gather of {name!r}: out must be a contiguous "
+                            f"{storage.tensor.dtype} tensor, got {out.dtype} of strides "
+                            f"{out.stride()}")
+        _core.gather_rows(storage.byte_rows, np.ascontiguousarray(slots, dtype=np.int64),
+                          byte_rows(out), GATHER_THREADS)
 
     def copy_block(self, src_block: int, dst_block: int) -> None:
         """Mirror vLLM's copy of block `src_block` into `dst_block`, a new tenant of `dst_block`."""
