@@ -330,6 +330,10 @@ def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
             driver.begin_step(step([], {}, finished=("c",)), [FinishedRequest("c", "ext-c", 2)])
             driver.end_step()
             driver.finish_now([FinishedRequest("d", "ext-d", 2)])
+            # `a`, failed when the stage stopped, finishes after all: no second failure
+            driver.finish_now([FinishedRequest("a", "ext-a", 3)])
+            driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "ext-a", 3)])
+            driver.end_step()
         else:
             why = "shut down before the request finished"
         driver.close() if ending == "close" else driver._thread.drain()

@@ -253,6 +253,36 @@ def test_a_worker_away_from_the_scheduler_is_refused_where_its_finishes_would_be
             check(worker)
 
 
+class FinishedRows:
+    """vLLM's real scheduler with the finish reporting installed, a worker's rows per step
+    (each row holds its position) and the delivery they go to, as the runner wires them."""
+
+    def __init__(self, channel: Any, prompt_len: int, async_scheduling: bool) -> None:
+        self.delivery = StageDelivery(channel)
+        self.fed: dict[str, int] = {}
+
+        def heard(finished: Any) -> None:  # as the runner's omni_requests_finished
+            for req_id, rows in finished.items():
+                self.delivery.finish_early(FinishedRequest(req_id, req_id, prompt_len, rows))
+
+        def in_process_worker(vllm_config: Any) -> None:
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
+            vllm_config.scheduler_config.async_scheduling = async_scheduling
+            assert report_finishes(vllm_config, heard)
+
+        self._heard = heard  # the scheduler holds its listener weakly
+        self.scheduler = make_scheduler(num_blocks=32, block_size=16, max_num_seqs=4,
+                                        max_num_batched_tokens=128, configure=in_process_worker)
+
+    def worker_step(self, output: Any) -> None:
+        """The rows of every token the step feeds."""
+        for req_id, n in output.num_scheduled_tokens.items():
+            start = self.fed.get(req_id, 0)
+            self.delivery.add(req_id, start, {HIDDEN_KEY: torch.arange(
+                start, start + n, dtype=torch.float32)[:, None]}, n)
+            self.fed[req_id] = start + n
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
         async_scheduling: bool) -> None:
@@ -261,28 +291,8 @@ def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
     synchronous engine never computes. Steps are driven as vLLM's batch queue drives them."""
     prompt_len, stop = 20, 2
     with open_channel() as channel:
-        delivery = StageDelivery(channel)
-
-        def heard(finished: Any) -> None:  # as the runner's omni_requests_finished
-            for req_id, rows_standing in finished.items():
-                delivery.finish_early(FinishedRequest(req_id, req_id, prompt_len, rows_standing))
-
-        def in_process_worker(vllm_config: Any) -> None:
-            vllm_config.parallel_config.distributed_executor_backend = "uni"
-            vllm_config.scheduler_config.async_scheduling = async_scheduling
-            assert report_finishes(vllm_config, heard)
-
-        scheduler = make_scheduler(num_blocks=32, block_size=16, max_num_seqs=4,
-                                   max_num_batched_tokens=128, configure=in_process_worker)
-        fed: dict[str, int] = {}
-
-        def worker_step(output: Any) -> None:  # rows of every token the step feeds
-            for req_id, n in output.num_scheduled_tokens.items():
-                start = fed.get(req_id, 0)
-                delivery.add(req_id, start, {HIDDEN_KEY: torch.arange(
-                    start, start + n, dtype=torch.float32)[:, None]}, n)
-                fed[req_id] = start + n
-
+        run = FinishedRows(channel, prompt_len, async_scheduling)
+        scheduler = run.scheduler
         # tokens each generates: a stop token last, or (d) as many as max_tokens allows
         generated = {"a": 1, "b": 3, "c": 5, "d": 4}
         for req_id, n in generated.items():
@@ -297,18 +307,36 @@ def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
         while scheduler.has_requests() or queue:
             if scheduler.has_requests():
                 queue.append(scheduler.schedule())
-                worker_step(queue[-1])
+                run.worker_step(queue[-1])
             if len(queue) == (2 if async_scheduling else 1) or not scheduler.has_requests():
                 fake_model_step(scheduler, queue.pop(0), sample)
         entries = {r: channel.get_entry(r, timeout_s=1) for r in generated}
-    stale = {r: fed[r] - (prompt_len + n - 1) for r, n in generated.items()}
+    stale = {r: run.fed[r] - (prompt_len + n - 1) for r, n in generated.items()}
     # each stop token fed by a step in flight; vLLM schedules no step past max_tokens
     assert stale == {r: int(async_scheduling and r != "d") for r in generated}
-    assert delivery.stats()["delivery_rows_cut"] == sum(stale.values())
+    assert run.delivery.stats()["delivery_rows_cut"] == sum(stale.values())
     for req_id, n in generated.items():
         assert not entries[req_id].aborted
         assert torch.equal(entries[req_id].outputs[HIDDEN_KEY][:, 0],
                            torch.arange(prompt_len + n - 1, dtype=torch.float32)), req_id
+
+
+def test_an_abort_while_a_step_is_in_flight_publishes_what_a_synchronous_engine_would() -> None:
+    """The step after the prefill runs before the scheduler reads the prefill's token; an abort
+    then retires the request, and that step's row (its output never read) is cut: 20 rows, as
+    a synchronous engine that ran the prefill alone would publish."""
+    with open_channel() as channel:
+        run = FinishedRows(channel, prompt_len=20, async_scheduling=True)
+        scheduler = run.scheduler
+        scheduler.add_request(make_request("e", [77] * 20, 16))
+        prefill = scheduler.schedule()
+        run.worker_step(prefill)
+        run.worker_step(scheduler.schedule())  # feeds the prefill's token, not yet read
+        fake_model_step(scheduler, prefill)
+        scheduler.finish_requests(["e"], RequestStatus.FINISHED_ABORTED)
+        entry = channel.get_entry("e", timeout_s=1)
+    assert run.fed["e"] == 21 and run.delivery.stats()["delivery_rows_cut"] == 1
+    assert torch.equal(entry.outputs[HIDDEN_KEY][:, 0], torch.arange(20, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])

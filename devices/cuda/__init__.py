@@ -19,6 +19,7 @@ launch's mapped flag cells without a device synchronization.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,8 +132,10 @@ class CudaBackend(AcceleratorBackend):
             return register_host(shape, dtype, self.device)
         except RuntimeError as exc:
             if self.zero_copy:
-                logger.warning("cudaHostRegister refused (%s); pinning through torch, and "
-                               "saves take staged copies from now on", exc)
+                logger.warning("cudaHostRegister refused a pool of %s %s (%d bytes: %s); "
+                               "pinning through torch, and saves take staged copies from now "
+                               "on (raise the memlock limit to keep zero-copy saves)",
+                               tuple(shape), dtype, math.prod(shape) * dtype.itemsize, exc)
                 self.zero_copy = self.device_slots = False
             return super().alloc_host(shape, dtype)
 
@@ -148,11 +151,12 @@ class CudaBackend(AcceleratorBackend):
                 rows.numel() * rows.element_size() >= self.dma_min_bytes or self._dma.pending()):
             return self._scatter_dma(rows, host_slots[: rows.shape[0]], pool, ready=ready,
                                      in_stream=in_stream)
+        # device slots alone (no caller in the core), or the first save after mapping was
+        # given up: neither may overtake a DMA save into its slots
         if self._dma is not None and self._dma.pending() and not self.drain(
-                CLOSE_DRAIN_TIMEOUT_S):  # device slots alone (no caller in the core): the
-            raise RuntimeError(         # kernel may not overtake a DMA save into its slots
-                f"cuda backend: a copy-engine save still running after "
-                f"{CLOSE_DRAIN_TIMEOUT_S:.0f}s")
+                CLOSE_DRAIN_TIMEOUT_S):
+            raise RuntimeError(f"cuda backend: a copy-engine save still running after "
+                               f"{CLOSE_DRAIN_TIMEOUT_S:.0f}s")
         if mapped:
             return self._scatter_mapped(rows, slots, pool, ready=ready, in_stream=in_stream)
         return super().scatter_rows(rows, slots, pool, ready=ready, staging=staging,

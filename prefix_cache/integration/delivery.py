@@ -171,8 +171,11 @@ class StageDelivery:
         self._publish(request)
 
     def finish_early(self, request: FinishedRequest) -> None:
-        """The scheduler retired `request` before the runner heard of it: publish it now."""
+        """The scheduler retired `request` before the runner heard of it: publish it now
+        (unless its failure was published already: held when the stage stopped)."""
         with self._lock:
+            if request.req_id in self._published_early:
+                return
             self._published_early.add(request.req_id)
         self._publish(request)
 
@@ -183,6 +186,7 @@ class StageDelivery:
             held = sorted(self._parts.keys() | self._broken.keys())
             self._parts.clear()
             self._broken.clear()
+            self._published_early.update(held)  # their finishes, if any come, only forget them
         for req_id in held:
             self._fail(self._external_id(req_id), req_id, cause)
         return len(held)

@@ -147,7 +147,8 @@ class StageOutputDriver:
                                     f"the stage stopped publishing before the request "
                                     f"finished: {reason}"))
         except OmniPrefixCacheError:
-            pass  # the thread failed: `close` raises that and fails the held requests
+            pass  # the thread failed: the next step's begin_step raises that, and `close`
+            # fails the held requests
 
     def end_step(self) -> None:
         """The step's output is built: queue its rows (a step without rows ends here)."""

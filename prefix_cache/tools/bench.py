@@ -69,6 +69,18 @@ def _sync(backend: DeviceBackend) -> None:
         torch.get_device_module(backend.name).synchronize()
 
 
+def source_commit() -> str | None:
+    """The commit of the checkout this package runs from (`-dirty` if changed), where it is
+    one: results name the code they measured."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
+                              cwd=Path(__file__).resolve().parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
 def _timeit(fn: Callable[[], None], repeat: int) -> float:
     """Median seconds of `repeat` calls after one warm-up."""
     fn()
@@ -298,15 +310,16 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
 
 
 def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, float]:
-    """GB/s of hit reads and of memcpys of the same bytes, interleaved, each repetition reading
-    rows the HIT_INPUT_SETS - 1 before it did not (inputs that stay in the host's caches would
-    time the caches, not the memory a hit reads):
+    """GB/s of hit reads and of memcpys of the same bytes, interleaved, each kind's repetition
+    reading rows its HIT_INPUT_SETS - 1 before did not (inputs that stay in the host's caches
+    would time the caches, not the memory a hit reads):
     - `hit`: random blocks of the pool into a new tensor the caller owns, whose memory the
       cache recycles once the caller drops it, as a pipeline does;
     - `fresh`: the same into fresh memory (no recycling, `output_cache_bytes=0`);
     - `memcpy`: contiguous rows of the pool into one tensor reused (resident): the limit;
     - `memcpy_new`: the same into a new tensor (paying its page faults);
-    - `memcpy_hot`: the same rows again and again into the reused tensor (cache-hot)."""
+    - `memcpy_hot`: the same rows again and again into the reused tensor (cache-hot), timed
+      alone after the others."""
     from prefix_cache.core.block_pool import PrefixBlockPool
     blocks_per_set = -(-hit_tokens // BLOCK)
     num_blocks = HIT_INPUT_SETS * blocks_per_set + 1
@@ -324,22 +337,23 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, f
     recycled = OutputBuffers(PrefixCacheConfig.output_cache_bytes)  # the default
     fresh = OutputBuffers(0)  # keeps nothing: every output is new memory
     reused = torch.empty((hit_tokens, WIDTH), dtype=dtype)
-    turn = itertools.count()
+    turns = {name: itertools.count() for name in ("hit", "fresh", "memcpy", "memcpy_new")}
 
-    def read(outputs: OutputBuffers) -> None:
-        slots = slot_sets[next(turn) % HIT_INPUT_SETS]
+    def read(name: str, outputs: OutputBuffers) -> None:
+        slots = slot_sets[next(turns[name]) % HIT_INPUT_SETS]
         RowRead("bench", HIDDEN_KEY, slots, np.ones(len(slots), bool), [], hit_tokens + 1,
                 WIDTH, dtype).resolve(pool, outputs, 10, lambda r: None)
 
-    def memcpy(out: torch.Tensor | None = None, rotate: bool = True) -> None:
+    def memcpy(name: str, out: torch.Tensor | None = None) -> None:
         out = torch.empty((hit_tokens, WIDTH), dtype=dtype) if out is None else out
-        out.copy_(windows[next(turn) % HIT_INPUT_SETS if rotate else 0])
+        out.copy_(windows[next(turns[name]) % HIT_INPUT_SETS])
 
-    runs = {"hit": lambda: read(recycled), "fresh": lambda: read(fresh),
-            "memcpy": lambda: memcpy(reused), "memcpy_new": memcpy,
-            "memcpy_hot": lambda: memcpy(reused, rotate=False)}
+    runs = {"hit": lambda: read("hit", recycled), "fresh": lambda: read("fresh", fresh),
+            "memcpy": lambda: memcpy("memcpy", reused), "memcpy_new": lambda: memcpy("memcpy_new")}
     result = {name: nbytes / seconds / 1e9
               for name, seconds in _timeit_interleaved(runs, repeat).items()}
+    # the same rows again and again, timed alone: nothing else may evict them between calls
+    result["memcpy_hot"] = nbytes / _timeit(lambda: reused.copy_(windows[0]), repeat) / 1e9
     pool.close()
     recycled.clear()
     return result
@@ -715,7 +729,8 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                                f"{backend.name}: copies run on the host")
     metrics["M8"] = pipeline_m8(quick)
     backend.close()
-    return {"device": backend.name, "machine": f"{platform.node()} {platform.machine()} "
+    return {"device": backend.name, "commit": source_commit(),
+            "machine": f"{platform.node()} {platform.machine()} "
             f"{os.cpu_count()} cpus, torch {torch.__version__}"
             + (f", {torch.cuda.get_device_name()}" if backend.name == "cuda" else ""),
             "metrics": {k: _metric_json(k, m, backend.name) for k, m in metrics.items()}}

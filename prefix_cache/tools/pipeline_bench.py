@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefix_cache.tools.bench import source_commit
 from prefix_cache.tools.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
                                   start_thinker, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     say = lambda msg: print(f"[pipeline bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    results = {"m8": measure_m8(runs=args.runs, progress=say),
+    results = {"commit": source_commit(), "m8": measure_m8(runs=args.runs, progress=say),
                "step_time": measure_step_time(runs=args.runs, progress=say)}
     text = json.dumps(results, indent=2)
     print(text)

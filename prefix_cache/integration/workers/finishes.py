@@ -9,12 +9,14 @@ hands every id that joins the scheduler's `finished_req_ids` (a stop found in
 to the worker's listener once, as soon as it joins: before vLLM returns that
 request's last output.
 
-With the finish goes how many of the request's rows stand. An asynchronous
-scheduler schedules step N+1 before it reads step N's output; when that output
-stops the request, step N+1 has already fed the stop token, and its row is one a
-synchronous engine never computes. The scheduler counts such in-flight tokens
-(`num_output_placeholders`) and discards their outputs; their rows are cut from
-the request's entry the same way.
+With the finish goes how many of the request's rows stand: one per token whose
+successor is known, `num_tokens - 1` once it has generated a token. An
+asynchronous scheduler schedules step N+1 before it reads step N's output; when
+that output stops the request, step N+1 has already fed the stop token, and its
+row is one a synchronous engine never computes (an abort meanwhile likewise). The
+scheduler discards such a step's output; its rows are cut from the request's
+entry the same way. A synchronous engine never feeds a token past `num_tokens - 1`,
+so nothing is cut there.
 
 The worker installs it through its engine's `SchedulerConfig.scheduler_cls`,
 which the engine core reads after building its executor, when the worker and the
@@ -46,13 +48,11 @@ class FinishReporting:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._omni_reported: set[str] = set()
-        self._omni_rows_standing: dict[str, int] = {}  # finished with a step still in flight
+        self._omni_rows_standing: dict[str, int] = {}  # finished, until reported
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        in_flight = getattr(request, "num_output_placeholders", 0)
-        if in_flight:  # rows of tokens scheduled but never to be accepted do not stand
-            self._omni_rows_standing[request.request_id] = \
-                request.num_computed_tokens - in_flight
+        if request.num_output_tokens:  # the last token's row, if fed, no one will accept
+            self._omni_rows_standing[request.request_id] = request.num_tokens - 1
         return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
