@@ -376,7 +376,7 @@ def test_gather_rows_matches_fancy_indexing(width: int) -> None:
 
 @pytest.mark.parametrize("threads", [2, 3, 16, 64])
 def test_a_split_gather_matches_fancy_indexing(threads: int) -> None:
-    """At 512 KiB a thread at least, the rows split at row boundaries that cut runs in two; each
+    """At 2 MiB a thread at least, the rows split at row boundaries that cut runs in two; each
     thread copies its share and the caller joins them all (more threads than allowed: 16)."""
     rng = np.random.default_rng(threads)
     width, num_slots = 4096, 8192

@@ -20,12 +20,12 @@ import torch
 from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, byte_rows
 
-#: Threads a large gather is split across (512 KiB of rows each at least, the caller's thread
+#: Threads a large gather is split across (2 MiB of rows each at least, the caller's thread
 #: among them). Threads of its own, not torch's: vLLM sets torch's to 1 in serving workers
 #: (0.32's GPU worker, any multiprocess executor's), where `index_select` moves 8-13 GB/s on
-#: the H200 host. There 8 of these move 28-30 GB/s at 2048 and 8192 tokens, 16 start too
-#: slowly for 2048 (19 GB/s; benchmarks/gather_sweep.py); the 2-core machine moves 4.1-5.4
-#: GB/s with one, 7.1-9.5 with two.
+#: the H200 host. There 8 of these moved 28-31 GB/s at 2048 and 8192 tokens (split at 512
+#: KiB), 16 start too slowly for 2048 (19 GB/s; benchmarks/gather_sweep.py); the 2-core
+#: machine moves 4.1-5.4 GB/s with one, 7.1-9.5 with two.
 GATHER_THREADS = min(8, os.cpu_count() or 1)
 
 
