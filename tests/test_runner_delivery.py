@@ -232,6 +232,24 @@ def step(req_ids: list[str], scheduled: dict[str, int], finished: tuple[str, ...
         num_scheduled_tokens=scheduled)
 
 
+def prefill_decode_finish(driver: StageOutputDriver, view: Any,
+                          decode_mm: dict[str, torch.Tensor] | None = None) -> None:
+    """Request `a` through the driver: a 5-token prefill, one decode step (emitting
+    `decode_mm` beside its hidden row), then its finish in a step without a forward."""
+    driver.begin_step(step(["a"], {"a": 5}), [])
+    driver.save_step(rows(0, 5)[HIDDEN_KEY], None, StepBatch(["a"], [0], [5]), 5)
+    driver.end_step()
+    view.computed = 5
+    so = step([], {"a": 1})
+    so.scheduled_cached_reqs.req_ids = ["a"]
+    driver.begin_step(so, [])
+    driver.save_step(rows(5, 6)[HIDDEN_KEY], decode_mm, StepBatch(["a"], [5], [1]), 1)
+    driver.end_step()
+    view.batch = []
+    driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "a", 5)])
+    driver.end_step()  # no forward: zero rows saved and discarded with the cache
+
+
 @pytest.mark.parametrize("cached", [True, False], ids=["cache", "no-cache"])
 def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
     backend = get_backend("cpu")
@@ -242,18 +260,7 @@ def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
         driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
                                    policy=ModelCachePolicy(),
                                    empty_hidden=lambda: torch.empty(0, HIDDEN))
-        driver.begin_step(step(["a"], {"a": 5}), [])
-        driver.save_step(rows(0, 5)[HIDDEN_KEY], None, StepBatch(["a"], [0], [5]), 5)
-        driver.end_step()
-        view.computed = 5
-        so = step([], {"a": 1})
-        so.scheduled_cached_reqs.req_ids = ["a"]
-        driver.begin_step(so, [])
-        driver.save_step(rows(5, 6)[HIDDEN_KEY], None, StepBatch(["a"], [5], [1]), 1)
-        driver.end_step()
-        view.batch = []
-        driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "a", 5)])
-        driver.end_step()  # no forward: zero rows saved and discarded with the cache
+        prefill_decode_finish(driver, view)
         entry = channel.get_entry("a", timeout_s=5)
         driver.close()  # the output thread counts a publish after its put: join it first
         stats = driver.stats()
@@ -279,19 +286,7 @@ def test_a_stage_delivering_multimodal_keys_only_publishes_a_prefill_that_emitte
     with open_channel() as channel:
         driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
                                    policy=policy, empty_hidden=lambda: torch.empty(0, HIDDEN))
-        driver.begin_step(step(["a"], {"a": 5}), [])
-        driver.save_step(rows(0, 5)[HIDDEN_KEY], None, StepBatch(["a"], [0], [5]), 5)
-        driver.end_step()
-        view.computed = 5
-        so = step([], {"a": 1})
-        so.scheduled_cached_reqs.req_ids = ["a"]
-        driver.begin_step(so, [])
-        driver.save_step(rows(5, 6)[HIDDEN_KEY], {"codes": torch.full((1, 3), 7.0)},
-                         StepBatch(["a"], [5], [1]), 1)
-        driver.end_step()
-        view.batch = []
-        driver.begin_step(step([], {}, finished=("a",)), [FinishedRequest("a", "a", 5)])
-        driver.end_step()
+        prefill_decode_finish(driver, view, decode_mm={"codes": torch.full((1, 3), 7.0)})
         entry = channel.get_entry("a", timeout_s=5)
         driver.close()
     assert set(entry.outputs) == {"codes"} and not entry.aborted
