@@ -57,8 +57,8 @@ class StepWriter:
         return self._config.write_stream == "compute" or self._backend.synchronous
 
     def device_slots(self, slot_mapping: torch.Tensor | None, n: int) -> torch.Tensor | None:
-        """The runner's slot mapping, checked, where the write can read it in stream order
-        (a device tensor); else None."""
+        """The runner's slot mapping, checked, where it is a device tensor; else None (the
+        view's host slots serve). `save` decides whether its write can read it."""
         if slot_mapping is None:
             return None
         if not isinstance(slot_mapping, torch.Tensor):
@@ -70,9 +70,7 @@ class StepWriter:
                 f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
                 f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
         self._checker.check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
-        if self.in_stream and self._backend.device_slots and slot_mapping.device.type != "cpu":
-            return slot_mapping  # the write reads its first n entries
-        return None
+        return None if slot_mapping.device.type == "cpu" else slot_mapping
 
     def install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Allocate pools for keys seen for the first time (unlocked), then install them all."""
@@ -98,11 +96,13 @@ class StepWriter:
         failure there leaves the pool as it was.
         """
         n = layout.num_rows
-        if not self._backend.device_slots:  # given up since (a pool the device cannot map)
+        in_stream = self.in_stream
+        # read in stream order, by a backend that takes them (one that could not map a pool
+        # has given them up); the write reads the first n entries
+        if not (in_stream and self._backend.device_slots):
             device_slots = None
         if device_slots is not None and self._check_slots:
             self._check_slot_mapping(step_id, device_slots[:n], layout.slots)
-        in_stream = self.in_stream
         immediate = {k: self._private(v) for k, v in outputs.immediate.items()}
         deferred = {k: self._private(v) for k, v in outputs.deferred.items()}
         chunks = self._deferred.snapshot(outputs.deferred, layout)
