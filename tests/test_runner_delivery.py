@@ -5,6 +5,7 @@ Real components: the manager on the CPU backend, the shared-memory stage channel
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from prefix_cache.devices import get_backend
 from prefix_cache.devices.base import poll_until
 from prefix_cache.integration.output_thread import OutputThread
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
+from tests.sim import StepDriver, token_rows
 
 HIDDEN = 8
 
@@ -340,3 +342,45 @@ def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
         stats = driver.stats()
         driver.close()
     assert stats["delivery_failed"] == 1 + len(later) and stats["delivery_requests_held"] == 0
+
+
+def test_a_step_mixing_an_mm_key_hit_with_a_miss_publishes_both_and_the_stage_goes_on() -> None:
+    """`a` wrote rows of `image`; `hit` reuses its blocks beside `text`, a miss, in a step that
+    emits hidden states only. The hit's image rows come back for `hit` alone (SPEC §4 rule 5):
+    `text` has no image rows, and gets its hidden rows; the stage serves the next step."""
+    backend = get_backend("cpu")
+    sim = StepDriver(block_size=4)
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4), sim,
+                                     backend=backend)
+    tokens = list(range(100, 108))
+    with open_channel() as channel:
+        driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
+                                   policy=ModelCachePolicy(),
+                                   empty_hidden=lambda: torch.empty(0, HIDDEN))
+
+        def run(so: SimpleNamespace, finished: list[FinishedRequest],
+                mm: dict[str, torch.Tensor] | None = None) -> None:
+            driver.begin_step(so, finished)
+            hidden = sim.outputs(HIDDEN)
+            starts = [sim.reqs[r].computed for r in sim.batch]
+            ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
+            driver.save_step(hidden, mm, StepBatch(sim.batch, starts, ends), hidden.shape[0])
+            driver.end_step()
+            sim.advance()
+
+        run(sim.step(new=[("a", tokens, [1, 2], 0, 8)]), [], mm={"image": torch.ones(8, 3)})
+        run(sim.step(new=[("hit", tokens + [5, 6], [1, 2, 3], 8, 1),
+                          ("text", [7, 8, 9, 10], [4], 0, 3)], finished=["a"]),
+            [FinishedRequest("a", "a", 8)])
+        run(sim.step(cached={"hit": 1, "text": 1}), [])
+        sim.batch, sim.scheduled = [], {}
+        driver.begin_step(sim.step(finished=["hit", "text"]),
+                          [FinishedRequest("hit", "hit", 9), FinishedRequest("text", "text", 3)])
+        driver.end_step()
+        got = {r: channel.get(r, timeout_s=5) for r in ("a", "hit", "text")}
+        driver.close()
+    assert torch.equal(got["a"]["image"], torch.ones(8, 3))
+    assert torch.equal(got["hit"][HIDDEN_KEY], token_rows(tokens + [5, 6], HIDDEN))
+    assert torch.equal(got["hit"]["image"], torch.cat([torch.ones(8, 3), torch.zeros(2, 3)]))
+    assert set(got["text"]) == {HIDDEN_KEY}
+    assert torch.equal(got["text"][HIDDEN_KEY], token_rows([7, 8, 9, 10], HIDDEN))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -183,13 +183,22 @@ class StageDelivery:
         """Publish, for every request still held (its finish never came and will not be
         heard), that its rows cannot come, and why; free them. Returns how many."""
         with self._lock:
-            held = sorted(self._parts.keys() | self._broken.keys())
-            self._parts.clear()
-            self._broken.clear()
-            self._published_early.update(held)  # their finishes, if any come, only forget them
-        for req_id in held:
+            held = self._parts.keys() | self._broken.keys()
+        return self.fail_requests(held, cause)
+
+    def fail_requests(self, req_ids: Iterable[str], cause: str) -> int:
+        """Publish now, for each of `req_ids` not published yet, that its rows cannot come,
+        and why; free its rows (rows added later are dropped, and its finish only forgets
+        it). Returns how many."""
+        with self._lock:
+            failing = sorted(set(req_ids) - self._published_early)
+            for req_id in failing:
+                self._parts.pop(req_id, None)
+                self._broken.pop(req_id, None)
+            self._published_early.update(failing)
+        for req_id in failing:
             self._fail(self._external_id(req_id), req_id, cause)
-        return len(held)
+        return len(failing)
 
     def stop_publishing(self, cause: str) -> int:
         """Publish no rows from now on: every request held gets a failure naming `cause` now

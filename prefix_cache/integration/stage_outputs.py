@@ -16,6 +16,12 @@ output thread hands each request's rows to `StageDelivery`, and the requests a
 step retires are published there after their last rows: a request's finish is
 queued at the step that reports it, after the materialize of the step before, or
 earlier, by `finish_now`, when the scheduler reports it (`prefix_cache.integration.workers.finishes`).
+
+A fault never takes the engine down. One in a job of the output thread fails the
+entries of that job's requests, each naming the cause, and the stage goes on;
+`MAX_FAULTED_STEPS` steps in a row whose rows fault stop publishing (one error
+line), and every later request gets a failure naming why. One on the engine thread
+(the cache refusing a step, say) turns the stage off the same way at once.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Jobs the output thread may hold (two per step at most: a finish and a materialize).
 MAX_PENDING_JOBS = 16
+#: Steps in a row whose rows may fault on the output thread before the stage stops publishing.
+MAX_FAULTED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -84,28 +92,37 @@ class StageOutputDriver:
         self._in_step = False
         self._off = False
         self._closed = False
+        self._faulted_steps = 0  # steps in a row whose rows faulted (output thread)
+        self._stopped_by_faults: str | None = None  # set by the output thread: why it stopped
 
     # ------------------------------------------------------------------ engine thread
 
     def begin_step(self, scheduler_output: Any, finished: Sequence[FinishedRequest]) -> None:
         """Start a step; the requests it retires are published after their last rows (once
         turned off, no step starts, and they get their failures)."""
-        self._thread.check()  # a failure on the output thread surfaces here
+        if self._stopped_by_faults is not None and not self._off:
+            self.turn_off(self._stopped_by_faults)  # the output thread stopped publishing
         if not self._off:
-            if self.cache is not None:
-                self.cache.new_step_starts(scheduler_output)
-            self._step, self._in_step = None, True
+            try:
+                self._thread.check()
+                if self.cache is not None:
+                    self.cache.new_step_starts(scheduler_output)
+                self._step, self._in_step = None, True
+            except Exception as exc:
+                self._engine_fault("starting a step", exc)
         if finished:
             requests = list(finished)
-            self._thread.submit(f"publish {len(requests)} finished requests",
-                                lambda: self._publish(requests, self.delivery.finish))
+            self._submit(f"publishing {len(requests)} finished requests",
+                         [r.req_id for r in requests],
+                         lambda: self._publish(requests, self.delivery.finish))
 
     def finish_now(self, finished: Sequence[FinishedRequest]) -> None:
         """The scheduler retired these requests before the runner heard of it: publish them
         after every step queued so far (their last rows); `begin_step` will skip them."""
         requests = list(finished)
-        self._thread.submit(f"publish {len(requests)} requests the scheduler retired",
-                            lambda: self._publish(requests, self.delivery.finish_early))
+        self._submit(f"publishing {len(requests)} requests the scheduler retired",
+                     [r.req_id for r in requests],
+                     lambda: self._publish(requests, self.delivery.finish_early))
 
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
                   num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
@@ -114,13 +131,19 @@ class StageOutputDriver:
         step (turned off) there is nothing to take."""
         if not self._in_step:
             return
+        try:
+            self._step = self._take_rows(hidden, mm, batch, num_tokens_padded, slot_mapping)
+        except Exception as exc:
+            self._engine_fault("saving a step's rows", exc)
+
+    def _take_rows(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
+                   num_tokens_padded: int, slot_mapping: torch.Tensor | None) -> _SavedStep:
         n = batch.num_rows
         if self.cache is not None:
             step_id = self.cache.save_outputs(hidden, mm, num_tokens_unpadded=n,
                                               num_tokens_padded=num_tokens_padded,
                                               slot_mapping=slot_mapping)
-            self._step = _SavedStep(batch, step_id=step_id)
-            return
+            return _SavedStep(batch, step_id=step_id)
         with torch.inference_mode(False):
             per_token = split_outputs(hidden, mm, n, num_tokens_padded, self.policy).per_token()
             if not self.backend.synchronous:  # the next forward may overwrite the originals
@@ -128,7 +151,7 @@ class StageOutputDriver:
             ready = self.backend.record_event()
             host_rows = {key: self.backend.copy_to_host(rows, ready=ready)
                          for key, rows in per_token.items()}
-        self._step = _SavedStep(batch, host_rows=host_rows)
+        return _SavedStep(batch, host_rows=host_rows)
 
     @property
     def active(self) -> bool:
@@ -155,23 +178,79 @@ class StageOutputDriver:
         if not self._in_step:
             return
         step, self._step, self._in_step = self._step, None, False
-        if step is None:
-            if self.cache is not None:  # no forward ran: still exactly one save per step
+        try:
+            if step is not None:
+                self._submit(f"delivering the rows of a {step.batch.num_rows}-row step",
+                             step.batch.req_ids, lambda: self._deliver_unless_stopped(step),
+                             step_rows=True)
+            elif self.cache is not None:  # no forward ran: still exactly one save per step
                 step_id = self.cache.save_outputs(self._empty_hidden(), None,
                                                   num_tokens_unpadded=0, num_tokens_padded=0)
                 self.cache.discard_step(step_id)
-            return
-        self._thread.submit(f"rows of a {step.batch.num_rows}-row step",
-                            lambda: self._deliver(step))
+        except Exception as exc:
+            self._engine_fault("ending a step", exc)
+
+    def _engine_fault(self, what: str, exc: Exception) -> None:
+        """A fault on the engine thread: the engine goes on, the stage turns off naming it."""
+        reason = f"{what} failed: {type(exc).__name__}: {exc}"
+        logger.error("stage outputs off, the engine goes on: %s", reason)
+        logger.debug("stage outputs: %s failed", what, exc_info=exc)
+        self.turn_off(reason)
 
     # ------------------------------------------------------------------ output thread
+
+    def _submit(self, what: str, req_ids: Sequence[str], job: Callable[[], None], *,
+                step_rows: bool = False) -> None:
+        """Queue `job` on the output thread; a fault in it fails the entries of `req_ids`, and
+        a step's rows delivered whole (`step_rows`) end a run of faulted steps."""
+        try:
+            self._thread.submit(what, lambda: self._contained(what, list(req_ids), job,
+                                                              step_rows))
+        except OmniPrefixCacheError as exc:  # the thread is stuck or stopped
+            self._engine_fault(f"queueing {what}", exc)
+
+    def _contained(self, what: str, req_ids: list[str], job: Callable[[], None],
+                   step_rows: bool) -> None:
+        try:
+            job()
+        except Exception as exc:
+            self._output_fault(what, req_ids, exc)
+            return
+        if step_rows:
+            self._faulted_steps = 0
+
+    def _output_fault(self, what: str, req_ids: list[str], exc: Exception) -> None:
+        """Fail the requests a faulted job was for; after `MAX_FAULTED_STEPS` faulted steps in
+        a row, stop publishing (the engine thread turns the stage off at its next step)."""
+        cause = f"{what} failed: {type(exc).__name__}: {exc}"
+        logger.error("stage outputs: %s; failing its %d requests, the stage goes on", cause,
+                     len(req_ids))
+        logger.debug("stage outputs: %s failed", what, exc_info=exc)
+        self.delivery.fail_requests(req_ids, cause)
+        self._faulted_steps += 1
+        if self._faulted_steps == MAX_FAULTED_STEPS and self._stopped_by_faults is None:
+            reason = f"{MAX_FAULTED_STEPS} steps in a row failed to deliver their rows, the " \
+                     f"last: {cause}"
+            logger.error("stage outputs off, the engine goes on: %s", reason)
+            self.delivery.stop_publishing(f"the stage stopped publishing before the request "
+                                          f"finished: {reason}")
+            self._stopped_by_faults = reason
+
+    def _deliver_unless_stopped(self, step: _SavedStep) -> None:
+        """Deliver the step's rows, or only consume its saved step once faults stopped
+        publishing (steps the engine thread queued before it turned the stage off)."""
+        if self._stopped_by_faults is None:
+            self._deliver(step)
+        elif step.step_id is not None:
+            self.cache.discard_step(step.step_id)
 
     def _deliver(self, step: _SavedStep) -> None:
         spans = step.batch.spans()
         if step.step_id is not None:
             outs = self.cache.materialize(step.step_id, step.batch.req_ids)
             for req_id, first, end, start in spans:
-                rows = {key: by_req[req_id] for key, by_req in outs.mm_outputs.items()}
+                rows = {key: by_req[req_id] for key, by_req in outs.mm_outputs.items()
+                        if req_id in by_req}  # a hit's keys: its own, not the step's others
                 if outs.hidden_states is not None:
                     rows[HIDDEN_KEY] = outs.hidden_states[req_id]
                 # a hit's rows start at 0, the others where the step's tokens do
