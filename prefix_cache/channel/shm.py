@@ -14,6 +14,14 @@ one else can reach. `.budget` holds the namespace's capacity and the bytes its u
 entries and in-flight puts use. Any handle frees entries older than the time to live (by file
 modification time, this machine's clock) as it puts or gets; the owner's close removes the
 whole directory.
+
+Liveness is a held `flock`: a producer's handle creates `.producer-TOKEN` (its pid, host and
+start time as JSON) and holds an exclusive flock on it until it closes (which removes the file)
+or its process dies (which frees the lock). `expect` writes `.expect-NAME` naming the producer;
+the producer's publish of that id removes it. A waiting get tests the lock of the producer that
+expected its id, else, when the namespace has producers, whether any of them still holds its
+lock. Lock files are created, already locked, under the namespace lock, and tested under it, so
+no one sees a live holder's file unlocked.
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import hmac
+import json
 import mmap
 import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 import struct
 import tempfile
@@ -36,6 +46,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 import torch
@@ -50,6 +61,9 @@ _LOCK_FILE = ".lock"
 _BUDGET_FILE = ".budget"
 _TEMP_PREFIX = ".tmp-"
 _CLAIM_PREFIX = ".claim-"
+_PRODUCER_PREFIX = ".producer-"
+_EXPECT_PREFIX = ".expect-"
+_PRODUCER_RE = re.compile(r"\.producer-[0-9a-f]{32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([1-9][0-9]*))?")
 _BUDGET = struct.Struct("<QQ")  # capacity, bytes in use
@@ -79,6 +93,65 @@ def _create_private_file(path: Path) -> int:
     return fd
 
 
+def _holder_record() -> dict[str, Any]:
+    """Who this process is, for a lock file: its pid, host and the time it took the lock."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+
+
+def _describe(record: dict[str, Any]) -> str:
+    return f"pid {record.get('pid')} on host {record.get('host')}"
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object in the file at `path`; None when it is gone or not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+@dataclass
+class _HeldFile:
+    """A file whose exclusive flock its holder keeps while it lives; `pid` holds it (a forked
+    child shares the descriptor but is not the holder). The holder's release removes it."""
+
+    path: Path
+    fd: int
+    pid: int
+    record: dict[str, Any]
+
+    @classmethod
+    def create(cls, path: Path) -> _HeldFile:
+        """A new lock file at `path` holding `_holder_record()`, locked before anyone can test
+        it if the caller holds the namespace lock."""
+        record = _holder_record()
+        fd = _create_private_file(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _write_all(fd, memoryview(json.dumps(record).encode()), 0)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return cls(path, fd, os.getpid(), record)
+
+    def release(self) -> None:
+        """Closes this process's descriptor; the holder also removes the file (a forked child's
+        close leaves its parent's lock held)."""
+        if self.pid == os.getpid():
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+
+
 @dataclass
 class _Reservation:
     """A put's room: its temp file, and a descriptor holding an exclusive flock on it until
@@ -88,9 +161,9 @@ class _Reservation:
     fd: int
 
 
-def _writer_alive(path: str) -> bool:
-    """Whether a live writer holds the temp file at `path` (its flock); a gone file is not
-    held."""
+def _held(path: str | Path) -> bool:
+    """Whether a live process holds an exclusive flock on the file at `path`; a gone file is
+    not held."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -129,13 +202,14 @@ class ShmChannel(StageChannel):
             self._budget_fd, self._lock_fd = fds
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
+            self._lock_files: list[_HeldFile] = []  # the lock files it holds: its producer's
             capacity, _ = self._read_budget()
             super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
-            _release(directory, os.getpid(), owner, tuple(fds))
+            _release(directory, os.getpid(), owner, fds, [])
             raise
-        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(), owner,
-                                           (self._budget_fd, self._lock_fd))
+        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(), owner, fds,
+                                           self._lock_files)
 
     @classmethod
     def create(cls, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
@@ -212,8 +286,74 @@ class ShmChannel(StageChannel):
 
     def entry_path(self, request_id: str) -> Path:
         """Where the oldest unconsumed entry of `request_id` lies (later ones: `.1`, `.2`...)."""
-        name = hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
-        return self.directory / name
+        return self.directory / self._name(request_id)
+
+    def _name(self, request_id: str) -> str:
+        """The id's name in the namespace: an HMAC of it under the namespace's key."""
+        return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
+
+    def _expectation_path(self, request_id: str) -> Path:
+        return self.directory / (_EXPECT_PREFIX + self._name(request_id))
+
+    @property
+    def _producer(self) -> _HeldFile | None:
+        """This process's producer lock file of the handle, if it registered one."""
+        return next((h for h in self._lock_files if h.pid == os.getpid()), None)
+
+    def _register_producer(self) -> None:
+        if self._producer is not None:
+            return
+        for inherited in self._lock_files:  # a forked child's copies of its parent's locks
+            inherited.release()
+        self._lock_files.clear()
+        path = self.directory / (_PRODUCER_PREFIX + secrets.token_hex(16))
+        try:
+            with self._locked():
+                self._lock_files.append(_HeldFile.create(path))
+        except OSError as e:
+            raise self._gone_or(e, "cannot register a producer") from e
+
+    def _expect(self, request_id: str) -> None:
+        producer = self._producer
+        assert producer is not None, "expect registers the producer first"
+        path = self._expectation_path(request_id)
+        temp = path.with_name(path.name + ".new")
+        record = {**producer.record, "producer": producer.path.name}
+        try:
+            with self._locked():
+                temp.unlink(missing_ok=True)  # left by a producer that died writing it
+                fd = _create_private_file(temp)
+                try:
+                    _write_all(fd, memoryview(json.dumps(record).encode()), 0)
+                finally:
+                    os.close(fd)
+                os.rename(temp, path)
+        except OSError as e:
+            raise self._gone_or(e, f"cannot record that request {request_id} is expected") from e
+
+    def _end_expectation(self, request_id: str) -> None:
+        """Removes the id's expectation if this handle's producer made it (caller holds the
+        lock)."""
+        producer, path = self._producer, self._expectation_path(request_id)
+        if producer is not None and (_read_record(path) or {}).get("producer") \
+                == producer.path.name:
+            path.unlink(missing_ok=True)
+
+    def _dead_producer(self, request_id: str) -> str | None:
+        try:
+            with self._locked():
+                record = _read_record(self._expectation_path(request_id))
+                if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
+                    return None if _held(self.directory / record["producer"]) \
+                        else _describe(record)
+                producers = [Path(f.path) for f in os.scandir(self.directory)
+                             if _PRODUCER_RE.fullmatch(f.name)]
+                if not producers or any(map(_held, producers)):
+                    return None
+                dead = [_describe(_read_record(p) or {}) for p in producers]
+        except FileNotFoundError:
+            return None  # the namespace is gone: the next take says so
+        return f"{', '.join(dead)} (every producer of the namespace)"
 
     def used_bytes(self) -> int:
         """Bytes of the capacity held by unconsumed entries and puts in flight."""
@@ -276,7 +416,7 @@ class ShmChannel(StageChannel):
                 continue
             try:
                 size = f.stat(follow_symlinks=False).st_size
-                if temp and not _writer_alive(f.path):
+                if temp and not _held(f.path):
                     os.unlink(f.path)  # its writer died between reserve and publish
                     continue
             except FileNotFoundError:
@@ -329,6 +469,7 @@ class ShmChannel(StageChannel):
                 while os.path.lexists(self.directory / _chain_name(head, index)):
                     index += 1
                 os.rename(reservation.path, self.directory / _chain_name(head, index))
+                self._end_expectation(request_id)
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
@@ -419,8 +560,11 @@ class ShmChannel(StageChannel):
         self._finalizer()
 
 
-def _release(directory: Path, owner_pid: int, owner: bool, fds: tuple[int, ...]) -> None:
+def _release(directory: Path, owner_pid: int, owner: bool, fds: list[int],
+             held: list[_HeldFile]) -> None:
     for fd in fds:
         os.close(fd)
+    for lock_file in held:
+        lock_file.release()
     if owner and os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
         shutil.rmtree(directory, ignore_errors=True)
