@@ -1,24 +1,29 @@
-"""The shared-memory channel survives crashes (SPEC §9): a waiting consumer learns within
-seconds that the producer of its request died.
+"""The shared-memory channel survives crashes (SPEC §9): a process killed anywhere in a put or
+a get leaves the id's other entries whole and in order, and the budget right; a waiting consumer
+learns within seconds that the producer of its request died.
 
-Producers run in spawned processes that die by `os._exit` or SIGKILL, as a crashed worker does.
+Producers and consumers die in processes of their own (spawned, or forked from a spawned
+forkserver), by `os._exit` or SIGKILL, as a crashed worker does.
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import (OmniPrefixCacheChannelProducerError,
-                                  OmniPrefixCacheChannelTimeoutError, open_channel)
+                                  OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
 from prefix_cache.channel.shm import ShmChannel
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="flock and fork: Linux")
@@ -122,3 +127,127 @@ def test_a_forked_child_registers_a_producer_of_its_own() -> None:
             channel.get("r", timeout_s=1.2)
         channel.close()
         assert not channel.directory.exists()
+
+
+# ---------------------------------------------------------------- kill anywhere in a put or get
+
+#: The calls through which a put or a take changes files, the budget or locks: a process may
+#: die before any of them.
+_STEP_CALLS = [(os, "open"), (os, "close"), (os, "rename"), (os, "unlink"), (os, "pwrite"),
+               (os, "write"), (os, "ftruncate"), (os, "fchmod"), (fcntl, "flock")]
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch", "prefix_cache.channel.shm"])
+
+
+@contextmanager
+def _each_step(before: Callable[[str], None]) -> Iterator[None]:
+    """Calls `before(name)` ahead of each `_STEP_CALLS` call made meanwhile, in this process."""
+    originals = [(module, name, getattr(module, name)) for module, name in _STEP_CALLS]
+
+    def traced(call: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            before(name)
+            return call(*args, **kwargs)
+        return step
+
+    for module, name, call in originals:
+        setattr(module, name, traced(call, f"{module.__name__}.{name}"))
+    try:
+        yield
+    finally:
+        for module, name, call in originals:
+            setattr(module, name, call)
+
+
+#: What the dying process does on the namespace, and what the test process did before and
+#: does after it: the marks published, and the orders the consumer may get them in.
+def _put_2(channel: StageChannel) -> None:
+    channel.put("r", _marked(2))
+
+
+def _take(channel: StageChannel) -> None:
+    channel.get("r", timeout_s=5)
+
+
+_SCENARIOS: dict[str, tuple[Callable[[StageChannel], None], list[int], list[int],
+                            list[list[int]]]] = {
+    "put": (_put_2, [1], [3], [[1, 2, 3], [1, 3]]),
+    "first put": (_put_2, [], [3], [[2, 3], [3]]),
+    "take": (_take, [1, 2], [3], [[1, 2, 3], [2, 3]]),
+    "last take": (_take, [1], [3], [[1, 3], [3]]),
+}
+
+
+def _die_before_step(spec: str, scenario: str, step: int) -> None:
+    """In a child process: run the scenario's operation and die (os._exit) just before its
+    call number `step`, or right after the operation if it makes fewer calls."""
+    channel = open_channel(spec)
+    calls = 0
+
+    def count(_name: str) -> None:
+        nonlocal calls
+        if calls == step:
+            os._exit(1)
+        calls += 1
+
+    with _each_step(count):
+        _SCENARIOS[scenario][0](channel)
+    os._exit(1)
+
+
+def _steps_of(scenario: str, root: Path) -> list[str]:
+    """The calls the scenario's operation makes, in order, traced in this process on a
+    namespace prepared as the scenario's."""
+    operation, before, _, _ = _SCENARIOS[scenario]
+    names: list[str] = []
+    with ShmChannel.create(root) as channel, open_channel(channel.spec) as other:
+        for mark in before:
+            channel.put("r", _marked(mark))
+        with _each_step(names.append):
+            operation(other)
+    return names
+
+
+def _drain(channel: StageChannel) -> list[int]:
+    marks = []
+    while True:
+        try:
+            marks.append(_mark(channel.get("r", timeout_s=0.05)))
+        except OmniPrefixCacheChannelTimeoutError:
+            return marks
+
+
+def _entry_bytes(channel: ShmChannel) -> int:
+    return sum(p.stat().st_size for p in channel.directory.iterdir()
+               if not p.name.startswith("."))
+
+
+@pytest.mark.parametrize("scenario", sorted(_SCENARIOS))
+def test_a_process_killed_at_any_step_leaves_the_ids_other_entries_whole(
+        scenario: str, tmp_path: Path) -> None:
+    """For each call of the operation (so a new step cannot be missed): a child dies just
+    before it; every other entry of the id is then delivered once, in put order, nothing
+    stale stays, and the budget counts exactly the unconsumed entries."""
+    _, before, after, orders = _SCENARIOS[scenario]
+    steps = _steps_of(scenario, tmp_path)
+    for step in range(len(steps) + 1):
+        where = (f"{scenario} killed before step {step} of {len(steps)} "
+                 f"({steps[step] if step < len(steps) else 'after its last'}); calls: {steps}")
+        with ShmChannel.create(tmp_path) as channel:
+            for mark in before:
+                channel.put("r", _marked(mark))
+            child = _FORKSERVER.Process(target=_die_before_step,
+                                        args=(channel.spec, scenario, step))
+            child.start()
+            child.join(60)
+            assert child.exitcode == 1, where
+            for mark in after:
+                channel.put("r", _marked(mark))
+            channel._sweep()
+            used, unconsumed = channel.used_bytes(), _entry_bytes(channel)
+            assert _drain(channel) in orders, where
+            assert used == unconsumed, where
+            channel._sweep()
+            assert channel.used_bytes() == 0, where
+            assert sorted(p.name for p in channel.directory.iterdir() if p.name != ".owner") \
+                == [".budget", ".key", ".lock"], where

@@ -3,17 +3,26 @@
 The namespace is a directory (mode 0700) with a random name, created by the channel opened
 without one (its owner). Entries are files (mode 0600) named by an HMAC of the request id under
 a random key kept in the directory, so neither a request id nor the namespace's name alone
-gives a file's name. The entries of one id form a chain, `NAME` (the oldest), `NAME.1`,
-`NAME.2`...: a put appends, a get takes `NAME` and moves the rest up one.
+gives a file's name.
 
-A put reserves its bytes and creates its file under the namespace lock (a `flock` on `.lock`,
-shared by every process on the machine), writes it without the lock, and renames it onto the
-chain's end under the lock. A get renames the head to a private name under the lock (so exactly
-one reader claims it), maps it and unlinks it: the tensors it returns are views of a mapping no
-one else can reach. `.budget` holds the namespace's capacity and the bytes its unconsumed
-entries and in-flight puts use. Any handle frees entries older than the time to live (by file
-modification time, this machine's clock) as it puts or gets; the owner's close removes the
-whole directory.
+Crash consistency: no file of an entry is ever renamed but once, into place. Each entry is
+`NAME.SEQ`, SEQ a sequence number the namespace hands out in publish order (from `.budget`),
+and the id's oldest entry is the one with the lowest SEQ. A put reserves its bytes and creates a
+temp file under the namespace lock (a `flock` on `.lock`, shared by every process on the
+machine), writes it without the lock, and renames it to `NAME.SEQ` under the lock. A get, under
+the lock, opens the id's lowest entry and unlinks it (so exactly one reader takes it), then maps
+it: the tensors it returns are views of a mapping no one else can reach. A process killed
+anywhere thus leaves every other entry where it was, in order; there is no chain to repair. The
+empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
+removes it with the last one), so a get of an id without entries costs one `lstat`.
+
+`.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
+use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
+a dead writer (each writer holds a flock on its temp file until it publishes) or an entry taken
+but not yet uncounted. Every sweep, and a put that finds no room, recounts it from the files and
+removes dead writers' temp files and markers of ids without entries. Any handle frees entries
+older than the time to live (by file modification time, this machine's clock) as it puts or
+gets; the owner's close removes the whole directory.
 
 Liveness is a held `flock`: a producer's handle creates `.producer-TOKEN` (its pid, host and
 start time as JSON) and holds an exclusive flock on it until it closes (which removes the file)
@@ -46,7 +55,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlencode
 
 import torch
@@ -60,13 +69,12 @@ _KEY_FILE = ".key"
 _LOCK_FILE = ".lock"
 _BUDGET_FILE = ".budget"
 _TEMP_PREFIX = ".tmp-"
-_CLAIM_PREFIX = ".claim-"
 _PRODUCER_PREFIX = ".producer-"
 _EXPECT_PREFIX = ".expect-"
 _PRODUCER_RE = re.compile(r"\.producer-[0-9a-f]{32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([1-9][0-9]*))?")
-_BUDGET = struct.Struct("<QQ")  # capacity, bytes in use
+_ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([0-9]+))?")  # NAME, the id's marker; NAME.SEQ
+_BUDGET = struct.Struct("<QQQ")
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
 DEFAULT_CAPACITY_SHARE = 0.5
 
@@ -83,8 +91,12 @@ def default_capacity(root: Path) -> int:
     return max(1, int(st.f_bavail * st.f_frsize * DEFAULT_CAPACITY_SHARE))
 
 
-def _chain_name(head: str, index: int) -> str:
-    return head if index == 0 else f"{head}.{index}"
+class _Budget(NamedTuple):
+    """The contents of `.budget`."""
+
+    capacity: int
+    used: int  # bytes of unconsumed entries and in-flight puts
+    next_seq: int  # the sequence number of the next entry published
 
 
 def _create_private_file(path: Path) -> int:
@@ -152,6 +164,15 @@ class _HeldFile:
         os.close(self.fd)
 
 
+def _stale(f: os.DirEntry[str], expired_before: float) -> bool:
+    """Whether a sweep removes the namespace's file `f`: an entry or expectation older than
+    `expired_before`, or a temp file whose writer died."""
+    if f.name.startswith(_TEMP_PREFIX):
+        return not _held(f.path)
+    return (_ENTRY_RE.fullmatch(f.name) is not None or f.name.startswith(_EXPECT_PREFIX)) \
+        and f.stat(follow_symlinks=False).st_mtime < expired_before
+
+
 @dataclass
 class _Reservation:
     """A put's room: its temp file, and a descriptor holding an exclusive flock on it until
@@ -203,8 +224,8 @@ class ShmChannel(StageChannel):
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
             self._lock_files: list[_HeldFile] = []  # the lock files it holds: its producer's
-            capacity, _ = self._read_budget()
-            super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
+            super().__init__(ttl_s=ttl_s, capacity_bytes=self._read_budget().capacity,
+                             full_wait_s=full_wait_s)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
             _release(directory, os.getpid(), owner, fds, [])
             raise
@@ -227,7 +248,7 @@ class ShmChannel(StageChannel):
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # exact, whatever the umask
             for name, data in ((_KEY_FILE, secrets.token_bytes(32)), (_LOCK_FILE, b""),
-                               (_BUDGET_FILE, _BUDGET.pack(capacity, 0))):
+                               (_BUDGET_FILE, _BUDGET.pack(capacity, 0, 0))):
                 fd = _create_private_file(directory / name)
                 try:
                     _write_all(fd, memoryview(data), 0)
@@ -285,7 +306,7 @@ class ShmChannel(StageChannel):
         return f"shm://{self.directory.name}?{query}"
 
     def entry_path(self, request_id: str) -> Path:
-        """Where the oldest unconsumed entry of `request_id` lies (later ones: `.1`, `.2`...)."""
+        """The id's marker: it exists whenever the id has unconsumed entries (`NAME.SEQ`)."""
         return self.directory / self._name(request_id)
 
     def _name(self, request_id: str) -> str:
@@ -358,7 +379,7 @@ class ShmChannel(StageChannel):
     def used_bytes(self) -> int:
         """Bytes of the capacity held by unconsumed entries and puts in flight."""
         with self._operation(), self._locked():
-            return self._read_budget()[1]
+            return self._read_budget().used
 
     def _open_private(self, name: str, flags: int) -> int:
         """A descriptor of the namespace's file `name`, refused unless private to this user."""
@@ -398,32 +419,43 @@ class ShmChannel(StageChannel):
         self._thread_lock = threading.Lock()
         self._lock_fd, self._lock_pid = fd, os.getpid()
 
-    def _read_budget(self) -> tuple[int, int]:
-        return _BUDGET.unpack(os.pread(self._budget_fd, _BUDGET.size, 0))
+    def _read_budget(self) -> _Budget:
+        return _Budget(*_BUDGET.unpack(os.pread(self._budget_fd, _BUDGET.size, 0)))
+
+    def _write_budget(self, budget: _Budget) -> None:
+        os.pwrite(self._budget_fd, _BUDGET.pack(*budget), 0)
 
     def _add_used(self, delta: int) -> None:
         """Adds `delta` to the bytes in use (caller holds the lock)."""
-        capacity, used = self._read_budget()
-        os.pwrite(self._budget_fd, _BUDGET.pack(capacity, max(0, used + delta)), 0)
+        budget = self._read_budget()
+        self._write_budget(budget._replace(used=max(0, budget.used + delta)))
 
-    def _recount_used(self) -> int:
-        """The bytes in use, counted from the files (caller holds the lock): corrects what a
-        process that died mid-operation left counted, and frees the rooms of dead writers."""
-        used = 0
-        for f in os.scandir(self.directory):
-            temp = f.name.startswith(_TEMP_PREFIX)
-            if not (temp or _ENTRY_RE.fullmatch(f.name)):
-                continue
-            try:
-                size = f.stat(follow_symlinks=False).st_size
-                if temp and not _held(f.path):
-                    os.unlink(f.path)  # its writer died between reserve and publish
-                    continue
-            except FileNotFoundError:
-                continue
-            used += size
-        capacity, _ = self._read_budget()
-        os.pwrite(self._budget_fd, _BUDGET.pack(capacity, used), 0)
+    def _next_seq(self) -> int:
+        """A sequence number above every one handed out before (caller holds the lock)."""
+        budget = self._read_budget()
+        self._write_budget(budget._replace(next_seq=budget.next_seq + 1))
+        return budget.next_seq
+
+    def _free_stale(self) -> int:
+        """Frees expired entries and expectations, dead writers' temp files and the markers of
+        ids left without entries, and recounts the bytes in use from the files, which it
+        returns (caller holds the lock)."""
+        expired_before = time.time() - self.ttl_s
+        used, chains, markers = 0, set(), []
+        for f in list(os.scandir(self.directory)):
+            entry = _ENTRY_RE.fullmatch(f.name)
+            if entry and entry[2] is None:
+                markers.append(f)
+            elif _stale(f, expired_before):
+                os.unlink(f.path)
+            elif entry or f.name.startswith(_TEMP_PREFIX):
+                used += f.stat(follow_symlinks=False).st_size
+                if entry:
+                    chains.add(entry[1])
+        for marker in markers:
+            if marker.name not in chains:
+                os.unlink(marker.path)
+        self._write_budget(self._read_budget()._replace(used=used))
         return used
 
     def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
@@ -431,9 +463,9 @@ class ShmChannel(StageChannel):
         fd = -1
         try:
             with self._locked():
-                capacity, used = self._read_budget()
+                capacity, used, _ = self._read_budget()
                 if not force and used + nbytes > capacity \
-                        and self._recount_used() + nbytes > capacity:
+                        and self._free_stale() + nbytes > capacity:
                     return None
                 fd = _create_private_file(temp)
                 fcntl.flock(fd, fcntl.LOCK_EX)  # before any recount can see the file
@@ -463,97 +495,88 @@ class ShmChannel(StageChannel):
         try:
             for offset, piece in encoded.pieces:
                 _write_all(reservation.fd, piece, offset)
-            head = self.entry_path(request_id).name
+            name = self._name(request_id)
             with self._locked():
-                index = 0
-                while os.path.lexists(self.directory / _chain_name(head, index)):
-                    index += 1
-                os.rename(reservation.path, self.directory / _chain_name(head, index))
+                self._mark(name)
+                os.rename(reservation.path, self.directory / f"{name}.{self._next_seq()}")
                 self._end_expectation(request_id)
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
         os.close(reservation.fd)  # published: its lock goes with it
 
-    def _take(self, request_id: str) -> torch.Tensor | None:
-        head = self.entry_path(request_id).name
-        claim = self.directory / (_CLAIM_PREFIX + secrets.token_hex(8))
-        expired_before = time.time() - self.ttl_s
-        with self._locked():
-            while True:
-                try:
-                    os.rename(self.directory / head, claim)
-                except FileNotFoundError:
-                    if not self.directory.is_dir():
-                        raise OmniPrefixCacheChannelError(
-                            f"shm channel namespace {self.directory} is gone (its owner closed "
-                            f"it) while waiting for request {request_id}") from None
-                    return None
-                self._move_up(head)
-                fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW)
-                os.unlink(claim)
-                st = os.fstat(fd)
-                self._add_used(-st.st_size)
-                if st.st_mtime >= expired_before:
-                    break
-                os.close(fd)  # expired before it was consumed: freed, as a sweep would
+    def _mark(self, name: str) -> None:
+        """Creates the id's marker unless it exists (caller holds the lock)."""
         try:
-            if st.st_size == 0:
+            os.close(_create_private_file(self.directory / name))
+        except FileExistsError:
+            pass
+
+    def _take(self, request_id: str) -> torch.Tensor | None:
+        try:
+            with self._locked():
+                taken = self._take_oldest(self._name(request_id), time.time() - self.ttl_s)
+        except OSError as e:
+            raise self._gone_or(e, f"cannot take an entry for request {request_id}") from e
+        if taken is None and not self.directory.is_dir():
+            raise self._gone(f"waiting for request {request_id}")
+        if taken is None:
+            return None
+        fd, size = taken
+        try:
+            if size == 0:
                 return torch.empty(0, dtype=torch.uint8)  # not an entry: decode says so
-            view = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE,
+            view = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return torch.frombuffer(view, dtype=torch.uint8)  # the mapping lives as long as it
 
-    def _move_up(self, head: str) -> None:
-        """Renames the chain's entries after its taken head one place up (caller holds the
-        lock)."""
-        index = 1
-        while True:
-            try:
-                os.rename(self.directory / _chain_name(head, index),
-                          self.directory / _chain_name(head, index - 1))
-            except FileNotFoundError:
-                return
-            index += 1
+    def _take_oldest(self, name: str, expired_before: float) -> tuple[int, int] | None:
+        """Claims the id's oldest unexpired entry, freeing expired ones before it, and removes
+        the id's marker if no entry is left (caller holds the lock): its descriptor and size,
+        or None."""
+        if not os.path.lexists(self.directory / name):
+            return None
+        entries, taken = self._entries(name), None
+        while entries and taken is None:
+            taken = self._claim(entries.pop(0), expired_before)
+        if not entries:
+            os.unlink(self.directory / name)
+        return taken
+
+    def _entries(self, name: str) -> list[Path]:
+        """The id's entries, oldest first (caller holds the lock)."""
+        seqs = [int(entry[2]) for f in os.scandir(self.directory)
+                if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[1] == name and entry[2]]
+        return [self.directory / f"{name}.{seq}" for seq in sorted(seqs)]
+
+    def _claim(self, path: Path, expired_before: float) -> tuple[int, int] | None:
+        """Unlinks the entry at `path` and uncounts it (caller holds the lock): its descriptor
+        and size, or None if it had expired (then it is freed, as a sweep would)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        os.unlink(path)
+        st = os.fstat(fd)
+        self._add_used(-st.st_size)
+        if st.st_mtime >= expired_before:
+            return fd, st.st_size
+        os.close(fd)
+        return None
 
     def _sweep(self) -> None:
-        expired_before = time.time() - self.ttl_s
-        chains: dict[str, list[int]] = {}  # heads of chains that lost entries: survivors
         try:
             with self._locked():
-                files = list(os.scandir(self.directory))
-                for f in files:
-                    entry = _ENTRY_RE.fullmatch(f.name)
-                    try:
-                        st = f.stat(follow_symlinks=False)
-                        if not (entry or f.name.startswith((_TEMP_PREFIX, _CLAIM_PREFIX))) \
-                                or st.st_mtime >= expired_before:
-                            continue
-                        os.unlink(f.path)
-                    except FileNotFoundError:
-                        continue  # consumed meanwhile
-                    if not f.name.startswith(_CLAIM_PREFIX):  # a claim was uncounted at its take
-                        self._add_used(-st.st_size)
-                    if entry:
-                        chains.setdefault(entry[1], [])
-                for f in files:
-                    entry = _ENTRY_RE.fullmatch(f.name)
-                    if entry and entry[1] in chains and os.path.lexists(f.path):
-                        chains[entry[1]].append(int(entry[2] or 0))
-                for head, survivors in chains.items():
-                    for index, old in enumerate(sorted(survivors)):
-                        if old != index:
-                            os.rename(self.directory / _chain_name(head, old),
-                                      self.directory / _chain_name(head, index))
+                self._free_stale()
         except FileNotFoundError:
             return  # the owner closed the namespace
 
+    def _gone(self, what: str) -> OmniPrefixCacheChannelError:
+        return OmniPrefixCacheChannelError(
+            f"shm channel namespace {self.directory} is gone (its owner closed it): {what}")
+
     def _gone_or(self, error: OSError, what: str) -> OmniPrefixCacheChannelError:
         if not self.directory.is_dir():
-            return OmniPrefixCacheChannelError(
-                f"shm channel namespace {self.directory} is gone (its owner closed it): {what}")
+            return self._gone(what)
         return OmniPrefixCacheChannelError(f"shm channel {self.spec}: {what}: {error}")
 
     def _close(self) -> None:
