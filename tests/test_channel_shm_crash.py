@@ -1,6 +1,7 @@
 """The shared-memory channel survives crashes (SPEC §9): a process killed anywhere in a put or
 a get leaves the id's other entries whole and in order, and the budget right; a waiting consumer
-learns within seconds that the producer of its request died.
+learns within seconds that the producer of its request died; a namespace whose owner died is
+reclaimed by the next create and by `python -m prefix_cache channel gc`.
 
 Producers and consumers die in processes of their own (spawned, or forked from a spawned
 forkserver), by `os._exit` or SIGKILL, as a crashed worker does.
@@ -12,6 +13,8 @@ import fcntl
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,11 +27,12 @@ import torch
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import (OmniPrefixCacheChannelProducerError,
                                   OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
-from prefix_cache.channel.shm import ShmChannel
+from prefix_cache.channel.shm import NAMESPACE_PREFIX, RECLAIM_GRACE_S, ShmChannel
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="flock and fork: Linux")
 
 _SPAWN = multiprocessing.get_context("spawn")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _marked(i: int) -> dict[str, torch.Tensor]:
@@ -87,8 +91,8 @@ def test_a_live_producer_that_publishes_late_still_delivers_and_leaves_nothing()
         assert _mark(channel.get("r1", timeout_s=60)) == 7
         producer.join(30)
         assert producer.exitcode == 0
-        assert sorted(p.name for p in channel.directory.iterdir() if p.name != ".owner") \
-            == [".budget", ".key", ".lock"]
+        assert sorted(p.name for p in channel.directory.iterdir()) \
+            == [".budget", ".key", ".lock", ".owner"]
 
 
 def test_a_namespace_whose_producers_all_died_fails_gets_it_never_expected() -> None:
@@ -249,5 +253,72 @@ def test_a_process_killed_at_any_step_leaves_the_ids_other_entries_whole(
             assert used == unconsumed, where
             channel._sweep()
             assert channel.used_bytes() == 0, where
-            assert sorted(p.name for p in channel.directory.iterdir() if p.name != ".owner") \
-                == [".budget", ".key", ".lock"], where
+            assert sorted(p.name for p in channel.directory.iterdir()) \
+                == [".budget", ".key", ".lock", ".owner"], where
+
+
+# ---------------------------------------------------------- reclaiming dead owners' namespaces
+
+def _own_then_die(root: str, report: multiprocessing.Queue) -> None:
+    """In a child process: create a namespace under `root`, publish one entry, report the
+    namespace and this pid, and die."""
+    channel = ShmChannel.create(Path(root))
+    channel.put("r", _marked(1))
+    report.put((channel.directory.name, os.getpid()))
+    report.close()
+    report.join_thread()  # sent before dying
+    os._exit(1)
+
+
+def _dead_owners_namespace(root: Path) -> tuple[Path, int]:
+    """A namespace under `root` whose owner died, and the owner's pid."""
+    report = _FORKSERVER.Queue()
+    child = _FORKSERVER.Process(target=_own_then_die, args=(str(root), report))
+    child.start()
+    name, pid = report.get(timeout=60)
+    child.join(30)
+    assert child.exitcode == 1 and (root / name).is_dir()
+    return root / name, pid
+
+
+def test_the_next_create_reclaims_dead_owners_namespaces_and_no_live_one(
+        tmp_path: Path) -> None:
+    dead, _ = _dead_owners_namespace(tmp_path)
+    unfinished = tmp_path / (NAMESPACE_PREFIX + "0" * 32)  # its creator died making it
+    unfinished.mkdir(0o700)
+    old = time.time() - RECLAIM_GRACE_S - 1
+    os.utime(unfinished, (old, old))
+    older_version = tmp_path / (NAMESPACE_PREFIX + "1" * 32)  # no owner lock to test
+    older_version.mkdir(0o700)
+    (older_version / ".budget").write_bytes(b"")
+    os.utime(older_version, (old, old))
+    with ShmChannel.create(tmp_path) as live:
+        assert not dead.exists() and not unfinished.exists() and older_version.exists()
+        with ShmChannel.create(tmp_path), open_channel(live.spec) as joined:
+            joined.put("r", _marked(2))
+            assert _mark(live.get("r", timeout_s=5)) == 2
+
+
+def _gc(root: Path, *options: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "prefix_cache", "channel", "gc", "--dir",
+                           str(root), *options], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_channel_gc_lists_and_removes_the_namespaces_of_dead_owners(tmp_path: Path) -> None:
+    with ShmChannel.create(tmp_path) as live:
+        dead, pid = _dead_owners_namespace(tmp_path)
+        listed = _gc(tmp_path, "--dry-run").splitlines()
+        assert listed[0].split() == ["namespace", "owner", "age", "entries", "bytes"]
+        row = listed[1].split()
+        assert row[:4] == [dead.name, "pid", str(pid), "on"] and row[-2] == "1"  # 1 entry
+        assert int(row[-1]) >= _marked(1)[HIDDEN_KEY].nbytes
+        assert listed[2:] == [f"would remove 1 namespace of dead owners under {tmp_path}"]
+        assert dead.exists()
+        removed = _gc(tmp_path).splitlines()
+        assert removed[1].split()[0] == dead.name
+        assert removed[2:] == [f"removed 1 namespace of dead owners under {tmp_path}"]
+        assert not dead.exists() and live.directory.exists()
+        assert _gc(tmp_path) == f"no namespace of a dead owner under {tmp_path}\n"

@@ -29,8 +29,14 @@ start time as JSON) and holds an exclusive flock on it until it closes (which re
 or its process dies (which frees the lock). `expect` writes `.expect-NAME` naming the producer;
 the producer's publish of that id removes it. A waiting get tests the lock of the producer that
 expected its id, else, when the namespace has producers, whether any of them still holds its
-lock. Lock files are created, already locked, under the namespace lock, and tested under it, so
-no one sees a live holder's file unlocked.
+lock. A lock file is written and locked under a temp name, then renamed into place, so no one
+finds a live holder's file unlocked. A forked child shares its parent's locks but does not hold
+them: registering, it makes a lock file of its own.
+
+The owner's handle likewise holds `.owner`, the namespace's first file. A namespace whose owner
+died is reclaimed (`reclaim`) by the next `ShmChannel.create` under the same root and by
+`python -m prefix_cache channel gc`: one whose `.owner` no one holds (a forked child of the
+owner holds it while it lives), or one its creator died making.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import mmap
 import os
 import re
@@ -64,10 +71,13 @@ from prefix_cache.channel.base import DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageC
 from prefix_cache.channel.codec import EncodedEntry
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
+logger = logging.getLogger(__name__)
+
 NAMESPACE_PREFIX = "omni-prefix-cache-"
 _KEY_FILE = ".key"
 _LOCK_FILE = ".lock"
 _BUDGET_FILE = ".budget"
+_OWNER_FILE = ".owner"
 _TEMP_PREFIX = ".tmp-"
 _PRODUCER_PREFIX = ".producer-"
 _EXPECT_PREFIX = ".expect-"
@@ -77,6 +87,9 @@ _ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([0-9]+))?")  # NAME, the id's marke
 _BUDGET = struct.Struct("<QQQ")
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
 DEFAULT_CAPACITY_SHARE = 0.5
+#: How old a namespace without an owner lock file must be to be reclaimed (its creator may be
+#: making it).
+RECLAIM_GRACE_S = 60.0
 
 
 def default_root() -> Path:
@@ -143,16 +156,18 @@ class _HeldFile:
 
     @classmethod
     def create(cls, path: Path) -> _HeldFile:
-        """A new lock file at `path` holding `_holder_record()`, locked before anyone can test
-        it if the caller holds the namespace lock."""
-        record = _holder_record()
-        fd = _create_private_file(path)
+        """A new lock file at `path` holding `_holder_record()`: written and locked under a
+        temp name, then renamed into place, so no one finds it unlocked while its holder
+        lives."""
+        record, temp = _holder_record(), path.with_name(path.name + ".new")
+        fd = _create_private_file(temp)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             _write_all(fd, memoryview(json.dumps(record).encode()), 0)
+            os.rename(temp, path)
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            temp.unlink(missing_ok=True)
             raise
         return cls(path, fd, os.getpid(), record)
 
@@ -209,8 +224,10 @@ class ShmChannel(StageChannel):
     closes, and only this user can list or read it. Chains and `.budget` change only under
     the namespace lock."""
 
-    def __init__(self, directory: Path, *, ttl_s: float, full_wait_s: float, owner: bool
-                 ) -> None:
+    def __init__(self, directory: Path, *, ttl_s: float, full_wait_s: float,
+                 owner: _HeldFile | None) -> None:
+        """A handle of the namespace at `directory`; `owner`, the owner's lock file, makes it
+        the handle that created it (its close removes the namespace)."""
         self.directory = directory
         key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
         try:
@@ -223,14 +240,14 @@ class ShmChannel(StageChannel):
             self._budget_fd, self._lock_fd = fds
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
-            self._lock_files: list[_HeldFile] = []  # the lock files it holds: its producer's
+            self._lock_files = [owner] if owner else []  # the owner's and the producer's
             super().__init__(ttl_s=ttl_s, capacity_bytes=self._read_budget().capacity,
                              full_wait_s=full_wait_s)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
-            _release(directory, os.getpid(), owner, fds, [])
+            _release(directory, os.getpid(), owner is not None, fds, [owner] if owner else [])
             raise
-        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(), owner, fds,
-                                           self._lock_files)
+        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(),
+                                           owner is not None, fds, self._lock_files)
 
     @classmethod
     def create(cls, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
@@ -239,7 +256,12 @@ class ShmChannel(StageChannel):
         """A new namespace under `root` (default `default_root()`), owned by the returned handle,
         holding at most `capacity_bytes` (default `default_capacity(root)`)."""
         root = root or default_root()
+        for dead in reclaim(root):
+            logger.warning("shm channel: removed namespace %s, whose owner (%s) died, with %d "
+                           "entries (%d bytes)", dead.directory, dead.owner, dead.entries,
+                           dead.nbytes)
         directory = root / (NAMESPACE_PREFIX + secrets.token_hex(16))
+        owner = None
         try:
             capacity = default_capacity(root) if capacity_bytes is None else capacity_bytes
             if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
@@ -247,6 +269,7 @@ class ShmChannel(StageChannel):
                                  f"got {capacity!r}")
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # exact, whatever the umask
+            owner = _HeldFile.create(directory / _OWNER_FILE)  # first: see `_dead_namespace`
             for name, data in ((_KEY_FILE, secrets.token_bytes(32)), (_LOCK_FILE, b""),
                                (_BUDGET_FILE, _BUDGET.pack(capacity, 0, 0))):
                 fd = _create_private_file(directory / name)
@@ -255,10 +278,12 @@ class ShmChannel(StageChannel):
                 finally:
                     os.close(fd)
         except OSError as e:
+            if owner is not None:
+                owner.release()
             shutil.rmtree(directory, ignore_errors=True)
             raise OmniPrefixCacheChannelError(
                 f"shm channel: cannot create a namespace under {root}: {e}") from e
-        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=True)
+        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=owner)
 
     @classmethod
     def join(cls, name: str, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
@@ -277,7 +302,7 @@ class ShmChannel(StageChannel):
             raise OmniPrefixCacheChannelError(
                 f"shm channel namespace {directory} is not a directory private to this user "
                 f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing it")
-        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=False)
+        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=None)
 
     @classmethod
     def from_spec(cls, namespace: str, query: str) -> ShmChannel:
@@ -319,18 +344,19 @@ class ShmChannel(StageChannel):
     @property
     def _producer(self) -> _HeldFile | None:
         """This process's producer lock file of the handle, if it registered one."""
-        return next((h for h in self._lock_files if h.pid == os.getpid()), None)
+        return next((h for h in self._lock_files if h.pid == os.getpid()
+                     and h.path.name.startswith(_PRODUCER_PREFIX)), None)
 
     def _register_producer(self) -> None:
         if self._producer is not None:
             return
-        for inherited in self._lock_files:  # a forked child's copies of its parent's locks
-            inherited.release()
-        self._lock_files.clear()
+        inherited = [h for h in self._lock_files if h.pid != os.getpid()]
+        for lock_file in inherited:  # a forked child's copies of its parent's locks
+            self._lock_files.remove(lock_file)
+            lock_file.release()
         path = self.directory / (_PRODUCER_PREFIX + secrets.token_hex(16))
         try:
-            with self._locked():
-                self._lock_files.append(_HeldFile.create(path))
+            self._lock_files.append(_HeldFile.create(path))
         except OSError as e:
             raise self._gone_or(e, "cannot register a producer") from e
 
@@ -361,19 +387,17 @@ class ShmChannel(StageChannel):
             path.unlink(missing_ok=True)
 
     def _dead_producer(self, request_id: str) -> str | None:
+        record = _read_record(self._expectation_path(request_id))
+        if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
+            return None if _held(self.directory / record["producer"]) else _describe(record)
         try:
-            with self._locked():
-                record = _read_record(self._expectation_path(request_id))
-                if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
-                    return None if _held(self.directory / record["producer"]) \
-                        else _describe(record)
-                producers = [Path(f.path) for f in os.scandir(self.directory)
-                             if _PRODUCER_RE.fullmatch(f.name)]
-                if not producers or any(map(_held, producers)):
-                    return None
-                dead = [_describe(_read_record(p) or {}) for p in producers]
+            producers = [Path(f.path) for f in os.scandir(self.directory)
+                         if _PRODUCER_RE.fullmatch(f.name)]
         except FileNotFoundError:
             return None  # the namespace is gone: the next take says so
+        if not producers or any(map(_held, producers)):
+            return None
+        dead = [_describe(_read_record(p) or {}) for p in producers]
         return f"{', '.join(dead)} (every producer of the namespace)"
 
     def used_bytes(self) -> int:
@@ -591,3 +615,56 @@ def _release(directory: Path, owner_pid: int, owner: bool, fds: list[int],
         lock_file.release()
     if owner and os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class DeadNamespace:
+    """A namespace whose owner died."""
+
+    directory: Path
+    owner: str  # "pid P on host H", or why it is not known
+    age_s: float  # since its owner created it
+    entries: int  # unconsumed
+    nbytes: int  # of all its files
+
+
+def reclaim(root: Path | None = None, *, dry_run: bool = False) -> list[DeadNamespace]:
+    """Removes (unless `dry_run`) this user's namespaces under `root` (default
+    `default_root()`) whose owner died, and returns them."""
+    root = root or default_root()
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith(NAMESPACE_PREFIX))
+    except OSError:
+        return []
+    dead = [found for name in names if (found := _dead_namespace(root / name)) is not None]
+    if not dry_run:
+        for namespace in dead:
+            shutil.rmtree(namespace.directory, ignore_errors=True)
+    return dead
+
+
+def _dead_namespace(directory: Path) -> DeadNamespace | None:
+    """`directory` if it is a namespace of this user whose owner died, else None. Dead: its
+    `.owner` (created first, already locked) is not held; or it has neither `.owner` nor
+    `.budget` (created last), its creator having died, and is older than `RECLAIM_GRACE_S`.
+    One with `.budget` but no `.owner` is an older version's, whose owner cannot be tested."""
+    try:
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        record = _read_record(directory / _OWNER_FILE)
+        if record is None:
+            if os.path.lexists(directory / _BUDGET_FILE) \
+                    or time.time() - st.st_mtime < RECLAIM_GRACE_S:
+                return None
+            owner, age_s = "unknown (it died creating the namespace)", time.time() - st.st_mtime
+        elif _held(directory / _OWNER_FILE):
+            return None
+        else:
+            owner, age_s = _describe(record), time.time() - float(record.get("started", 0))
+        files = [f for f in os.scandir(directory) if f.is_file(follow_symlinks=False)]
+        entries = sum(1 for f in files if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[2])
+        nbytes = sum(f.stat(follow_symlinks=False).st_size for f in files)
+    except OSError:
+        return None  # removed meanwhile, or not readable: not ours to remove
+    return DeadNamespace(directory, owner, age_s, entries, nbytes)
