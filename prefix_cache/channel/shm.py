@@ -144,6 +144,22 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def _held(path: str | Path) -> bool:
+    """Whether a live process holds an exclusive flock on the file at `path`; a gone file is
+    not held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class _HeldFile:
     """A file whose exclusive flock its holder keeps while it lives; `pid` holds it (a forked
@@ -197,22 +213,6 @@ class _Reservation:
     fd: int
 
 
-def _held(path: str | Path) -> bool:
-    """Whether a live process holds an exclusive flock on the file at `path`; a gone file is
-    not held."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
     while data.nbytes:
         written = os.pwrite(fd, data, offset)
@@ -221,21 +221,22 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 
 class ShmChannel(StageChannel):
     """Entries of one namespace directory; the directory exists from create until the owner
-    closes, and only this user can list or read it. Chains and `.budget` change only under
-    the namespace lock."""
+    closes, and only this user can list or read it. Entries, markers and `.budget` change only
+    under the namespace lock."""
 
     def __init__(self, directory: Path, *, ttl_s: float, full_wait_s: float,
                  owner: _HeldFile | None) -> None:
         """A handle of the namespace at `directory`; `owner`, the owner's lock file, makes it
         the handle that created it (its close removes the namespace)."""
         self.directory = directory
-        key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
+        fds: list[int] = []
         try:
-            self._key = os.read(key_fd, 64)
-        finally:
-            os.close(key_fd)
-        fds = [self._open_private(_BUDGET_FILE, os.O_RDWR)]
-        try:
+            key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
+            try:
+                self._key = os.read(key_fd, 64)
+            finally:
+                os.close(key_fd)
+            fds.append(self._open_private(_BUDGET_FILE, os.O_RDWR))
             fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
             self._budget_fd, self._lock_fd = fds
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
@@ -508,7 +509,7 @@ class ShmChannel(StageChannel):
                 try:
                     size = os.stat(reservation.path, follow_symlinks=False).st_size
                 except FileNotFoundError:
-                    return  # swept as expired meanwhile, and uncounted then
+                    return  # removed with the namespace
                 reservation.path.unlink()
                 self._add_used(-size)
         finally:
