@@ -292,8 +292,12 @@ def test_the_next_create_reclaims_dead_owners_namespaces_and_no_live_one(
     older_version.mkdir(0o700)
     (older_version / ".budget").write_bytes(b"")
     os.utime(older_version, (old, old))
+    not_a_namespace = tmp_path / (NAMESPACE_PREFIX + "demo-x")  # e.g. a tool's temp dir
+    not_a_namespace.mkdir()
+    os.utime(not_a_namespace, (old, old))
     with ShmChannel.create(tmp_path) as live:
-        assert not dead.exists() and not unfinished.exists() and older_version.exists()
+        assert not dead.exists() and not unfinished.exists()
+        assert older_version.exists() and not_a_namespace.exists()
         with ShmChannel.create(tmp_path), open_channel(live.spec) as joined:
             joined.put("r", _marked(2))
             assert _mark(live.get("r", timeout_s=5)) == 2

@@ -83,6 +83,7 @@ _PRODUCER_PREFIX = ".producer-"
 _EXPECT_PREFIX = ".expect-"
 _PRODUCER_RE = re.compile(r"\.producer-[0-9a-f]{32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_CREATED_RE = re.compile(re.escape(NAMESPACE_PREFIX) + r"[0-9a-f]{32}")  # as `create` names one
 _ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([0-9]+))?")  # NAME, the id's marker; NAME.SEQ
 _BUDGET = struct.Struct("<QQQ")
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
@@ -261,7 +262,7 @@ class ShmChannel(StageChannel):
             logger.warning("shm channel: removed namespace %s, whose owner (%s) died, with %d "
                            "entries (%d bytes)", dead.directory, dead.owner, dead.entries,
                            dead.nbytes)
-        directory = root / (NAMESPACE_PREFIX + secrets.token_hex(16))
+        directory = root / (NAMESPACE_PREFIX + secrets.token_hex(16))  # see _CREATED_RE
         owner = None
         try:
             capacity = default_capacity(root) if capacity_bytes is None else capacity_bytes
@@ -634,7 +635,7 @@ def reclaim(root: Path | None = None, *, dry_run: bool = False) -> list[DeadName
     `default_root()`) whose owner died, and returns them."""
     root = root or default_root()
     try:
-        names = sorted(n for n in os.listdir(root) if n.startswith(NAMESPACE_PREFIX))
+        names = sorted(n for n in os.listdir(root) if _CREATED_RE.fullmatch(n))
     except OSError:
         return []
     dead = [found for name in names if (found := _dead_namespace(root / name)) is not None]
