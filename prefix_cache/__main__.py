@@ -1,9 +1,11 @@
-"""`python -m prefix_cache demo` (the main job) and `python -m prefix_cache bench`."""
+"""`python -m prefix_cache demo` (the main job), `python -m prefix_cache bench` and
+`python -m prefix_cache channel gc`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from prefix_cache.tools.targets import METRICS
@@ -55,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=_positive_int, default=1, metavar="N",
                        help="run everything N times back to back; report each metric's median "
                             "and spread (default: 1)")
+    channel = sub.add_parser("channel", help="manage stage channels on this machine")
+    channel_sub = channel.add_subparsers(dest="channel_command", required=True,
+                                         parser_class=_Parser)
+    gc = channel_sub.add_parser(
+        "gc", help="remove the shared-memory namespaces whose owner died",
+        description="List this user's shared-memory channel namespaces whose owning process "
+                    "died, and remove them.")
+    gc.add_argument("--dir", type=Path, metavar="ROOT",
+                    help="where the namespaces lie (default: /dev/shm, else the temp dir)")
+    gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     return parser
 
 
@@ -64,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from prefix_cache.tools import demo
         return demo.main(device=args.device)
+    if args.command == "channel":
+        from prefix_cache.tools import channel_gc
+        return channel_gc.main(args.dir, dry_run=args.dry_run)
     from prefix_cache.tools import bench
     problem = bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
     if problem:

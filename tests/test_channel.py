@@ -587,7 +587,8 @@ def test_2000_entries_leave_memory_flat(channel: StageChannel, is_published: IsP
     assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 1800 entries of 68 KiB"
     assert not any(is_published(channel, f"req-{i}") for i in range(0, 2000, 97))
     if isinstance(channel, ShmChannel):
-        assert sorted(p.name for p in channel.directory.iterdir()) == [".budget", ".key", ".lock"]
+        assert sorted(p.name for p in channel.directory.iterdir()) == [".budget", ".key", ".lock",
+                                                                      ".owner"]
         assert channel.used_bytes() == 0
 
 

@@ -22,11 +22,12 @@ from prefix_cache.channel.base import DEFAULT_TTL_S, StageChannel
 from prefix_cache.channel.codec import StageEntry
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
+                                         OmniPrefixCacheChannelProducerError,
                                          OmniPrefixCacheChannelTimeoutError)
 
 __all__ = [
     "DEFAULT_TTL_S", "OmniPrefixCacheChannelError", "OmniPrefixCacheChannelFullError",
-    "OmniPrefixCacheChannelTimeoutError",
+    "OmniPrefixCacheChannelProducerError", "OmniPrefixCacheChannelTimeoutError",
     "StageChannel", "StageEntry", "open_channel",
 ]
 

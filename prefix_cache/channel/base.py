@@ -5,6 +5,11 @@ exactly once (clients reuse request ids). A namespace holds at most `capacity_by
 unconsumed entries; a put that finds no room waits up to `full_wait_s`, then fails that entry
 alone. Entries expire `ttl_s` after their put, by the clock of the machine that published them.
 
+A producer may say which requests it will publish (`register_producer`, then `expect`): a
+consumer waiting for such a request learns within `LIVENESS_CHECK_S` or so that the producing
+process died (`OmniPrefixCacheChannelProducerError`, naming it), rather than at its timeout. It
+also learns it when the namespace's producers have all died and none lives.
+
 A backend supplies the primitives: reserve room and publish an encoded entry atomically behind
 the id's earlier ones, take (claim, free and return) the id's oldest entry, sweep expired
 entries, release its resources. This class builds the bounded waits and lifecycle on them.
@@ -26,6 +31,7 @@ import torch
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
+                                         OmniPrefixCacheChannelProducerError,
                                          OmniPrefixCacheChannelTimeoutError)
 from prefix_cache.devices.base import check_timeout, poll_until
 
@@ -36,6 +42,8 @@ DEFAULT_TTL_S = 600.0
 DEFAULT_FULL_WAIT_S = 10.0
 _FIRST_POLL_S = 0.001
 _MAX_POLL_S = 0.02
+#: How often a waiting get asks whether the request's producer still lives.
+LIVENESS_CHECK_S = 0.5
 #: How long `close()` waits for the operations other threads have in flight on the handle.
 CLOSE_WAIT_S = 30.0
 
@@ -92,6 +100,23 @@ class StageChannel(ABC):
         self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)),
                         bounded=False)
 
+    def register_producer(self) -> None:
+        """Marks this handle a live producer of the namespace until it closes or its process
+        dies (idempotent). A stage's worker registers at start, before it takes requests."""
+        with self._operation():
+            self._register_producer()
+
+    def expect(self, request_id: str) -> None:
+        """Says this handle will publish `request_id`'s next entry (registering it a producer):
+        if its process dies before it does, a consumer waiting for the entry raises
+        `OmniPrefixCacheChannelProducerError` within seconds. Its put or fail ends the promise."""
+        self._check_open(request_id)
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
+        with self._operation(request_id):
+            self._register_producer()
+            self._expect(request_id)
+
     def _put_entry(self, entry: StageEntry, *, bounded: bool) -> None:
         encoded = encode(entry)
         with self._operation(entry.request_id):  # a reservation never outlives the handle
@@ -134,10 +159,20 @@ class StageChannel(ABC):
         entry the publisher failed (`fail`) raises a channel error naming its cause."""
         check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open(request_id)
+        next_check = time.monotonic() + LIVENESS_CHECK_S
         def arrived() -> StageEntry | None:
+            nonlocal next_check
             with self._operation(request_id):
                 self._maybe_sweep()
                 entry = self._take_entry(request_id)
+                dead = None
+                if entry is None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + LIVENESS_CHECK_S
+                    dead = self._dead_producer(request_id)
+            if dead is not None:
+                raise OmniPrefixCacheChannelProducerError(
+                    f"request {request_id}: no entry on channel {self.spec}, and its producer "
+                    f"{dead} died before publishing it")
             if entry is not None and entry.error is not None:
                 raise OmniPrefixCacheChannelError(
                     f"request {request_id}: its stage could not publish its rows on channel "
@@ -238,6 +273,22 @@ class StageChannel(ABC):
     def _take(self, request_id: str) -> torch.Tensor | None:
         """Claims and frees the id's oldest unexpired entry; its bytes (flat uint8, the
         caller's) or None. Exactly one take, of all handles, claims each entry."""
+
+    @abstractmethod
+    def _register_producer(self) -> None:
+        """Makes this handle a live producer that consumers of any handle can test (idempotent);
+        its liveness ends when it closes or its process dies."""
+
+    @abstractmethod
+    def _expect(self, request_id: str) -> None:
+        """Records that this handle's producer will publish `request_id`'s next entry; its
+        publish (entry or failure) removes the record."""
+
+    @abstractmethod
+    def _dead_producer(self, request_id: str) -> str | None:
+        """A description of the dead producer (its pid and host) if `request_id`'s entry will
+        not come because its producer died: the producer that expected it is dead, or the
+        namespace has producers that died and none that lives. None otherwise."""
 
     @abstractmethod
     def _sweep(self) -> None:

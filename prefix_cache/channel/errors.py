@@ -13,3 +13,7 @@ class OmniPrefixCacheChannelTimeoutError(OmniPrefixCacheChannelError):
 
 class OmniPrefixCacheChannelFullError(OmniPrefixCacheChannelError):
     """The channel's byte capacity had no room for an entry within the put's bounded wait."""
+
+
+class OmniPrefixCacheChannelProducerError(OmniPrefixCacheChannelError):
+    """The process that was to publish the request's entry died before it did."""

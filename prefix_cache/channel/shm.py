@@ -3,17 +3,40 @@
 The namespace is a directory (mode 0700) with a random name, created by the channel opened
 without one (its owner). Entries are files (mode 0600) named by an HMAC of the request id under
 a random key kept in the directory, so neither a request id nor the namespace's name alone
-gives a file's name. The entries of one id form a chain, `NAME` (the oldest), `NAME.1`,
-`NAME.2`...: a put appends, a get takes `NAME` and moves the rest up one.
+gives a file's name.
 
-A put reserves its bytes and creates its file under the namespace lock (a `flock` on `.lock`,
-shared by every process on the machine), writes it without the lock, and renames it onto the
-chain's end under the lock. A get renames the head to a private name under the lock (so exactly
-one reader claims it), maps it and unlinks it: the tensors it returns are views of a mapping no
-one else can reach. `.budget` holds the namespace's capacity and the bytes its unconsumed
-entries and in-flight puts use. Any handle frees entries older than the time to live (by file
-modification time, this machine's clock) as it puts or gets; the owner's close removes the
-whole directory.
+Crash consistency: no file of an entry is ever renamed but once, into place. Each entry is
+`NAME.SEQ`, SEQ a sequence number the namespace hands out in publish order (from `.budget`),
+and the id's oldest entry is the one with the lowest SEQ. A put reserves its bytes and creates a
+temp file under the namespace lock (a `flock` on `.lock`, shared by every process on the
+machine), writes it without the lock, and renames it to `NAME.SEQ` under the lock. A get, under
+the lock, opens the id's lowest entry and unlinks it (so exactly one reader takes it), then maps
+it: the tensors it returns are views of a mapping no one else can reach. A process killed
+anywhere thus leaves every other entry where it was, in order; there is no chain to repair. The
+empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
+removes it with the last one), so a get of an id without entries costs one `lstat`.
+
+`.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
+use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
+a dead writer (each writer holds a flock on its temp file until it publishes) or an entry taken
+but not yet uncounted. Every sweep, and a put that finds no room, recounts it from the files and
+removes dead writers' temp files and markers of ids without entries. Any handle frees entries
+older than the time to live (by file modification time, this machine's clock) as it puts or
+gets; the owner's close removes the whole directory.
+
+Liveness is a held `flock`: a producer's handle creates `.producer-TOKEN` (its pid, host and
+start time as JSON) and holds an exclusive flock on it until it closes (which removes the file)
+or its process dies (which frees the lock). `expect` writes `.expect-NAME` naming the producer;
+the producer's publish of that id removes it. A waiting get tests the lock of the producer that
+expected its id, else, when the namespace has producers, whether any of them still holds its
+lock. A lock file is written and locked under a temp name, then renamed into place, so no one
+finds a live holder's file unlocked. A forked child shares its parent's locks but does not hold
+them: registering, it makes a lock file of its own.
+
+The owner's handle likewise holds `.owner`, the namespace's first file. A namespace whose owner
+died is reclaimed (`reclaim`) by the next `ShmChannel.create` under the same root and by
+`python -m prefix_cache channel gc`: one whose `.owner` no one holds (a forked child of the
+owner holds it while it lives), or one its creator died making.
 """
 
 from __future__ import annotations
@@ -21,11 +44,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import hmac
+import json
+import logging
 import mmap
 import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 import struct
 import tempfile
@@ -36,6 +62,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlencode
 
 import torch
@@ -44,17 +71,26 @@ from prefix_cache.channel.base import DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageC
 from prefix_cache.channel.codec import EncodedEntry
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
+logger = logging.getLogger(__name__)
+
 NAMESPACE_PREFIX = "omni-prefix-cache-"
 _KEY_FILE = ".key"
 _LOCK_FILE = ".lock"
 _BUDGET_FILE = ".budget"
+_OWNER_FILE = ".owner"
 _TEMP_PREFIX = ".tmp-"
-_CLAIM_PREFIX = ".claim-"
+_PRODUCER_PREFIX = ".producer-"
+_EXPECT_PREFIX = ".expect-"
+_PRODUCER_RE = re.compile(r"\.producer-[0-9a-f]{32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([1-9][0-9]*))?")
-_BUDGET = struct.Struct("<QQ")  # capacity, bytes in use
+_CREATED_RE = re.compile(re.escape(NAMESPACE_PREFIX) + r"[0-9a-f]{32}")  # as `create` names one
+_ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([0-9]+))?")  # NAME, the id's marker; NAME.SEQ
+_BUDGET = struct.Struct("<QQQ")
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
 DEFAULT_CAPACITY_SHARE = 0.5
+#: How old a namespace without an owner lock file must be to be reclaimed (its creator may be
+#: making it).
+RECLAIM_GRACE_S = 60.0
 
 
 def default_root() -> Path:
@@ -69,8 +105,12 @@ def default_capacity(root: Path) -> int:
     return max(1, int(st.f_bavail * st.f_frsize * DEFAULT_CAPACITY_SHARE))
 
 
-def _chain_name(head: str, index: int) -> str:
-    return head if index == 0 else f"{head}.{index}"
+class _Budget(NamedTuple):
+    """The contents of `.budget`."""
+
+    capacity: int
+    used: int  # bytes of unconsumed entries and in-flight puts
+    next_seq: int  # the sequence number of the next entry published
 
 
 def _create_private_file(path: Path) -> int:
@@ -79,18 +119,35 @@ def _create_private_file(path: Path) -> int:
     return fd
 
 
-@dataclass
-class _Reservation:
-    """A put's room: its temp file, and a descriptor holding an exclusive flock on it until
-    the entry is published or the room returned, so a recount can tell a dead writer's."""
-
-    path: Path
-    fd: int
+def _holder_record() -> dict[str, Any]:
+    """Who this process is, for a lock file: its pid, host and the time it took the lock."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
 
 
-def _writer_alive(path: str) -> bool:
-    """Whether a live writer holds the temp file at `path` (its flock); a gone file is not
-    held."""
+def _describe(record: dict[str, Any]) -> str:
+    return f"pid {record.get('pid')} on host {record.get('host')}"
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object in the file at `path`; None when it is gone or not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _held(path: str | Path) -> bool:
+    """Whether a live process holds an exclusive flock on the file at `path`; a gone file is
+    not held."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -104,6 +161,59 @@ def _writer_alive(path: str) -> bool:
         os.close(fd)
 
 
+@dataclass
+class _HeldFile:
+    """A file whose exclusive flock its holder keeps while it lives; `pid` holds it (a forked
+    child shares the descriptor but is not the holder). The holder's release removes it."""
+
+    path: Path
+    fd: int
+    pid: int
+    record: dict[str, Any]
+
+    @classmethod
+    def create(cls, path: Path) -> _HeldFile:
+        """A new lock file at `path` holding `_holder_record()`: written and locked under a
+        temp name, then renamed into place, so no one finds it unlocked while its holder
+        lives."""
+        record, temp = _holder_record(), path.with_name(path.name + ".new")
+        fd = _create_private_file(temp)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _write_all(fd, memoryview(json.dumps(record).encode()), 0)
+            os.rename(temp, path)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        return cls(path, fd, os.getpid(), record)
+
+    def release(self) -> None:
+        """Closes this process's descriptor; the holder also removes the file (a forked child's
+        close leaves its parent's lock held)."""
+        if self.pid == os.getpid():
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+
+
+def _stale(f: os.DirEntry[str], expired_before: float) -> bool:
+    """Whether a sweep removes the namespace's file `f`: an entry or expectation older than
+    `expired_before`, or a temp file whose writer died."""
+    if f.name.startswith(_TEMP_PREFIX):
+        return not _held(f.path)
+    return (_ENTRY_RE.fullmatch(f.name) is not None or f.name.startswith(_EXPECT_PREFIX)) \
+        and f.stat(follow_symlinks=False).st_mtime < expired_before
+
+
+@dataclass
+class _Reservation:
+    """A put's room: its temp file, and a descriptor holding an exclusive flock on it until
+    the entry is published or the room returned, so a recount can tell a dead writer's."""
+
+    path: Path
+    fd: int
+
+
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
     while data.nbytes:
         written = os.pwrite(fd, data, offset)
@@ -112,30 +222,34 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 
 class ShmChannel(StageChannel):
     """Entries of one namespace directory; the directory exists from create until the owner
-    closes, and only this user can list or read it. Chains and `.budget` change only under
-    the namespace lock."""
+    closes, and only this user can list or read it. Entries, markers and `.budget` change only
+    under the namespace lock."""
 
-    def __init__(self, directory: Path, *, ttl_s: float, full_wait_s: float, owner: bool
-                 ) -> None:
+    def __init__(self, directory: Path, *, ttl_s: float, full_wait_s: float,
+                 owner: _HeldFile | None) -> None:
+        """A handle of the namespace at `directory`; `owner`, the owner's lock file, makes it
+        the handle that created it (its close removes the namespace)."""
         self.directory = directory
-        key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
+        fds: list[int] = []
         try:
-            self._key = os.read(key_fd, 64)
-        finally:
-            os.close(key_fd)
-        fds = [self._open_private(_BUDGET_FILE, os.O_RDWR)]
-        try:
+            key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
+            try:
+                self._key = os.read(key_fd, 64)
+            finally:
+                os.close(key_fd)
+            fds.append(self._open_private(_BUDGET_FILE, os.O_RDWR))
             fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
             self._budget_fd, self._lock_fd = fds
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
-            capacity, _ = self._read_budget()
-            super().__init__(ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=full_wait_s)
+            self._lock_files = [owner] if owner else []  # the owner's and the producer's
+            super().__init__(ttl_s=ttl_s, capacity_bytes=self._read_budget().capacity,
+                             full_wait_s=full_wait_s)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
-            _release(directory, os.getpid(), owner, tuple(fds))
+            _release(directory, os.getpid(), owner is not None, fds, [owner] if owner else [])
             raise
-        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(), owner,
-                                           (self._budget_fd, self._lock_fd))
+        self._finalizer = weakref.finalize(self, _release, directory, os.getpid(),
+                                           owner is not None, fds, self._lock_files)
 
     @classmethod
     def create(cls, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
@@ -144,7 +258,12 @@ class ShmChannel(StageChannel):
         """A new namespace under `root` (default `default_root()`), owned by the returned handle,
         holding at most `capacity_bytes` (default `default_capacity(root)`)."""
         root = root or default_root()
-        directory = root / (NAMESPACE_PREFIX + secrets.token_hex(16))
+        for dead in reclaim(root):
+            logger.warning("shm channel: removed namespace %s, whose owner (%s) died, with %d "
+                           "entries (%d bytes)", dead.directory, dead.owner, dead.entries,
+                           dead.nbytes)
+        directory = root / (NAMESPACE_PREFIX + secrets.token_hex(16))  # see _CREATED_RE
+        owner = None
         try:
             capacity = default_capacity(root) if capacity_bytes is None else capacity_bytes
             if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
@@ -152,18 +271,21 @@ class ShmChannel(StageChannel):
                                  f"got {capacity!r}")
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # exact, whatever the umask
+            owner = _HeldFile.create(directory / _OWNER_FILE)  # first: see `_dead_namespace`
             for name, data in ((_KEY_FILE, secrets.token_bytes(32)), (_LOCK_FILE, b""),
-                               (_BUDGET_FILE, _BUDGET.pack(capacity, 0))):
+                               (_BUDGET_FILE, _BUDGET.pack(capacity, 0, 0))):
                 fd = _create_private_file(directory / name)
                 try:
                     _write_all(fd, memoryview(data), 0)
                 finally:
                     os.close(fd)
         except OSError as e:
+            if owner is not None:
+                owner.release()
             shutil.rmtree(directory, ignore_errors=True)
             raise OmniPrefixCacheChannelError(
                 f"shm channel: cannot create a namespace under {root}: {e}") from e
-        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=True)
+        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=owner)
 
     @classmethod
     def join(cls, name: str, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
@@ -182,7 +304,7 @@ class ShmChannel(StageChannel):
             raise OmniPrefixCacheChannelError(
                 f"shm channel namespace {directory} is not a directory private to this user "
                 f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing it")
-        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=False)
+        return cls(directory, ttl_s=ttl_s, full_wait_s=full_wait_s, owner=None)
 
     @classmethod
     def from_spec(cls, namespace: str, query: str) -> ShmChannel:
@@ -211,14 +333,79 @@ class ShmChannel(StageChannel):
         return f"shm://{self.directory.name}?{query}"
 
     def entry_path(self, request_id: str) -> Path:
-        """Where the oldest unconsumed entry of `request_id` lies (later ones: `.1`, `.2`...)."""
-        name = hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
-        return self.directory / name
+        """The id's marker: it exists whenever the id has unconsumed entries (`NAME.SEQ`)."""
+        return self.directory / self._name(request_id)
+
+    def _name(self, request_id: str) -> str:
+        """The id's name in the namespace: an HMAC of it under the namespace's key."""
+        return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
+
+    def _expectation_path(self, request_id: str) -> Path:
+        return self.directory / (_EXPECT_PREFIX + self._name(request_id))
+
+    @property
+    def _producer(self) -> _HeldFile | None:
+        """This process's producer lock file of the handle, if it registered one."""
+        return next((h for h in self._lock_files if h.pid == os.getpid()
+                     and h.path.name.startswith(_PRODUCER_PREFIX)), None)
+
+    def _register_producer(self) -> None:
+        if self._producer is not None:
+            return
+        inherited = [h for h in self._lock_files if h.pid != os.getpid()]
+        for lock_file in inherited:  # a forked child's copies of its parent's locks
+            self._lock_files.remove(lock_file)
+            lock_file.release()
+        path = self.directory / (_PRODUCER_PREFIX + secrets.token_hex(16))
+        try:
+            self._lock_files.append(_HeldFile.create(path))
+        except OSError as e:
+            raise self._gone_or(e, "cannot register a producer") from e
+
+    def _expect(self, request_id: str) -> None:
+        producer = self._producer
+        assert producer is not None, "expect registers the producer first"
+        path = self._expectation_path(request_id)
+        temp = path.with_name(path.name + ".new")
+        record = {**producer.record, "producer": producer.path.name}
+        try:
+            with self._locked():
+                temp.unlink(missing_ok=True)  # left by a producer that died writing it
+                fd = _create_private_file(temp)
+                try:
+                    _write_all(fd, memoryview(json.dumps(record).encode()), 0)
+                finally:
+                    os.close(fd)
+                os.rename(temp, path)
+        except OSError as e:
+            raise self._gone_or(e, f"cannot record that request {request_id} is expected") from e
+
+    def _end_expectation(self, request_id: str) -> None:
+        """Removes the id's expectation if this handle's producer made it (caller holds the
+        lock)."""
+        producer, path = self._producer, self._expectation_path(request_id)
+        if producer is not None and (_read_record(path) or {}).get("producer") \
+                == producer.path.name:
+            path.unlink(missing_ok=True)
+
+    def _dead_producer(self, request_id: str) -> str | None:
+        record = _read_record(self._expectation_path(request_id))
+        if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
+            return None if _held(self.directory / record["producer"]) else _describe(record)
+        try:
+            producers = [Path(f.path) for f in os.scandir(self.directory)
+                         if _PRODUCER_RE.fullmatch(f.name)]
+        except FileNotFoundError:
+            return None  # the namespace is gone: the next take says so
+        if not producers or any(map(_held, producers)):
+            return None
+        dead = [_describe(_read_record(p) or {}) for p in producers]
+        return f"{', '.join(dead)} (every producer of the namespace)"
 
     def used_bytes(self) -> int:
         """Bytes of the capacity held by unconsumed entries and puts in flight."""
         with self._operation(), self._locked():
-            return self._read_budget()[1]
+            return self._read_budget().used
 
     def _open_private(self, name: str, flags: int) -> int:
         """A descriptor of the namespace's file `name`, refused unless private to this user."""
@@ -258,32 +445,43 @@ class ShmChannel(StageChannel):
         self._thread_lock = threading.Lock()
         self._lock_fd, self._lock_pid = fd, os.getpid()
 
-    def _read_budget(self) -> tuple[int, int]:
-        return _BUDGET.unpack(os.pread(self._budget_fd, _BUDGET.size, 0))
+    def _read_budget(self) -> _Budget:
+        return _Budget(*_BUDGET.unpack(os.pread(self._budget_fd, _BUDGET.size, 0)))
+
+    def _write_budget(self, budget: _Budget) -> None:
+        os.pwrite(self._budget_fd, _BUDGET.pack(*budget), 0)
 
     def _add_used(self, delta: int) -> None:
         """Adds `delta` to the bytes in use (caller holds the lock)."""
-        capacity, used = self._read_budget()
-        os.pwrite(self._budget_fd, _BUDGET.pack(capacity, max(0, used + delta)), 0)
+        budget = self._read_budget()
+        self._write_budget(budget._replace(used=max(0, budget.used + delta)))
 
-    def _recount_used(self) -> int:
-        """The bytes in use, counted from the files (caller holds the lock): corrects what a
-        process that died mid-operation left counted, and frees the rooms of dead writers."""
-        used = 0
-        for f in os.scandir(self.directory):
-            temp = f.name.startswith(_TEMP_PREFIX)
-            if not (temp or _ENTRY_RE.fullmatch(f.name)):
-                continue
-            try:
-                size = f.stat(follow_symlinks=False).st_size
-                if temp and not _writer_alive(f.path):
-                    os.unlink(f.path)  # its writer died between reserve and publish
-                    continue
-            except FileNotFoundError:
-                continue
-            used += size
-        capacity, _ = self._read_budget()
-        os.pwrite(self._budget_fd, _BUDGET.pack(capacity, used), 0)
+    def _next_seq(self) -> int:
+        """A sequence number above every one handed out before (caller holds the lock)."""
+        budget = self._read_budget()
+        self._write_budget(budget._replace(next_seq=budget.next_seq + 1))
+        return budget.next_seq
+
+    def _free_stale(self) -> int:
+        """Frees expired entries and expectations, dead writers' temp files and the markers of
+        ids left without entries, and recounts the bytes in use from the files, which it
+        returns (caller holds the lock)."""
+        expired_before = time.time() - self.ttl_s
+        used, chains, markers = 0, set(), []
+        for f in list(os.scandir(self.directory)):
+            entry = _ENTRY_RE.fullmatch(f.name)
+            if entry and entry[2] is None:
+                markers.append(f)
+            elif _stale(f, expired_before):
+                os.unlink(f.path)
+            elif entry or f.name.startswith(_TEMP_PREFIX):
+                used += f.stat(follow_symlinks=False).st_size
+                if entry:
+                    chains.add(entry[1])
+        for marker in markers:
+            if marker.name not in chains:
+                os.unlink(marker.path)
+        self._write_budget(self._read_budget()._replace(used=used))
         return used
 
     def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
@@ -291,9 +489,9 @@ class ShmChannel(StageChannel):
         fd = -1
         try:
             with self._locked():
-                capacity, used = self._read_budget()
+                capacity, used, _ = self._read_budget()
                 if not force and used + nbytes > capacity \
-                        and self._recount_used() + nbytes > capacity:
+                        and self._free_stale() + nbytes > capacity:
                     return None
                 fd = _create_private_file(temp)
                 fcntl.flock(fd, fcntl.LOCK_EX)  # before any recount can see the file
@@ -312,7 +510,7 @@ class ShmChannel(StageChannel):
                 try:
                     size = os.stat(reservation.path, follow_symlinks=False).st_size
                 except FileNotFoundError:
-                    return  # swept as expired meanwhile, and uncounted then
+                    return  # removed with the namespace
                 reservation.path.unlink()
                 self._add_used(-size)
         finally:
@@ -323,104 +521,152 @@ class ShmChannel(StageChannel):
         try:
             for offset, piece in encoded.pieces:
                 _write_all(reservation.fd, piece, offset)
-            head = self.entry_path(request_id).name
+            name = self._name(request_id)
             with self._locked():
-                index = 0
-                while os.path.lexists(self.directory / _chain_name(head, index)):
-                    index += 1
-                os.rename(reservation.path, self.directory / _chain_name(head, index))
+                self._mark(name)
+                os.rename(reservation.path, self.directory / f"{name}.{self._next_seq()}")
+                self._end_expectation(request_id)
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
         os.close(reservation.fd)  # published: its lock goes with it
 
-    def _take(self, request_id: str) -> torch.Tensor | None:
-        head = self.entry_path(request_id).name
-        claim = self.directory / (_CLAIM_PREFIX + secrets.token_hex(8))
-        expired_before = time.time() - self.ttl_s
-        with self._locked():
-            while True:
-                try:
-                    os.rename(self.directory / head, claim)
-                except FileNotFoundError:
-                    if not self.directory.is_dir():
-                        raise OmniPrefixCacheChannelError(
-                            f"shm channel namespace {self.directory} is gone (its owner closed "
-                            f"it) while waiting for request {request_id}") from None
-                    return None
-                self._move_up(head)
-                fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW)
-                os.unlink(claim)
-                st = os.fstat(fd)
-                self._add_used(-st.st_size)
-                if st.st_mtime >= expired_before:
-                    break
-                os.close(fd)  # expired before it was consumed: freed, as a sweep would
+    def _mark(self, name: str) -> None:
+        """Creates the id's marker unless it exists (caller holds the lock)."""
         try:
-            if st.st_size == 0:
+            os.close(_create_private_file(self.directory / name))
+        except FileExistsError:
+            pass
+
+    def _take(self, request_id: str) -> torch.Tensor | None:
+        try:
+            with self._locked():
+                taken = self._take_oldest(self._name(request_id), time.time() - self.ttl_s)
+        except OSError as e:
+            raise self._gone_or(e, f"cannot take an entry for request {request_id}") from e
+        if taken is None and not self.directory.is_dir():
+            raise self._gone(f"waiting for request {request_id}")
+        if taken is None:
+            return None
+        fd, size = taken
+        try:
+            if size == 0:
                 return torch.empty(0, dtype=torch.uint8)  # not an entry: decode says so
-            view = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE,
+            view = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return torch.frombuffer(view, dtype=torch.uint8)  # the mapping lives as long as it
 
-    def _move_up(self, head: str) -> None:
-        """Renames the chain's entries after its taken head one place up (caller holds the
-        lock)."""
-        index = 1
-        while True:
-            try:
-                os.rename(self.directory / _chain_name(head, index),
-                          self.directory / _chain_name(head, index - 1))
-            except FileNotFoundError:
-                return
-            index += 1
+    def _take_oldest(self, name: str, expired_before: float) -> tuple[int, int] | None:
+        """Claims the id's oldest unexpired entry, freeing expired ones before it, and removes
+        the id's marker if no entry is left (caller holds the lock): its descriptor and size,
+        or None."""
+        if not os.path.lexists(self.directory / name):
+            return None
+        entries, taken = self._entries(name), None
+        while entries and taken is None:
+            taken = self._claim(entries.pop(0), expired_before)
+        if not entries:
+            os.unlink(self.directory / name)
+        return taken
+
+    def _entries(self, name: str) -> list[Path]:
+        """The id's entries, oldest first (caller holds the lock)."""
+        seqs = [int(entry[2]) for f in os.scandir(self.directory)
+                if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[1] == name and entry[2]]
+        return [self.directory / f"{name}.{seq}" for seq in sorted(seqs)]
+
+    def _claim(self, path: Path, expired_before: float) -> tuple[int, int] | None:
+        """Unlinks the entry at `path` and uncounts it (caller holds the lock): its descriptor
+        and size, or None if it had expired (then it is freed, as a sweep would)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        os.unlink(path)
+        st = os.fstat(fd)
+        self._add_used(-st.st_size)
+        if st.st_mtime >= expired_before:
+            return fd, st.st_size
+        os.close(fd)
+        return None
 
     def _sweep(self) -> None:
-        expired_before = time.time() - self.ttl_s
-        chains: dict[str, list[int]] = {}  # heads of chains that lost entries: survivors
         try:
             with self._locked():
-                files = list(os.scandir(self.directory))
-                for f in files:
-                    entry = _ENTRY_RE.fullmatch(f.name)
-                    try:
-                        st = f.stat(follow_symlinks=False)
-                        if not (entry or f.name.startswith((_TEMP_PREFIX, _CLAIM_PREFIX))) \
-                                or st.st_mtime >= expired_before:
-                            continue
-                        os.unlink(f.path)
-                    except FileNotFoundError:
-                        continue  # consumed meanwhile
-                    if not f.name.startswith(_CLAIM_PREFIX):  # a claim was uncounted at its take
-                        self._add_used(-st.st_size)
-                    if entry:
-                        chains.setdefault(entry[1], [])
-                for f in files:
-                    entry = _ENTRY_RE.fullmatch(f.name)
-                    if entry and entry[1] in chains and os.path.lexists(f.path):
-                        chains[entry[1]].append(int(entry[2] or 0))
-                for head, survivors in chains.items():
-                    for index, old in enumerate(sorted(survivors)):
-                        if old != index:
-                            os.rename(self.directory / _chain_name(head, old),
-                                      self.directory / _chain_name(head, index))
+                self._free_stale()
         except FileNotFoundError:
             return  # the owner closed the namespace
 
+    def _gone(self, what: str) -> OmniPrefixCacheChannelError:
+        return OmniPrefixCacheChannelError(
+            f"shm channel namespace {self.directory} is gone (its owner closed it): {what}")
+
     def _gone_or(self, error: OSError, what: str) -> OmniPrefixCacheChannelError:
         if not self.directory.is_dir():
-            return OmniPrefixCacheChannelError(
-                f"shm channel namespace {self.directory} is gone (its owner closed it): {what}")
+            return self._gone(what)
         return OmniPrefixCacheChannelError(f"shm channel {self.spec}: {what}: {error}")
 
     def _close(self) -> None:
         self._finalizer()
 
 
-def _release(directory: Path, owner_pid: int, owner: bool, fds: tuple[int, ...]) -> None:
+def _release(directory: Path, owner_pid: int, owner: bool, fds: list[int],
+             held: list[_HeldFile]) -> None:
     for fd in fds:
         os.close(fd)
+    for lock_file in held:
+        lock_file.release()
     if owner and os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class DeadNamespace:
+    """A namespace whose owner died."""
+
+    directory: Path
+    owner: str  # "pid P on host H", or why it is not known
+    age_s: float  # since its owner created it
+    entries: int  # unconsumed
+    nbytes: int  # of all its files
+
+
+def reclaim(root: Path | None = None, *, dry_run: bool = False) -> list[DeadNamespace]:
+    """Removes (unless `dry_run`) this user's namespaces under `root` (default
+    `default_root()`) whose owner died, and returns them."""
+    root = root or default_root()
+    try:
+        names = sorted(n for n in os.listdir(root) if _CREATED_RE.fullmatch(n))
+    except OSError:
+        return []
+    dead = [found for name in names if (found := _dead_namespace(root / name)) is not None]
+    if not dry_run:
+        for namespace in dead:
+            shutil.rmtree(namespace.directory, ignore_errors=True)
+    return dead
+
+
+def _dead_namespace(directory: Path) -> DeadNamespace | None:
+    """`directory` if it is a namespace of this user whose owner died, else None. Dead: its
+    `.owner` (created first, already locked) is not held; or it has neither `.owner` nor
+    `.budget` (created last), its creator having died, and is older than `RECLAIM_GRACE_S`.
+    One with `.budget` but no `.owner` is an older version's, whose owner cannot be tested."""
+    try:
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        record = _read_record(directory / _OWNER_FILE)
+        if record is None:
+            if os.path.lexists(directory / _BUDGET_FILE) \
+                    or time.time() - st.st_mtime < RECLAIM_GRACE_S:
+                return None
+            owner, age_s = "unknown (it died creating the namespace)", time.time() - st.st_mtime
+        elif _held(directory / _OWNER_FILE):
+            return None
+        else:
+            owner, age_s = _describe(record), time.time() - float(record.get("started", 0))
+        files = [f for f in os.scandir(directory) if f.is_file(follow_symlinks=False)]
+        entries = sum(1 for f in files if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[2])
+        nbytes = sum(f.stat(follow_symlinks=False).st_size for f in files)
+    except OSError:
+        return None  # removed meanwhile, or not readable: not ours to remove
+    return DeadNamespace(directory, owner, age_s, entries, nbytes)
