@@ -342,10 +342,10 @@ class _Leases:
             MAX_PRODUCERS)], [size] * MAX_PRODUCERS)
         now, raw = time.monotonic(), self._buffer.numpy().tobytes()
         self._in_slots = {}
-        for slot, k, read in zip(self.slots, range(MAX_PRODUCERS), reads, strict=True):
-            value = raw[k * size:(k + 1) * size]
+        for k, (slot, read) in enumerate(zip(self.slots, reads, strict=True)):
             if read != size:
                 continue
+            value = raw[k * size:(k + 1) * size]
             producer = _Producer.from_record(value)
             self._in_slots[producer.token] = (slot, producer)
             if self._values.get(producer.token) != value:
