@@ -1,0 +1,300 @@
+"""The Mooncake Store channel under races and crashes (a loopback store, real processes).
+
+A put racing the handle's own sweeper survives; entries expire whoever published them, and a
+closed or killed publisher's id can be published again after their time to live; a slow id
+stalls no other; a consumer learns within seconds that its producer died; a process killed at
+any store call of a put or a take leaves the id's other entries whole, in order, and no key
+that outlives its time to live.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from prefix_cache.channel import (OmniPrefixCacheChannelError,
+                                  OmniPrefixCacheChannelProducerError,
+                                  OmniPrefixCacheChannelTimeoutError, open_channel)
+from prefix_cache.channel import mooncake as mooncake_module
+from prefix_cache.channel.mooncake import LEASE_S, MooncakeChannel
+from tests.mooncake_store import MooncakeStoreProcesses
+from tests.test_channel import RealClient, _mark, _marked, use_client
+
+#: Children fork from a server that imported the channel once and never opened a store client.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch", "prefix_cache.channel.mooncake"])
+
+
+def _start(target: Callable[..., None], *args: object) -> multiprocessing.Process:
+    proc = _FORKSERVER.Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _drain(channel: MooncakeChannel, request_id: str) -> list[int]:
+    """The marks of every entry `request_id` has now, taken in order."""
+    marks = []
+    while True:
+        try:
+            marks.append(_mark(channel.get(request_id, timeout_s=0.3)))
+        except OmniPrefixCacheChannelTimeoutError:
+            return marks
+
+
+def _chain_keys(channel: MooncakeChannel, request_id: str) -> list[str]:
+    """Every key of the chain `request_id`'s tail names now, one past its next index too."""
+    head = channel.entry_key(request_id)
+    tail = channel._tails.read(head)
+    return [] if tail is None else tail.keys(head, past_next=True)
+
+
+def _existing(channel: MooncakeChannel, keys: list[str]) -> list[str]:
+    return [k for k, e in zip(keys, channel._store.batch_is_exist(keys)) if e == 1] if keys \
+        else []
+
+
+def test_a_put_in_the_sweepers_gap_keeps_its_entry(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """The handle's chain under `r` expires; the sweeper decides to remove its tail, and a
+    put of `r` by the same handle lands just before the remove. The put returned: its entry
+    must stay reachable."""
+    with open_channel(mooncake_store.spec + "&ttl=0.5") as channel, \
+            open_channel(channel.spec) as reader:
+        assert isinstance(channel, MooncakeChannel)
+        channel.put("r", _marked(1))
+        assert _mark(reader.get("r", timeout_s=5)) == 1
+        channel._stop.set()  # the keeper thread stays out of the way
+        time.sleep(0.6)  # the chain under `r` expired, not yet swept
+        store = channel._store
+        raced: list[threading.Thread] = []
+
+        def put_first(remove: Callable[..., Any]) -> Callable[..., Any]:
+            """`remove`, with another thread's put of `r` started just before the first call
+            (waited for up to 2 s: the sweep may hold what that put needs)."""
+            def removing(*args: Any, **kwargs: Any) -> Any:
+                if not raced:
+                    raced.append(threading.Thread(target=channel.put, args=("r", _marked(2))))
+                    raced[0].start()
+                    raced[0].join(2)
+                return remove(*args, **kwargs)
+            return removing
+
+        class PutInTheGap:
+            remove = staticmethod(put_first(store.remove))
+            batch_remove = staticmethod(put_first(store.batch_remove))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+        channel._store = PutInTheGap()
+        try:
+            channel._sweep()
+        finally:
+            channel._store = store
+        raced[0].join(10)
+        assert raced
+        assert _mark(reader.get("r", timeout_s=5)) == 2
+
+
+def _publish_then_end(spec: str, end: str) -> None:
+    """In a child: publish two entries of `r` and one of `s`, then close or be killed."""
+    channel = open_channel(spec)
+    channel.put("r", _marked(1))
+    channel.put("r", _marked(2))
+    channel.put("s", _marked(5))
+    if end == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    channel.close()  # joined, not the owner: its entries stay
+
+
+@pytest.mark.parametrize("end", ["close", "kill"])
+def test_a_gone_publishers_entries_expire_without_it_and_its_ids_are_free_again(
+        mooncake_store: MooncakeStoreProcesses, end: str) -> None:
+    with open_channel(mooncake_store.spec + "&ttl=3") as owner:
+        publisher = _start(_publish_then_end, owner.spec, end)
+        publisher.join(60)
+        assert publisher.exitcode == (-signal.SIGKILL if end == "kill" else 0)
+        left = _chain_keys(owner, "r") + _chain_keys(owner, "s")
+        assert len(_existing(owner, left)) == 3
+        with pytest.raises(OmniPrefixCacheChannelError, match="another handle's entries"):
+            owner.put("r", _marked(3))  # unexpired: still another handle's
+        time.sleep(3.1)
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+            owner.get("s", timeout_s=0.2)  # expired: not returned, removed
+        owner.put("r", _marked(4))  # expired: taken over
+        assert _existing(owner, left) == []
+        assert _drain(owner, "r") == [4]
+
+
+class SlowForOneId(RealClient):
+    """Every call naming a key of `slow_head` takes half a second more; says when one started."""
+
+    slow_head = "not yet"
+    slowed = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.real, name)
+
+        def maybe_slow(*args: Any, **kwargs: Any) -> Any:
+            if args and type(self).slow_head in str(args[0]):
+                type(self).slowed.set()
+                time.sleep(0.5)
+            return call(*args, **kwargs)
+        return maybe_slow
+
+
+def test_a_slow_id_delays_no_other_ids_put_or_get(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_client(monkeypatch, SlowForOneId)
+    with open_channel(mooncake_store.spec) as channel:
+        SlowForOneId.slow_head = channel.entry_key("slow")
+        slow_put = threading.Thread(target=channel.put, args=("slow", _marked(1)))
+        slow_put.start()
+        assert SlowForOneId.slowed.wait(10)
+        started = time.monotonic()
+        channel.put("fast", _marked(2))
+        assert _mark(channel.get("fast", timeout_s=5)) == 2
+        took = time.monotonic() - started
+        slow_put.join(30)
+        assert took < 0.4, f"a put and get of another id took {took:.2f} s behind a slow one"
+        assert _mark(channel.get("slow", timeout_s=30)) == 1
+
+
+def _produce(spec: str, ready: Any, publish_after_s: float) -> None:
+    """In a child: a producer that expects r1 and r2, then publishes r2 after a while (longer
+    than LEASE_S) and lives on until killed."""
+    channel = open_channel(spec)
+    channel.register_producer()
+    channel.expect("r1")
+    channel.expect("r2")
+    ready.put(os.getpid())
+    time.sleep(publish_after_s)
+    channel.put("r2", _marked(2))
+    time.sleep(600)
+
+
+def test_a_consumer_learns_within_seconds_that_its_producer_was_killed(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """Bound: LEASE_S of the consumer's clock since it first read the lease, plus a liveness
+    check (0.5 s) and a lease scan interval (0.5 s): under 7 s; asserted under 10."""
+    ready = _FORKSERVER.Queue()
+    with open_channel(mooncake_store.spec) as consumer:
+        producer = _start(_produce, consumer.spec, ready, LEASE_S + 2)
+        try:
+            pid = ready.get(timeout=60)
+            assert _mark(consumer.get("r2", timeout_s=60)) == 2  # a live producer, late
+            os.kill(pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(OmniPrefixCacheChannelProducerError,
+                               match=f"request r1: .* producer pid {pid} on host .* died"):
+                consumer.get("r1", timeout_s=60)
+            assert time.monotonic() - started < 10
+            with pytest.raises(OmniPrefixCacheChannelProducerError, match=f"pid {pid}"):
+                consumer.get("r3", timeout_s=60)  # not expected: all producers dead
+        finally:
+            producer.kill()
+            producer.join(30)
+
+
+def _close_with_a_promise_open(spec: str) -> None:
+    with open_channel(spec) as channel:
+        channel.expect("r1")
+
+
+def test_a_producer_that_closed_is_not_reported_dead(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    with open_channel(mooncake_store.spec) as consumer:
+        producer = _start(_close_with_a_promise_open, consumer.spec)
+        producer.join(60)
+        assert producer.exitcode == 0
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+            consumer.get("r1", timeout_s=LEASE_S + 1.5)
+
+
+class DyingAtCall(RealClient):
+    """A client whose process exits at the `die_at`-th store call (from 0) the main thread
+    makes once armed, before that call runs."""
+
+    die_at: int | None = None
+    calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.real, name)
+
+        def maybe_die(*args: Any, **kwargs: Any) -> Any:
+            cls = type(self)
+            if cls.die_at is not None and threading.current_thread() is threading.main_thread():
+                if cls.calls == cls.die_at:
+                    os._exit(1)
+                cls.calls += 1
+            return call(*args, **kwargs)
+        return maybe_die
+
+
+def _arm_death() -> None:
+    """Channels this child opens from now on make their client a DyingAtCall."""
+    DyingAtCall.real_class = mooncake_module._store_class()
+    mooncake_module._store_class = lambda: DyingAtCall
+
+
+def _put_dying(spec: str, die_at: int) -> None:
+    """In a child: publish entries 0 and 1 of `r`, then die at store call `die_at` of the put
+    of entry 2 (past its last call: right after it returns)."""
+    _arm_death()
+    channel = open_channel(spec)
+    channel.put("r", _marked(0))
+    channel.put("r", _marked(1))
+    DyingAtCall.die_at = die_at
+    channel.put("r", _marked(2))
+    os._exit(1)
+
+
+def _take_dying(spec: str, die_at: int) -> None:
+    """In a child: die at store call `die_at` of a get of `r` (past its last: after it)."""
+    _arm_death()
+    channel = open_channel(spec)
+    DyingAtCall.die_at = die_at
+    channel.get("r", timeout_s=5)
+    os._exit(1)
+
+
+PUT_CALLS = 6  # tail read, existence of the chain's keys, register, entry, unregister, tail
+TAKE_CALLS = 7  # tail read, existence, size, register, read, unregister, remove
+
+
+@pytest.mark.parametrize("die_at", range(PUT_CALLS + 1))
+def test_a_put_killed_at_any_store_call_leaves_the_ids_other_entries_whole(
+        mooncake_store: MooncakeStoreProcesses, die_at: int) -> None:
+    with open_channel(mooncake_store.spec) as owner:
+        child = _start(_put_dying, owner.spec, die_at)
+        child.join(60)
+        assert child.exitcode == 1
+        left = _chain_keys(owner, "r")
+        assert _drain(owner, "r") == ([0, 1, 2] if die_at == PUT_CALLS else [0, 1])
+        with open_channel(owner.spec) as other:
+            other.put("r", _marked(3))  # drained: the dead handle's chain is taken over
+            assert _existing(other, left) == []  # what the killed put left too
+            assert _drain(owner, "r") == [3]
+
+
+@pytest.mark.parametrize("die_at", range(TAKE_CALLS + 1))
+def test_a_take_killed_at_any_store_call_leaves_the_ids_other_entries_whole(
+        mooncake_store: MooncakeStoreProcesses, die_at: int) -> None:
+    with open_channel(mooncake_store.spec) as owner:
+        for i in range(3):
+            owner.put("r", _marked(i))
+        child = _start(_take_dying, owner.spec, die_at)
+        child.join(60)
+        assert child.exitcode == 1
+        taken_by_the_dead = die_at == TAKE_CALLS  # it died after its remove claimed entry 0
+        assert _drain(owner, "r") == ([1, 2] if taken_by_the_dead else [0, 1, 2])
+        with open_channel(owner.spec) as other:
+            other.put("r", _marked(3))
+            assert _drain(owner, "r") == [3]
