@@ -85,6 +85,24 @@ def test_a_consumer_learns_within_seconds_that_its_producer_died(end: str) -> No
         producer.join(30)
 
 
+def test_a_dead_producers_failure_is_reported_once_and_a_reused_id_waits_for_its_new_one(
+        ) -> None:
+    """Clients reuse request ids (an engine started again counts from 0): once a consumer
+    learned of the death, the id's next request waits for the producer started since."""
+    with open_channel("shm") as channel:
+        producer, _ = _producer(channel, "r1", "kill")
+        with pytest.raises(OmniPrefixCacheChannelProducerError):
+            channel.get("r1", timeout_s=30)
+        producer.join(30)
+        with open_channel(channel.spec) as restarted:
+            restarted.register_producer()
+            with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+                channel.get("r1", timeout_s=1.2)
+            restarted.expect("r1")
+            restarted.put("r1", _marked(8))
+            assert _mark(channel.get("r1", timeout_s=5)) == 8
+
+
 def test_a_live_producer_that_publishes_late_still_delivers_and_leaves_nothing() -> None:
     with open_channel("shm") as channel:
         producer, _ = _producer(channel, "r1", "publish", delay_s=1.5)

@@ -43,12 +43,16 @@ class Recording:
     def __init__(self) -> None:
         self.put_ids: list[str] = []
         self.failures: dict[str, str] = {}
+        self.expected: list[str] = []
 
     def put(self, request_id: str, outputs: dict, **kwargs: object) -> None:
         self.put_ids.append(request_id)
 
     def fail(self, request_id: str, cause: str) -> None:
         self.failures[request_id] = cause
+
+    def expect(self, request_id: str) -> None:
+        self.expected.append(request_id)
 
 
 def test_rows_past_the_delivered_ones_fail_that_request_naming_the_gap() -> None:
@@ -95,3 +99,13 @@ def test_rows_that_cannot_be_joined_fail_that_request_alone() -> None:
     assert sink.put_ids == ["ext-b"]
     assert re.search(r"its rows could not be joined: RuntimeError", sink.failures["ext-a"])
     assert delivery.stats()["delivery_failed"] == 1
+
+
+def test_a_requests_first_rows_tell_the_sink_to_expect_it_once() -> None:
+    """So that its consumer learns of the producer's death (SPEC §9); by its external id."""
+    sink = Recording()
+    delivery = StageDelivery(sink, external_id=lambda req_id: f"ext-{req_id}")
+    delivery.add("a", 0, rows(0, 4), 4)
+    delivery.add("a", 4, rows(4, 5), 1)
+    delivery.add("b", 0, {}, 3)  # positions without rows: a request all the same
+    assert sink.expected == ["ext-a", "ext-b"]

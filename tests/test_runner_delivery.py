@@ -91,6 +91,9 @@ class FullOnce:
     def fail(self, request_id: str, cause: str) -> None:
         self.channel.fail(request_id, cause)
 
+    def expect(self, request_id: str) -> None:
+        self.channel.expect(request_id)
+
 
 def test_a_failed_publish_fails_that_entry_alone_naming_its_cause() -> None:
     with open_channel() as channel:

@@ -770,7 +770,13 @@ class MooncakeChannel(StageChannel):
                 f"{e}") from e
         if expected is not None and len(expected) == _RECORD.size:
             producer = _Producer.from_record(expected)
-            return str(producer) if self._leases.dead(producer) else None
+            if not self._leases.dead(producer):
+                return None
+            # reported once: clients reuse ids, and a later request's wait is its own (a new
+            # producer's expectation written since is lost with it: its death then shows as
+            # the namespace's, or at the get's timeout)
+            self._store.remove(key, force=True)
+            return str(producer)
         dead = self._leases.all_dead()
         return ", ".join(map(str, dead)) if dead else None
 

@@ -383,15 +383,24 @@ class ShmChannel(StageChannel):
     def _end_expectation(self, request_id: str) -> None:
         """Removes the id's expectation if this handle's producer made it (caller holds the
         lock)."""
-        producer, path = self._producer, self._expectation_path(request_id)
-        if producer is not None and (_read_record(path) or {}).get("producer") \
-                == producer.path.name:
+        if self._producer is not None:
+            self._remove_expectation(request_id, self._producer.path.name)
+
+    def _remove_expectation(self, request_id: str, producer: str) -> None:
+        """Removes the id's expectation if the producer named `producer` made it (caller holds
+        the lock)."""
+        path = self._expectation_path(request_id)
+        if (_read_record(path) or {}).get("producer") == producer:
             path.unlink(missing_ok=True)
 
     def _dead_producer(self, request_id: str) -> str | None:
         record = _read_record(self._expectation_path(request_id))
         if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
-            return None if _held(self.directory / record["producer"]) else _describe(record)
+            if _held(self.directory / record["producer"]):
+                return None
+            with self._locked():  # reported once: clients reuse ids, a later request's
+                self._remove_expectation(request_id, record["producer"])  # wait is its own
+            return _describe(record)
         try:
             producers = [Path(f.path) for f in os.scandir(self.directory)
                          if _PRODUCER_RE.fullmatch(f.name)]

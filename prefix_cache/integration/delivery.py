@@ -11,8 +11,10 @@ published as a failure naming the gap, as is one whose parts do not join or whos
 publish fails (a full `/dev/shm`, a store gone). Either way the stage goes on with
 other requests.
 
-When the request finishes, all its rows from position 0 go to the stage channel
-under its external id, and are forgotten here. The worker only learns that a
+A request's first rows also tell the channel that this stage will publish it
+(`expect`), so its consumer learns within seconds if the stage's process dies
+first. When the request finishes, all its rows from position 0 go to the stage
+channel under its external id, and are forgotten here. The worker only learns that a
 request left the batch, not why: a request with fewer rows than its prompt
 (aborted mid-prefill, or before it was ever scheduled) is published marked
 aborted. One aborted after its prompt was computed looks finished; its entry
@@ -53,6 +55,8 @@ class StageSink(Protocol):
             aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None: ...
 
     def fail(self, request_id: str, cause: str) -> None: ...
+
+    def expect(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -119,12 +123,26 @@ class StageDelivery:
         with self._lock:
             if req_id in self._published_early or req_id in self._broken or self._stopped:
                 return
+            first = req_id not in self._parts
             try:
                 self._add(req_id, _Part(start, start + num_rows, rows))
             except OmniPrefixCacheUnmatchError as exc:
                 logger.error("%s", exc)
                 self._broken[req_id] = str(exc)
                 self._parts.pop(req_id, None)
+        if first:
+            self._expect(req_id)
+
+    def _expect(self, req_id: str) -> None:
+        """Tell the sink this stage will publish `req_id`: its consumer learns within seconds
+        if this process dies first. A sink that cannot record it only costs that warning."""
+        if self._sink is None:
+            return
+        try:
+            self._sink.expect(self._external_id(req_id))
+        except Exception as exc:
+            logger.warning("request %s: its consumer cannot be told of this stage's liveness: "
+                           "%s: %s", req_id, type(exc).__name__, exc)
 
     def _add(self, req_id: str, part: _Part) -> None:
         parts = self._parts.get(req_id, [])

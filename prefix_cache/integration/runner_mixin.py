@@ -129,6 +129,7 @@ class StageRunnerBase:
             logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
                         config.num_blocks, config.block_size)
         channel = open_channel(channel_spec(vllm_config))
+        channel.register_producer()  # consumers learn within seconds if this process dies
         self._omni_stage = StageOutputDriver(
             StageDelivery(channel, external_id=external_request_id), backend, cache=manager,
             policy=self._omni_policy,
