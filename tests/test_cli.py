@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefix_cache import devices
-from prefix_cache.tools import bench
+from prefix_cache.tools import bench, bench_report, harness
 from prefix_cache.__main__ import main
 from prefix_cache.tools.targets import METRICS, Target
 
@@ -68,7 +68,7 @@ def test_unwritable_json_path_is_one_line_exit_2(where, tmp_path, capsys, no_ben
 
 def test_writable_json_path_passes_the_check_and_leaves_no_file(tmp_path: Path) -> None:
     path = tmp_path / "out.json"
-    assert bench.unwritable(str(path)) is None
+    assert harness.unwritable(str(path)) is None
     assert not path.exists()
 
 
@@ -93,7 +93,7 @@ def test_the_module_entry_point_reports_an_absent_device_in_one_line() -> None:
 def test_table_wraps_its_last_column_to_fit_the_width() -> None:
     words = ("contiguous pinned D2H 53.4 GB/s; 2048 tok x 2048, 4 in flight: scatter 34.4 GB/s, "
              "staged design 13.1 GB/s (0.25)")
-    table = bench.format_table(["metric", "value", "detail"], [["M1", "0.642", words]], width=60)
+    table = harness.format_table(["metric", "value", "detail"], [["M1", "0.642", words]], width=60)
     lines = table.splitlines()
     assert max(map(len, lines)) <= 60 and len(lines) > 3
     assert " ".join(" ".join(ln[15:].split()) for ln in lines[2:]) == words
@@ -121,7 +121,7 @@ def test_report_fits_100_columns_and_says_pass_miss_gpu_only_or_not_run() -> Non
                      "GPU only")}
     for device, (measured, m1_result, m2_result) in cases.items():
         measured["M3"] = metric(0.5, False)
-        text = bench.report({"device": device, "machine": machine, "metrics": measured})
+        text = bench_report.report({"device": device, "machine": machine, "metrics": measured})
         lines = text.splitlines()
         assert max(map(len, lines)) <= 100
         rows = {ln.split()[0]: ln for ln in lines if ln.startswith("M")}
@@ -163,5 +163,5 @@ def test_pipeline_bench_help_says_what_it_measures_and_how_long_it_takes(capsys)
 def test_cpu_m5_is_judged_against_the_cpu_target() -> None:
     m5 = METRICS["M5"]
     assert m5.target_on("cuda").bound == 0.99 and m5.target_on("cpu").bound == 0.95
-    assert bench._judge("M5", 0.96, "cpu") and not bench._judge("M5", 0.96, "cuda")
+    assert bench_report.judge("M5", 0.96, "cpu") and not bench_report.judge("M5", 0.96, "cuda")
     assert "CPU >= 0.95" in m5.targets_text

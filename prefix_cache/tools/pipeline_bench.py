@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.tools.bench import source_commit
+from prefix_cache.tools.harness import source_commit, spread
 from prefix_cache.tools.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
                                   start_thinker, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
@@ -68,11 +68,6 @@ def m8_stage_one() -> tuple[str, dict[str, Any], EngineShape]:
 
 def describe_model(model: dict[str, Any], shape: EngineShape) -> str:
     return f"hidden {model['hidden_size']} x {model['num_layers']} layers, {shape.dtype}"
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": values}
 
 
 def _cold(*engines: Engine | None) -> None:
