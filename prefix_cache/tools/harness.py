@@ -1,12 +1,13 @@
-"""The benchmarks' shared harness: timing, a run's spread, the commit measured, the text table,
-and the JSON file.
-
-Plain Python: the bench (`python -m prefix_cache bench`) and the pipeline bench use it alike.
+"""The benchmarks' shared harness: timing, a run's spread, the machine and commit measured, the
+text table and the JSON file; the bench (`python -m prefix_cache bench`) and the pipeline bench
+use it alike.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import subprocess
 import textwrap
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 
 #: Columns the printed report fits in.
@@ -30,6 +33,13 @@ def source_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def machine(device: str) -> str:
+    """The host, its CPUs, torch, and the GPU's name where `device` is cuda."""
+    return (f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, torch "
+            f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if device == "cuda"
+                                      else ""))
 
 
 def timeit(fn: Callable[[], None], repeat: int) -> float:
@@ -107,15 +117,15 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(result, indent=2))
 
 
-def unwritable(json_path: str) -> str | None:
-    """Why `json_path` cannot be written, or None; leaves no file behind."""
-    path = Path(json_path)
+def unwritable(file_path: str, option: str = "--json") -> str | None:
+    """Why `file_path` (given as `option`) cannot be written, or None; leaves no file behind."""
+    path = Path(file_path)
     existed = path.exists()
     try:
         with path.open("a"):
             pass
     except OSError as exc:
-        return f"--json {json_path}: cannot write there ({exc.strerror})"
+        return f"{option} {file_path}: cannot write there ({exc.strerror})"
     if not existed:
         path.unlink()
     return None
