@@ -27,9 +27,10 @@ from prefix_cache.tools.metrics.overhead import step_loop
 from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, measure_save
 from prefix_cache.tools.metrics.stalls import engine_thread_stalls
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH
+from prefix_cache.tools.plot import plot_scaling, unplottable
 from prefix_cache.tools.targets import METRICS
 
-__all__ = ["main", "run", "run_many", "unusable_device", "unwritable"]
+__all__ = ["main", "run", "run_many", "unplottable", "unusable_device", "unwritable"]
 
 
 def run(device: str | None, quick: bool) -> dict[str, Any]:
@@ -176,7 +177,8 @@ def unusable_device(device: str | None) -> str | None:
     return None
 
 
-def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 1) -> int:
+def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 1,
+         plot_path: str | None = None) -> int:
     """Run, print the table (and the scaling sweep unless `quick`), write what was asked for;
     0 once it measured, whether or not every target is met (the table says)."""
     result = run_many(device, quick, runs)
@@ -190,4 +192,7 @@ def main(*, device: str | None, quick: bool, json_path: str | None, runs: int = 
               f"{scaling_report(result['scaling'])}")
     if json_path:
         write_json(json_path, result)
+    if plot_path:
+        plot_scaling(result, plot_path)
+        print(f"\nScaling plot: {plot_path}")
     return 0
