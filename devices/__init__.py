@@ -11,6 +11,7 @@ import logging
 from importlib.metadata import entry_points
 
 from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Transfer, wait_event
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["DeviceBackend", "DeviceEvent", "HostBuffer", "Transfer", "available",
            "backend_classes", "get_backend", "parse_device", "wait_event"]
@@ -50,7 +51,8 @@ def available() -> list[str]:
 
 def get_backend(name: str | None = None) -> DeviceBackend:
     """The backend for `name` (`"cuda"`, `"cuda:1"`, case-insensitive), or for the first
-    available device type when None."""
+    available device type when None; `OmniPrefixCacheUnmatchError` naming what is missing
+    where the device type is known but not usable here."""
     classes = backend_classes()
     if name is None:
         name = next(n for n in _BUILTIN if classes[n].is_available())
@@ -59,7 +61,9 @@ def get_backend(name: str | None = None) -> DeviceBackend:
     if cls is None:
         raise ValueError(f"unknown device type {name!r}; known: {sorted(classes)}")
     if not cls.is_available():
-        raise RuntimeError(f"device type {device_type!r} is not available in this process")
+        raise OmniPrefixCacheUnmatchError(
+            f"device {name!r} is not usable in this process: {cls.missing()}; usable here: "
+            f"{', '.join(available())}")
     return cls() if index is None else cls(index)
 
 

@@ -194,6 +194,11 @@ class DeviceBackend(ABC):
     def is_available(cls) -> bool:
         """Whether this device type can be used in this process."""
 
+    @classmethod
+    def missing(cls) -> str:
+        """What this process lacks for the device type, where `is_available` is False."""
+        return "its backend reports it unavailable"
+
     @property
     @abstractmethod
     def device(self) -> torch.device: ...

@@ -3,6 +3,8 @@
 Nothing here imports vLLM at module scope: vLLM objects are read by attribute.
 """
 
+from importlib import metadata
+
 try:
     from prefix_cache.core import _core  # noqa: F401
 except ImportError as exc:  # a checkout used without installing it
@@ -19,6 +21,19 @@ from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.manager import OmniPrefixCacheManager, StageCacheOutputs
 from prefix_cache.core.tasks import TaskState, WriteTask
+
+
+
+def _installed_version() -> str:
+    """The distribution's version (pyproject.toml's, once installed); "0+unknown" in a checkout
+    used without installing it."""
+    try:
+        return metadata.version("omni-prefix-cache")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "HIDDEN_KEY", "FullAttentionGroupView", "ModelCachePolicy", "OmniPrefixCacheError",

@@ -30,6 +30,7 @@ import torch
 from prefix_cache import devices
 from prefix_cache.config import ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.core import _core
+from prefix_cache.core.adapter import translate_step
 from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
@@ -46,7 +47,6 @@ from prefix_cache.core.writes import StepWriter
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheUnmatchError)
-from prefix_cache.integration.adapter import translate_step
 
 __all__ = ["OmniPrefixCacheManager", "StageCacheOutputs"]
 

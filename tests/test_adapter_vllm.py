@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from prefix_cache import OmniPrefixCacheUnmatchError  # noqa: E402
-from prefix_cache.integration.adapter import StartedRequest, StepEvents, translate_step  # noqa: E402
+from prefix_cache.core.adapter import StartedRequest, StepEvents, translate_step  # noqa: E402
 from tests.vllm_fixtures import (  # noqa: E402, F401  (tiny_model_dir is a fixture)
     fake_model_step,
     make_request,

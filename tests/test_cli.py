@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefix_cache import devices
-from prefix_cache.tools import bench
+from prefix_cache.tools import bench, bench_report, harness
 from prefix_cache.__main__ import main
 from prefix_cache.tools.targets import METRICS, Target
 
@@ -68,7 +68,7 @@ def test_unwritable_json_path_is_one_line_exit_2(where, tmp_path, capsys, no_ben
 
 def test_writable_json_path_passes_the_check_and_leaves_no_file(tmp_path: Path) -> None:
     path = tmp_path / "out.json"
-    assert bench.unwritable(str(path)) is None
+    assert harness.unwritable(str(path)) is None
     assert not path.exists()
 
 
@@ -93,7 +93,7 @@ def test_the_module_entry_point_reports_an_absent_device_in_one_line() -> None:
 def test_table_wraps_its_last_column_to_fit_the_width() -> None:
     words = ("contiguous pinned D2H 53.4 GB/s; 2048 tok x 2048, 4 in flight: scatter 34.4 GB/s, "
              "staged design 13.1 GB/s (0.25)")
-    table = bench.format_table(["metric", "value", "detail"], [["M1", "0.642", words]], width=60)
+    table = harness.format_table(["metric", "value", "detail"], [["M1", "0.642", words]], width=60)
     lines = table.splitlines()
     assert max(map(len, lines)) <= 60 and len(lines) > 3
     assert " ".join(" ".join(ln[15:].split()) for ln in lines[2:]) == words
@@ -121,7 +121,7 @@ def test_report_fits_100_columns_and_says_pass_miss_gpu_only_or_not_run() -> Non
                      "GPU only")}
     for device, (measured, m1_result, m2_result) in cases.items():
         measured["M3"] = metric(0.5, False)
-        text = bench.report({"device": device, "machine": machine, "metrics": measured})
+        text = bench_report.report({"device": device, "machine": machine, "metrics": measured})
         lines = text.splitlines()
         assert max(map(len, lines)) <= 100
         rows = {ln.split()[0]: ln for ln in lines if ln.startswith("M")}
@@ -131,11 +131,30 @@ def test_report_fits_100_columns_and_says_pass_miss_gpu_only_or_not_run() -> Non
         assert "not run" in rows["M2p"] and "not run" in rows["M4"]
 
 
+def test_cpu_report_says_which_rows_are_expected_there() -> None:
+    measured = {"M1": {"value": 0.8, "pass": None, "note": "", "reference": "memcpy"},
+                "M5": {"value": 0.82, "pass": False, "note": "", "reference": "cache off"}}
+    text = bench_report.report({"device": "cpu", "machine": "host", "metrics": measured})
+    rows = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("M")}
+    assert "GPU only" in rows["M1"] and "MISS, expected" in rows["M5"]
+    notes = " ".join(text.split("\n\n")[-2:]).replace("\n", " ")
+    assert "GPU only: these targets hold on an NVIDIA GPU" in notes
+    assert "Expected on CPU: M5's MISS; " + METRICS["M5"].cpu_miss in notes
+
+
+def test_bench_help_lines_up_each_metric_and_its_target(capsys) -> None:
+    _, out, _ = _exit(["bench", "--help"], capsys)
+    starts = {ln.index(spec.summary) for name, spec in METRICS.items()
+              for ln in out.splitlines() if ln.split()[:1] == [name]}
+    assert len(starts) == 1, out
+
+
 def test_each_demo_run_logs_to_a_file_of_its_own() -> None:
-    from prefix_cache.tools import demo
-    first, second = demo.new_log_path(), demo.new_log_path()
+    from prefix_cache.tools.engine_logs import new_log_path
+    first, second = new_log_path("demo"), new_log_path("demo")
     try:
         assert first != second and first.exists() and second.exists()
+        assert first.name.startswith("omni-prefix-cache-demo-")
     finally:
         first.unlink()
         second.unlink()
@@ -163,5 +182,5 @@ def test_pipeline_bench_help_says_what_it_measures_and_how_long_it_takes(capsys)
 def test_cpu_m5_is_judged_against_the_cpu_target() -> None:
     m5 = METRICS["M5"]
     assert m5.target_on("cuda").bound == 0.99 and m5.target_on("cpu").bound == 0.95
-    assert bench._judge("M5", 0.96, "cpu") and not bench._judge("M5", 0.96, "cuda")
-    assert "CPU >= 0.95" in m5.targets_text
+    assert bench_report.judge(m5, 0.96, "cpu") and not bench_report.judge(m5, 0.96, "cuda")
+    assert "CPU >= 0.95" in m5.summary

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefix_cache import devices
+from prefix_cache import OmniPrefixCacheManager, PrefixCacheConfig, devices
 import prefix_cache.devices.npu
 from prefix_cache.core.committer import Committer
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer
@@ -25,7 +25,7 @@ from prefix_cache.devices.base import CHECK_SLOTS_ENV
 from prefix_cache.devices.cuda.slot_pages import SlotRangeError
 from prefix_cache.devices.kernel_blocks import MultipleOf, accepts
 from prefix_cache.devices.npu import NpuBackend
-from prefix_cache.errors import OmniPrefixCacheError
+from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
 from prefix_cache.core.tasks import TaskState, WriteTask
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -82,10 +82,23 @@ def test_unknown_device_type_is_a_value_error_naming_the_known_types() -> None:
     assert all(repr(name) in str(info.value) for name in BUILTINS)
 
 
-def test_unavailable_device_type_is_a_runtime_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unavailable_device_type_is_a_cache_error_naming_what_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(NpuBackend, "is_available", classmethod(lambda c: False))
-    with pytest.raises(RuntimeError, match="'npu' is not available"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="'npu' is not usable") as info:
         devices.get_backend("npu")
+    assert NpuBackend.missing() in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(CudaBackend.is_available(), reason="needs a process without a CUDA GPU")
+def test_a_cuda_manager_without_a_gpu_says_what_is_missing() -> None:
+    view = SimpleNamespace(batch_req_ids=list, step_slots_cpu=lambda req_ids, counts: None)
+    with pytest.raises(OmniPrefixCacheUnmatchError) as info:
+        OmniPrefixCacheManager(PrefixCacheConfig(16, 4, device="cuda"), view)
+    message = str(info.value)
+    assert "'cuda' is not usable in this process" in message and "\n" not in message
+    assert ("not a CUDA build" in message) != ("no NVIDIA GPU" in message)
+    assert message.endswith("usable here: cpu")
 
 
 def test_entry_point_backend_is_discovered_and_usable(monkeypatch: pytest.MonkeyPatch) -> None:

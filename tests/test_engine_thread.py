@@ -11,7 +11,7 @@ import torch
 
 from prefix_cache import ModelCachePolicy
 from prefix_cache.core import committer as controller
-from prefix_cache.tools.bench import engine_thread_stalls
+from prefix_cache.tools.metrics.stalls import engine_thread_stalls
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.devices.cpu import CpuBackend
 from tests.faults import GatedEvent

@@ -7,15 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_example(name: str, cwd: Path, timeout_s: float = 120
+                ) -> subprocess.CompletedProcess[str]:
     # this checkout's prefix_cache, whether or not the interpreter has the package installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def test_drive_manager_example_delivers_full_prompt_rows_on_a_prefix_hit(tmp_path: Path) -> None:
@@ -35,3 +38,19 @@ def test_channel_example_hands_rows_from_a_producer_process_to_the_consumer(
     assert run.stdout.splitlines() == [
         "req-0: 5 rows of 4, as published: True; meta {'num_rows': 5}",
         "req-1: 9 rows of 4, as published: True; meta {'num_rows': 9}"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_thinker_talker_example_hits_the_shared_prefix_submitted_first(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    run = run_example("thinker_talker.py", tmp_path, timeout_s=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {ln.split(":")[0]: ln for ln in run.stdout.splitlines()
+             if ln.split(":")[0] in ("first", "second", "third")}
+    assert lines["first"].startswith("first: 69 prompt tokens, 0 from the prefix cache, "
+                                     "69 rows to the talker, talker tokens [")
+    assert lines["second"].startswith("second: 67 prompt tokens, 64 from the prefix cache, "
+                                      "67 rows to the talker")
+    assert lines["third"].startswith("third: 68 prompt tokens, 64 from the prefix cache, "
+                                     "68 rows to the talker")

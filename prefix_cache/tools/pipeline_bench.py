@@ -5,24 +5,28 @@ two-stage end to end) and the engine step time with the cache against vLLM's pla
 
 Each figure is the median of `runs` runs made back to back, on and off interleaved, with the
 smallest and largest beside it. Engines are started once and warmed up; between runs their
-prefix caches are emptied, so every run starts cold.
+prefix caches are emptied, so every run starts cold. It prints its progress and a table like the
+bench's; vLLM's logs go to a file it names.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.tools.bench import source_commit
+from prefix_cache.tools.bench_report import Metric, metric_json, report
+from prefix_cache.tools.engine_logs import new_log_path, output_to_log
+from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
+from prefix_cache.tools.targets import PIPELINE_METRICS
 from prefix_cache.tools.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
                                   start_thinker, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
@@ -68,11 +72,6 @@ def m8_stage_one() -> tuple[str, dict[str, Any], EngineShape]:
 
 def describe_model(model: dict[str, Any], shape: EngineShape) -> str:
     return f"hidden {model['hidden_size']} x {model['num_layers']} layers, {shape.dtype}"
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": values}
 
 
 def _cold(*engines: Engine | None) -> None:
@@ -128,6 +127,7 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
     target = SLACK * (1 - hit_fraction)
     ratio = statistics.median(times["on"]) / statistics.median(times["off"])
     return {
+        "device": device,
         "workload": f"{len(requests)} requests of {len(requests[0].prompt)} tokens, 75% in "
                     f"shared prefixes; stage 1 {describe_model(model, shape)} on {device}, "
                     f"stage 2 x 2 layers ({TALKER_TOKENS} tokens each)",
@@ -194,6 +194,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
     calls = stats["calls.save_outputs"]
     library = (stats["time_s.new_step_starts"] + stats["time_s.save_outputs"]) / calls
     return {
+        "device": device,
         "workload": f"M8 stage 1 ({describe_model(model, shape)} on {device}), "
                     f"{len(requests)} requests of "
                     f"{len(requests[0].prompt)} tokens, {decode_tokens} generated each",
@@ -205,27 +206,65 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
     }
 
 
+def m8_metric(m8: dict[str, Any]) -> Metric:
+    """M8 as the bench judges it: stage 1's on / off ratio ÷ (1 - hit fraction)."""
+    return Metric(m8["ratio"] / (1 - m8["hit_fraction"]),
+                  f"stage 1 on/off {m8['ratio']:.3f} at hit fraction {m8['hit_fraction']:.2f}; "
+                  f"two stages end to end on/off {m8['e2e_ratio']:.3f}", m8["workload"])
+
+
+def m5e_metric(steps: dict[str, Any]) -> Metric:
+    """M5e: engine steps per second with the cache's worker ÷ vLLM's plain worker."""
+    plain, cache = steps["step_s_plain"]["median"], steps["step_s_cache"]["median"]
+    return Metric(1 / steps["step_ratio"],
+                  f"vLLM's plain worker, median step {plain * 1e3:.2f} ms (cache's "
+                  f"{cache * 1e3:.2f} ms)",
+                  f"total time {1 / steps['total_ratio']:.3f}; the cache's engine-thread calls "
+                  f"{steps['engine_thread_library_s_per_step'] * 1e6:.0f} µs a step; "
+                  f"{steps['workload']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m prefix_cache.tools.pipeline_bench",
         description="Measures, on vLLM's real engine of this machine (CPU or GPU): M8, stage 1's "
                     "time with its prefix caching on / off on a prefill-dominated model at a "
                     "0.66 hit fraction, against the target 1.15 x (1 - hit fraction); the "
-                    "two-stage pipeline on / off; and the engine step time with the cache's "
-                    "worker against vLLM's plain worker. Prints JSON; exits 1 when M8 misses.",
+                    "two-stage pipeline on / off; and M5e, the engine step time with the cache's "
+                    "worker against vLLM's plain worker. Prints a table with a pass/MISS column "
+                    "(vLLM's logs go to a file it names). Exit status, as the bench's: 0 when it "
+                    "measured, whatever the table says (the JSON's 'pass' fields hold each "
+                    "verdict), 1 when a run failed, 2 on a usage error.",
         epilog="Takes about 5 minutes on a 2-core CPU machine and about 2 on an H200 with the "
                "default 5 runs (three engine starts, then every run on and off).")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    say = lambda msg: print(f"[pipeline bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    results = {"commit": source_commit(), "m8": measure_m8(runs=args.runs, progress=say),
-               "step_time": measure_step_time(runs=args.runs, progress=say)}
-    text = json.dumps(results, indent=2)
-    print(text)
+    if args.json and (problem := unwritable(args.json)):
+        parser.error(problem)
+    log_path = new_log_path("pipeline-bench")
+    with output_to_log(log_path) as terminal:
+        def say(msg: str) -> None:
+            print(f"[pipeline bench] {msg}", file=terminal, flush=True)
+
+        try:
+            m8 = measure_m8(runs=args.runs, progress=lambda msg: say(f"M8: {msg}"))
+            steps = measure_step_time(runs=args.runs,
+                                      progress=lambda msg: say(f"M5e: {msg}"))
+        except Exception as exc:  # the traceback is in the log; the terminal gets one line
+            traceback.print_exc()
+            say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
+            return 1
+    metrics = {"M8": m8_metric(m8), "M5e": m5e_metric(steps)}
+    results = {"device": m8["device"], "commit": source_commit(), "machine": machine(m8["device"]),
+               "metrics": {name: metric_json(PIPELINE_METRICS[name], metric, m8["device"])
+                           for name, metric in metrics.items()},
+               "m8": m8, "step_time": steps}
+    print(report(results, PIPELINE_METRICS), flush=True)
+    print(f"\nvLLM's logs and warnings: {log_path}")
     if args.json:
-        Path(args.json).write_text(text)
-    return 0 if results["m8"]["pass"] else 1
+        write_json(args.json, results)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The bench's metrics: what each one measures, in one line, and the target it must reach.
+"""The benches' metrics: what each one measures, in one line, and the target it must reach.
 
 Plain data with no torch import, so `python -m prefix_cache bench --help` can list it. A new
 row of the bench table (M8, say) is one entry in `METRICS` plus its measurement in `bench.run`.
@@ -39,12 +39,14 @@ class Target:
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric of the bench: a one-line summary of what it measures, and its target (on the
-    CPU backend `cpu_target` where one is set)."""
+    """One metric of a bench: what it measures, in one line, and its target (on the CPU backend
+    `cpu_target` where one is set); `cpu_miss`, where set, says why the CPU backend misses the
+    target by design (the report says so beside the row)."""
 
-    summary: str
+    what: str
     target: Target
     cpu_target: Target | None = None
+    cpu_miss: str = ""
 
     def target_on(self, device: str) -> Target:
         return self.cpu_target if device == "cpu" and self.cpu_target is not None \
@@ -52,9 +54,13 @@ class MetricSpec:
 
     @property
     def targets_text(self) -> str:
-        """Every target, for help text: the default, then the CPU one where it differs."""
-        return self.target.text + ("" if self.cpu_target is None
-                                   else f"; CPU {self.cpu_target.text}")
+        """The help's target column (one short cell): the target off the CPU backend."""
+        return self.target.text
+
+    @property
+    def summary(self) -> str:
+        """The help's line: what the metric measures, and its CPU target where it differs."""
+        return self.what + ("" if self.cpu_target is None else f" (CPU {self.cpu_target.text})")
 
 
 #: In table order; a gpu_only target is set for an NVIDIA GPU (measured on an H200).
@@ -69,11 +75,21 @@ METRICS: dict[str, MetricSpec] = {
                      Target(">=", 0.7)),
     "M4": MetricSpec("engine-thread stalls after warm-up (pinned allocs, registrations, syncs)",
                      Target("==", 0)),
-    "M5": MetricSpec("0%-hit overhead: engine steps per s with the cache / without",
-                     Target(">=", 0.99), cpu_target=Target(">=", 0.95)),
+    "M5": MetricSpec("0%-hit overhead: steps per s with the cache / without",
+                     Target(">=", 0.99), cpu_target=Target(">=", 0.95),
+                     cpu_miss="the host that runs the forward also makes the step's two copies "
+                              "of its rows (into the pool, into the caller's tensor), which "
+                              "holds it near 0.94 at best on a 2-core machine"),
     "M6": MetricSpec("host memory: bytes resident / logical pool bytes", Target("<=", 1.05)),
     "M7": MetricSpec("interference: GEMM loop time with concurrent saves / alone",
                      Target("<=", 1.03, gpu_only=True)),
     "M8": MetricSpec("stage 1 time, prefix caching on / off, / (1 - hit fraction); real engine",
                      Target("<=", 1.15)),
+}
+
+#: The pipeline bench's figures on vLLM's real engine, in table order.
+PIPELINE_METRICS: dict[str, MetricSpec] = {
+    "M8": METRICS["M8"],
+    "M5e": MetricSpec("real engine steps per s, the cache's worker / vLLM's plain worker",
+                      Target(">=", 0.98, gpu_only=True)),
 }
