@@ -37,7 +37,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m prefix_cache")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     demo = sub.add_parser("demo", help="the two-stage pipeline (thinker -> channel -> talker) on "
                                        "vLLM's engine, stage 1's prefix caching on vs off")
     demo.add_argument("--device", choices=("cpu", "cuda", "npu"),
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="measure the cache's metrics (M1-M8) beside their references",
         description="Measure each metric beside its reference, in this process, and print one\n"
-                    "table with a pass/MISS column against each target.",
+                    "table with a pass/MISS column against each target. Exit status: 0 once it\n"
+                    "measured (a MISS included), 1 when a run failed, 2 on a usage error.",
         epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--device", metavar="NAME",
                        help="cpu, cuda, npu or a registered backend (default: the first present "
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="2048-token steps and no scaling sweep; under a minute on CPU")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    bench.add_argument("--plot", metavar="PATH",
+                       help="also draw the scaling sweep as a PNG at PATH (needs matplotlib, "
+                            "the plot extra; not with --quick)")
     bench.add_argument("--runs", type=_positive_int, default=1, metavar="N",
                        help="run everything N times back to back; report each metric's median "
                             "and spread (default: 1)")
@@ -73,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # what there is to run, rather than a bare usage error
+        parser.print_help(sys.stderr)
+        return 2
     if args.command == "demo":
         from prefix_cache.tools import demo
         return demo.main(device=args.device)
@@ -80,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         from prefix_cache.tools import channel_gc
         return channel_gc.main(args.dir, dry_run=args.dry_run)
     from prefix_cache.tools import bench
-    problem = bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
+    problem = (bench.unusable_device(args.device) or (args.json and bench.unwritable(args.json))
+               or (args.plot and bench.unplottable(args.plot, args.quick)))
     if problem:
         parser.exit(2, f"{parser.prog} bench: error: {problem}\n")
-    return bench.main(device=args.device, quick=args.quick, json_path=args.json, runs=args.runs)
+    return bench.main(device=args.device, quick=args.quick, json_path=args.json, runs=args.runs,
+                      plot_path=args.plot)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_writable_json_path_passes_the_check_and_leaves_no_file(tmp_path: Path) 
 
 
 def test_usage_errors_are_one_line_exit_2(capsys) -> None:
-    for argv in ([], ["bench", "--bogus"], ["frobnicate"]):
+    for argv in (["bench", "--bogus"], ["frobnicate"]):
         code, _, err = _exit(argv, capsys)
         assert code == 2 and err.count("\n") == 1 and "error:" in err, argv
 
@@ -184,3 +184,10 @@ def test_cpu_m5_is_judged_against_the_cpu_target() -> None:
     assert m5.target_on("cuda").bound == 0.99 and m5.target_on("cpu").bound == 0.95
     assert bench_report.judge(m5, 0.96, "cpu") and not bench_report.judge(m5, 0.96, "cuda")
     assert "CPU >= 0.95" in m5.summary
+
+
+def test_no_subcommand_lists_what_there_is_to_run(capsys) -> None:
+    assert main([]) == 2
+    listed = capsys.readouterr().err
+    for command in ("demo", "bench", "channel"):
+        assert f"    {command} " in listed

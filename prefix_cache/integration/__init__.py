@@ -1,4 +1,3 @@
-"""vLLM integration: the scheduler-output adapter, the gate, group views, the runner
-mixins (V1, V2) and workers, forward-output reading, the stage-output driver, delivery
-and the output thread.
+"""vLLM integration: the gate, group views, the runner mixins (V1, V2) and workers,
+forward-output reading, the stage-output driver, delivery and the output thread.
 """
