@@ -25,16 +25,20 @@ from typing import Any
 import torch
 
 from prefix_cache import devices
-from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.integration.forward_output import describe, read_forward_output
-from prefix_cache.integration.gate import check_stage_outputs, stage_prefix_cache_config
+from prefix_cache.integration.gate import (check_host_pool, check_stage_outputs,
+                                           stage_options, stage_prefix_cache_config)
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
 
 logger = logging.getLogger(__name__)
+#: The stage's start lines, under vLLM's logger (whose handlers vLLM configures) to show beside
+#: vLLM's own: an engine's caller sees no INFO line of a logger outside it.
+start_logger = logging.getLogger(f"vllm.{__name__}")
 
 CHANNEL_ENV = "PREFIX_CACHE_CHANNEL"
 
@@ -45,8 +49,7 @@ def channel_spec(vllm_config: Any) -> str:
     There is no default: a namespace of the worker's own would be one no consumer knows, and
     the stage's rows would sit there unread until they expire, so the engine is refused.
     """
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    spec = (extra.get("prefix_cache") or {}).get("channel") or os.environ.get(CHANNEL_ENV)
+    spec = stage_options(vllm_config).get("channel") or os.environ.get(CHANNEL_ENV)
     if not spec:
         raise OmniPrefixCacheUnmatchError(
             f"no stage channel is configured, so no consumer could read this stage's outputs: "
@@ -115,27 +118,40 @@ class StageRunnerBase:
             model_config=vllm_config.model_config,
             speculative_config=vllm_config.speculative_config,
             parallel_config=vllm_config.parallel_config,
-            is_pooling_model=self.is_pooling_model)
+            is_pooling_model=self.is_pooling_model,
+            host_budget_bytes=stage_options(vllm_config).get("host_budget_bytes"))
         backend = devices.get_backend(self.device.type)
         hidden_size = vllm_config.model_config.get_hidden_size()
         dtype = vllm_config.model_config.dtype
-        manager = None
-        if config is not None:
-            manager = OmniPrefixCacheManager(config, self._omni_view(config, backend),
-                                             backend=backend)
-            manager.register_policy(self._omni_policy)
-            if self._omni_policy.needs_full_hidden_states:
-                manager.preallocate(HIDDEN_KEY, (hidden_size,), dtype)
-            logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
-                        config.num_blocks, config.block_size)
-        channel = open_channel(channel_spec(vllm_config))
+        spec = channel_spec(vllm_config)  # refused before any pool is allocated
+        manager = None if config is None else self._omni_cache(config, backend, hidden_size,
+                                                               dtype)
+        channel = open_channel(spec)
         self._omni_stage = StageOutputDriver(
             StageDelivery(channel, external_id=external_request_id), backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
             timeout_s=30.0 if config is None else config.staging_claim_timeout_s)
         self.omni_prefix_cache = manager
-        logger.info("stage outputs go to channel %s", channel.spec)
+        start_logger.info("stage outputs go to channel %s", channel.spec)
+        return manager
+
+    def _omni_cache(self, config: PrefixCacheConfig, backend: Any, hidden_size: int,
+                    dtype: torch.dtype) -> OmniPrefixCacheManager:
+        """The manager over the runner's batch with the hidden-state pool allocated; refused
+        first, in one line, when the pool would be over the host budget."""
+        keys = [HIDDEN_KEY] if self._omni_policy.needs_full_hidden_states else []
+        pool = check_host_pool(config, keys=len(keys), feat_shape=(hidden_size,), dtype=dtype,
+                               device_type=self.device.type)
+        manager = OmniPrefixCacheManager(config, self._omni_view(config, backend),
+                                         backend=backend)
+        manager.register_policy(self._omni_policy)
+        for key in keys:
+            manager.preallocate(key, (hidden_size,), dtype)
+        pinned = any(manager.pool.keys[key].storage.pinned for key in keys)
+        start_logger.info("omni prefix cache on %s: %d blocks of %d tokens; host pool %s, %s",
+                          backend.name, config.num_blocks, config.block_size, pool,
+                          "pinned" if pinned else "pageable")
         return manager
 
     def shutdown(self) -> None:
