@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefix_cache.devices import backend_classes, parse_device
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 #: Pool key of the stage's last hidden states.
 HIDDEN_KEY = "__hidden_states__"
@@ -21,6 +24,11 @@ WRITE_STREAMS = ("compute", "copy")
 #: Host bytes every slot costs whatever the model: its claim, read pins, and the hidden key's
 #: version and producer; a pool the host cannot even index is refused up front.
 _MIN_HOST_BYTES_PER_SLOT = 8 + 4 + 8 + 8
+
+#: Share of the host's physical memory the pools of all its devices may take by default: each
+#: pool mirrors its engine's whole KV cache, and a pinned page is one the OS can never reclaim,
+#: so half is left to the engines' own processes, page cache and the next stage's entries.
+HOST_POOL_SHARE = 0.5
 
 
 def _host_memory_bytes() -> int | None:
@@ -44,6 +52,9 @@ class PrefixCacheConfig:
     write_stream: str = "compute"
     #: host bytes kept for reuse from outputs their callers dropped (0: none kept)
     output_cache_bytes: int = 256 << 20
+    #: host bytes the stage's pools may take (None: `HOST_POOL_SHARE` of the host's memory,
+    #: split evenly over its devices of the pool's type; see `host_budget`)
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens"):
@@ -54,6 +65,11 @@ class PrefixCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PrefixCacheConfig.{name} must be an int >= 0, got {value!r}")
+        budget = self.host_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise ValueError(f"PrefixCacheConfig.host_budget_bytes must be an int >= 0 or None, "
+                             f"got {budget!r}")
         timeout = self.staging_claim_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not math.isfinite(timeout) or timeout <= 0:
@@ -90,6 +106,18 @@ class PrefixCacheConfig:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    def key_bytes(self, feat_shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Host bytes of one key's pool: a row of `feat_shape` for every KV slot."""
+        return self.num_slots * math.prod(feat_shape) * dtype.itemsize
+
+    def host_budget(self, devices_on_host: int) -> int | None:
+        """`host_budget_bytes`, else `HOST_POOL_SHARE` of the host's physical memory over the
+        `devices_on_host` that may each build a pool (None: the host's memory is unknown)."""
+        if self.host_budget_bytes is not None:
+            return self.host_budget_bytes
+        host = _host_memory_bytes()
+        return None if host is None else int(host * HOST_POOL_SHARE) // max(1, devices_on_host)
 
     @classmethod
     def from_vllm_config(cls, *, num_blocks: int, block_size: int, scheduler_config: Any = None,

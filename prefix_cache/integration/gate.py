@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefix_cache.config import PrefixCacheConfig
+import torch
+
+from prefix_cache.config import HOST_POOL_SHARE, PrefixCacheConfig
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 _FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+#: What `vllm_config.additional_config["prefix_cache"]` may set.
+STAGE_OPTIONS = ("channel", "host_budget_bytes")
 
 
 #: Why a stage with speculative decoding neither caches nor publishes its rows.
@@ -17,6 +24,20 @@ _SPECULATIVE = ("speculative decoding keeps num_computed_tokens optimistic durin
 
 def _refuse(reason: str) -> OmniPrefixCacheUnmatchError:
     return OmniPrefixCacheUnmatchError(f"omni prefix cache refused for this stage: {reason}")
+
+
+def stage_options(vllm_config: Any) -> Mapping[str, Any]:
+    """The engine's `additional_config["prefix_cache"]`, refused if it sets an unknown option."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    options = extra.get("prefix_cache") or {}
+    if not isinstance(options, Mapping):
+        raise _refuse(f"additional_config['prefix_cache'] must be a dict of options "
+                      f"{list(STAGE_OPTIONS)}, got {options!r}")
+    unknown = sorted(set(options) - set(STAGE_OPTIONS))
+    if unknown:
+        raise _refuse(f"additional_config['prefix_cache'] sets unknown option(s) {unknown}; "
+                      f"known: {list(STAGE_OPTIONS)}")
+    return options
 
 
 def check_stage_outputs(*, speculative_config: Any = None) -> None:
@@ -41,6 +62,7 @@ def stage_prefix_cache_config(*, kv_cache_config: Any, cache_config: Any,
                               kv_transfer_config: Any = None, scheduler_config: Any = None,
                               model_config: Any = None, speculative_config: Any = None,
                               parallel_config: Any = None, is_pooling_model: bool = False,
+                              host_budget_bytes: int | None = None,
                               ) -> PrefixCacheConfig | None:
     """None when prefix caching is off or the stage pools; a config when supported; else raises."""
     if not getattr(cache_config, "enable_prefix_caching", False) or is_pooling_model:
@@ -70,4 +92,40 @@ def stage_prefix_cache_config(*, kv_cache_config: Any, cache_config: Any,
     return PrefixCacheConfig.from_vllm_config(num_blocks=int(kv_cache_config.num_blocks),
                                               block_size=block_size,
                                               scheduler_config=scheduler_config,
-                                              model_config=model_config)
+                                              model_config=model_config,
+                                              host_budget_bytes=host_budget_bytes)
+
+
+def devices_on_host(device_type: str) -> int:
+    """The devices of `device_type` this process sees, each of which may run an engine that
+    builds a pool on this host (CPU: one)."""
+    if device_type == "cpu":
+        return 1
+    return max(1, torch.get_device_module(device_type).device_count())
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.2f} MiB"
+
+
+def check_host_pool(config: PrefixCacheConfig, *, keys: int, feat_shape: Sequence[int],
+                    dtype: torch.dtype, device_type: str) -> str:
+    """What the stage's pools take at start (`keys` keys of rows of `feat_shape`), as a line for
+    the log; refused in one line, naming the knobs, when that is over the host budget."""
+    devices = devices_on_host(device_type)
+    budget = config.host_budget(devices)
+    per_key = config.key_bytes(feat_shape, dtype)
+    pool = (f"{_size(keys * per_key)}: {keys} key(s) x {_size(per_key)} ({config.num_slots:,} KV "
+            f"slots x {math.prod(feat_shape)} x {dtype.itemsize} B of {dtype})")
+    source = ("host_budget_bytes" if config.host_budget_bytes is not None else
+              f"default: {HOST_POOL_SHARE:.0%} of host memory over {devices} {device_type} "
+              f"device(s)")
+    if budget is None:
+        return f"{pool}; host budget unknown (this host's memory size is not readable)"
+    if keys * per_key > budget:
+        raise _refuse(f"its host pool would take {pool}, over the host budget of {_size(budget)} "
+                      f"({source}). The pool mirrors every KV slot, so its size follows vLLM's KV "
+                      f"cache, not the model: lower gpu_memory_utilization or set "
+                      f"num_gpu_blocks_override, cache fewer keys, or raise "
+                      f"additional_config['prefix_cache']['host_budget_bytes']")
+    return f"{pool}; host budget {_size(budget)} ({source})"

@@ -3,15 +3,16 @@
 Put it first in the bases (`class R(PrefixCacheRunnerMixin, GPUModelRunner)`); Model Runner
 V2 has its own mixin over the same base (`prefix_cache.integration.runner_v2`). It
 snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
-the gate, builds the manager (allocating the hidden pool there, off the request
-path) when prefix caching is on, and opens the stage channel; per step it calls
+the gate, opens the stage channel and builds the manager (allocating the hidden
+pool there, off the request path) when prefix caching is on; per step it calls
 `new_step_starts` before the runner updates its batch, `save_outputs` right after
 the forward, and leaves `materialize` and publishing to its output thread, so the
 engine thread never waits for rows. Each finished request's rows from position 0
 go to the channel under its external request id.
 
 The channel is `vllm_config.additional_config["prefix_cache"]["channel"]`, else
-`$PREFIX_CACHE_CHANNEL`; with neither the engine is refused (see `channel_spec`).
+`$PREFIX_CACHE_CHANNEL`; with neither, or one that does not open, the engine is refused (see
+`open_stage_channel`).
 """
 
 from __future__ import annotations
@@ -25,35 +26,49 @@ from typing import Any
 import torch
 
 from prefix_cache import devices
-from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.channel import OmniPrefixCacheChannelError, StageChannel, open_channel
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.integration.forward_output import describe, read_forward_output
-from prefix_cache.integration.gate import check_stage_outputs, stage_prefix_cache_config
+from prefix_cache.integration.gate import (check_host_pool, check_stage_outputs,
+                                           stage_options, stage_prefix_cache_config)
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
 
 logger = logging.getLogger(__name__)
+#: The stage's start lines, under vLLM's logger (whose handlers vLLM configures) to show beside
+#: vLLM's own: an engine's caller sees no INFO line of a logger outside it.
+start_logger = logging.getLogger(f"vllm.{__name__}")
 
 CHANNEL_ENV = "PREFIX_CACHE_CHANNEL"
 
 
-def channel_spec(vllm_config: Any) -> str:
-    """The stage channel this engine publishes to (additional_config, then the environment).
+def open_stage_channel(vllm_config: Any) -> StageChannel:
+    """The stage channel this engine publishes to (additional_config, then the environment),
+    or a one-line refusal naming the setting and how to fix it.
 
     There is no default: a namespace of the worker's own would be one no consumer knows, and
     the stage's rows would sit there unread until they expire, so the engine is refused.
     """
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    spec = (extra.get("prefix_cache") or {}).get("channel") or os.environ.get(CHANNEL_ENV)
+    spec = stage_options(vllm_config).get("channel")
+    where = "additional_config['prefix_cache']['channel']"
+    if not spec:
+        spec, where = os.environ.get(CHANNEL_ENV), f"${CHANNEL_ENV}"
     if not spec:
         raise OmniPrefixCacheUnmatchError(
             f"no stage channel is configured, so no consumer could read this stage's outputs: "
             f"open one where they are consumed (prefix_cache.channel.open_channel()) and start "
             f"the engine with additional_config={{'prefix_cache': {{'channel': channel.spec}}}}, "
             f"or set {CHANNEL_ENV} to its spec")
-    return spec
+    try:
+        return open_channel(spec)
+    except (OmniPrefixCacheChannelError, ValueError, ImportError) as exc:
+        raise OmniPrefixCacheUnmatchError(
+            f"{where} {spec!r} cannot be opened: {exc}; open the channel where the rows are "
+            f"consumed first (prefix_cache.channel.open_channel()) and hand the engine its "
+            f"channel.spec") from None  # the cause is in the line: one traceback, not two
 
 
 def external_request_id(req_id: str) -> str:
@@ -105,7 +120,6 @@ class StageRunnerBase:
         """Build the stage's output path once, on the rank whose outputs leave the stage."""
         if self._omni_stage is not None or not _outputs_leave_this_rank():
             return self.omni_prefix_cache
-        from prefix_cache.channel import open_channel
         vllm_config = self.vllm_config
         check_stage_outputs(speculative_config=vllm_config.speculative_config)
         config = stage_prefix_cache_config(
@@ -115,28 +129,46 @@ class StageRunnerBase:
             model_config=vllm_config.model_config,
             speculative_config=vllm_config.speculative_config,
             parallel_config=vllm_config.parallel_config,
-            is_pooling_model=self.is_pooling_model)
+            is_pooling_model=self.is_pooling_model,
+            host_budget_bytes=stage_options(vllm_config).get("host_budget_bytes"))
         backend = devices.get_backend(self.device.type)
         hidden_size = vllm_config.model_config.get_hidden_size()
         dtype = vllm_config.model_config.dtype
-        manager = None
-        if config is not None:
-            manager = OmniPrefixCacheManager(config, self._omni_view(config, backend),
-                                             backend=backend)
-            manager.register_policy(self._omni_policy)
-            if self._omni_policy.needs_full_hidden_states:
-                manager.preallocate(HIDDEN_KEY, (hidden_size,), dtype)
-            logger.info("omni prefix cache on %s: %d blocks of %d tokens", backend.name,
-                        config.num_blocks, config.block_size)
-        channel = open_channel(channel_spec(vllm_config))
-        channel.register_producer()  # consumers learn within seconds if this process dies
+        # refused here, in vLLM's initialize_from_config RPC, whose failure carries the line up
+        # to the engine core (a failed worker start reaches it as "see stack trace" only)
+        channel = open_stage_channel(vllm_config)  # before any pool is allocated
+        try:
+            channel.register_producer()  # consumers learn within seconds if this process dies
+            manager = None if config is None else self._omni_cache(config, backend,
+                                                                   hidden_size, dtype)
+        except BaseException:
+            channel.close()
+            raise
         self._omni_stage = StageOutputDriver(
             StageDelivery(channel, external_id=external_request_id), backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
             timeout_s=30.0 if config is None else config.staging_claim_timeout_s)
         self.omni_prefix_cache = manager
-        logger.info("stage outputs go to channel %s", channel.spec)
+        start_logger.info("stage outputs go to channel %s", channel.spec)
+        return manager
+
+    def _omni_cache(self, config: PrefixCacheConfig, backend: Any, hidden_size: int,
+                    dtype: torch.dtype) -> OmniPrefixCacheManager:
+        """The manager over the runner's batch with the hidden-state pool allocated; refused
+        first, in one line, when the pool would be over the host budget."""
+        keys = [HIDDEN_KEY] if self._omni_policy.needs_full_hidden_states else []
+        pool = check_host_pool(config, keys=len(keys), feat_shape=(hidden_size,), dtype=dtype,
+                               device_type=self.device.type)
+        manager = OmniPrefixCacheManager(config, self._omni_view(config, backend),
+                                         backend=backend)
+        manager.register_policy(self._omni_policy)
+        for key in keys:
+            manager.preallocate(key, (hidden_size,), dtype)
+        pinned = any(manager.pool.keys[key].storage.pinned for key in keys)
+        start_logger.info("omni prefix cache on %s: %d blocks of %d tokens; host pool %s, %s",
+                          backend.name, config.num_blocks, config.block_size, pool,
+                          "pinned" if pinned else "pageable")
         return manager
 
     def shutdown(self) -> None:
