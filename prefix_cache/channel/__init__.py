@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from prefix_cache.channel.base import DEFAULT_TTL_S, StageChannel
+from prefix_cache.channel.base import DEFAULT_TTL_S, StageChannel, StageChunk
 from prefix_cache.channel.codec import StageEntry
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
@@ -28,7 +28,7 @@ from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
 __all__ = [
     "DEFAULT_TTL_S", "OmniPrefixCacheChannelError", "OmniPrefixCacheChannelFullError",
     "OmniPrefixCacheChannelProducerError", "OmniPrefixCacheChannelTimeoutError",
-    "StageChannel", "StageEntry", "open_channel",
+    "StageChannel", "StageChunk", "StageEntry", "open_channel",
 ]
 
 

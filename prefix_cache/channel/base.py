@@ -1,5 +1,10 @@
 """The stage channel: per request id a queue of entries, each published whole and taken once.
 
+An entry may be published in chunks as its rows are made (`put(..., start=K, final=False)`,
+then a final chunk): each chunk is an entry of the id's queue, so chunks keep every rule above
+one by one, and `stream` yields them as they come while `get` joins them. A handle refuses a
+chunk that would leave a gap, overlap the rows before it, or follow the final one.
+
 A put never replaces an unconsumed entry: entries under one id are taken in put order, each
 exactly once (clients reuse request ids). A namespace holds at most `capacity_bytes` of
 unconsumed entries; a put that finds no room waits up to `full_wait_s`, then fails that entry
@@ -24,6 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,6 +52,18 @@ _MAX_POLL_S = 0.02
 LIVENESS_CHECK_S = 0.5
 #: How long `close()` waits for the operations other threads have in flight on the handle.
 CLOSE_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class StageChunk:
+    """Rows of positions `start, start + 1, ...` of one request's entry, per key; the last
+    chunk is `final` and carries the entry's `aborted` marker and `meta`."""
+
+    rows: dict[str, torch.Tensor]
+    start: int
+    final: bool
+    aborted: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class StageChannel(ABC):
@@ -71,32 +89,74 @@ class StageChannel(ABC):
         self._closed = False
         self._in_flight = 0  # operations running on the backend, on any thread
         self._idle = threading.Condition()
+        self._streams: dict[str, int] = {}  # ids with chunks out, no final: where they stand
+        self._streams_lock = threading.Lock()
 
     @property
     @abstractmethod
     def spec(self) -> str:
         """The string `open_channel` takes in another process to reach this same namespace."""
 
-    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *,
-            aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None:
-        """Publishes `outputs` (CPU tensors by key) for `request_id`, behind any unconsumed
-        entries of the same id. `aborted` marks a request that ended early; `meta` is JSON.
-        Waits up to `full_wait_s` for room; then raises `OmniPrefixCacheChannelFullError`
-        and publishes nothing."""
+    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *, start: int = 0,
+            final: bool = True, aborted: bool = False,
+            meta: Mapping[str, Any] | None = None) -> None:
+        """Publishes `outputs` (CPU tensors by key, each as many rows) for `request_id`, behind
+        any unconsumed entries of the same id: a whole entry, or with `final=False` a chunk of
+        one, rows of positions `start, start + 1, ...` (then the next chunk starts where this
+        one ends, up to one with `final=True`). `aborted` marks a request that ended early;
+        `meta` is JSON. Waits up to `full_wait_s` for room; then raises
+        `OmniPrefixCacheChannelFullError` and publishes nothing (the stream stays where it was)."""
         self._check_open()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
         if not isinstance(outputs, Mapping):
             raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
                             f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(outputs).__name__}")
-        self._put_entry(StageEntry(request_id, dict(outputs), aborted, dict(meta or {}),
-                                   time.time()), bounded=True)
+        entry = StageEntry(request_id, dict(outputs), aborted, dict(meta or {}), time.time(),
+                           start=start, final=final)
+        with self._streams_lock:
+            stands = self._check_chunk(entry)
+        self._put_entry(entry, bounded=True)
+        with self._streams_lock:
+            if self._streams.get(request_id, 0) == stands:  # no fail() ended it meanwhile
+                if final:
+                    self._streams.pop(request_id, None)
+                else:
+                    self._streams[request_id] = start + entry.num_rows
+
+    def _check_chunk(self, entry: StageEntry) -> int:
+        """Where `entry`'s stream stands (the position its rows must start at); a channel error
+        for a gap, an overlap or a chunk after the final one (caller holds the lock)."""
+        request_id, start = entry.request_id, entry.start
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"request {request_id}: chunk start must be a whole number, "
+                             f"got {start!r}")
+        counts = {key: rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() else None
+                  for key, rows in entry.outputs.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"request {request_id}: the keys of one entry must have as many "
+                             f"rows each, got {counts}")
+        stands = self._streams.get(request_id, 0)
+        if start == stands:
+            return stands
+        if request_id not in self._streams:
+            what = "no stream is open under the id (its final chunk was put, or its first chunk, " \
+                   "from position 0, never was)"
+        elif start > stands:
+            what = f"positions {stands}..{start - 1} would be missing"
+        else:
+            what = f"positions {start}..{stands - 1} were published already"
+        raise OmniPrefixCacheChannelError(
+            f"request {request_id}: a chunk from position {start} is refused on channel "
+            f"{self.spec}: {what}")
 
     def fail(self, request_id: str, cause: str) -> None:
         """Publishes, in place of `request_id`'s rows, that they could not be published and why:
         its consumer's get raises a channel error naming the request and `cause`. A failure
         marker is a few hundred bytes and is published even into a full channel."""
         self._check_open(request_id)
+        with self._streams_lock:  # ends a stream in progress: its consumer raises here
+            self._streams.pop(request_id, None)
         self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)),
                         bounded=False)
 
@@ -124,7 +184,7 @@ class StageChannel(ABC):
             reservation = (self._wait_for_room(entry.request_id, encoded.nbytes) if bounded
                            else self._reserve(encoded.nbytes, force=True))
             try:
-                self._publish(entry.request_id, encoded, reservation)
+                self._publish(entry.request_id, encoded, reservation, final=entry.final)
             except BaseException:
                 self._unreserve(reservation)
                 raise
@@ -155,8 +215,41 @@ class StageChannel(ABC):
         return self.get_entry(request_id, timeout_s).outputs
 
     def get_entry(self, request_id: str, timeout_s: float = 30.0) -> StageEntry:
-        """The entry published for `request_id`, waiting up to `timeout_s`; consumes it. An
-        entry the publisher failed (`fail`) raises a channel error naming its cause."""
+        """The entry published for `request_id`, waiting up to `timeout_s` (for each chunk of a
+        streamed one, then joined from position 0); consumes it. An entry the publisher failed
+        (`fail`) raises a channel error naming its cause."""
+        chunks, stands = [], 0
+        for chunk in self._chunks(request_id, timeout_s):
+            if chunk.start != stands:  # joined rows must be every position, each once
+                raise OmniPrefixCacheChannelError(
+                    f"request {request_id}: a chunk from position {chunk.start} follows "
+                    f"positions up to {stands} on channel {self.spec}: another reader took the "
+                    f"chunks between, so its rows cannot be joined")
+            chunks.append(chunk)
+            stands = chunk.start + chunk.num_rows
+        if len(chunks) == 1:
+            return chunks[0]
+        return replace(chunks[-1], outputs=join_chunks(chunks), start=0)
+
+    def stream(self, request_id: str, timeout_s: float = 30.0) -> Iterator[StageChunk]:
+        """`request_id`'s next entry chunk by chunk as they are published, in order, each
+        consumed once (a whole entry is one final chunk); `timeout_s` bounds the wait for each.
+        A failure the publisher put in their place raises where it was put. Readers racing on
+        one id split its chunks, each taken once and in order; the one that takes the final
+        chunk ends."""
+        for entry in self._chunks(request_id, timeout_s):
+            yield StageChunk(entry.outputs, entry.start, entry.final, entry.aborted, entry.meta)
+
+    def _chunks(self, request_id: str, timeout_s: float) -> Iterator[StageEntry]:
+        """The id's entries in put order up to a final one."""
+        while True:
+            chunk = self._next_chunk(request_id, timeout_s)
+            yield chunk
+            if chunk.final:
+                return
+
+    def _next_chunk(self, request_id: str, timeout_s: float) -> StageEntry:
+        """The id's oldest entry (a chunk or a whole one), waiting up to `timeout_s`."""
         check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open(request_id)
         next_check = time.monotonic() + LIVENESS_CHECK_S
@@ -265,9 +358,11 @@ class StageChannel(ABC):
         """Returns the room of a reservation whose publish failed."""
 
     @abstractmethod
-    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Any) -> None:
+    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Any, *,
+                 final: bool) -> None:
         """Stores the entry in its reserved room behind the id's unconsumed entries, so that a
-        reader sees all of it or none of it; never replaces one."""
+        reader sees all of it or none of it; never replaces one. A `final` entry (not a chunk
+        that more follow) ends this handle's expectation of the id."""
 
     @abstractmethod
     def _take(self, request_id: str) -> torch.Tensor | None:
@@ -297,3 +392,12 @@ class StageChannel(ABC):
     @abstractmethod
     def _close(self) -> None:
         """Releases the backend; the namespace's owner also frees every entry in it."""
+
+
+def join_chunks(chunks: list[StageEntry]) -> dict[str, torch.Tensor]:
+    """The chunks' rows from their first position on, per key; a key missing from some chunks
+    reads zeros at their positions."""
+    like = {key: rows for chunk in reversed(chunks) for key, rows in chunk.outputs.items()}
+    return {key: torch.cat([chunk.outputs[key] if key in chunk.outputs else
+                            ref.new_zeros((chunk.num_rows, *ref.shape[1:])) for chunk in chunks])
+            for key, ref in like.items()}

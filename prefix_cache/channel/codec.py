@@ -23,7 +23,8 @@ _PREFIX = struct.Struct("<8sQ")  # magic, header length
 
 @dataclass(frozen=True)
 class StageEntry:
-    """One request's published stage outputs: CPU tensors by key, the aborted marker, metadata."""
+    """One request's published stage outputs: CPU tensors by key, the aborted marker, metadata;
+    or one chunk of them: rows of positions `start, start + 1, ...`, the last chunk `final`."""
 
     request_id: str
     outputs: dict[str, torch.Tensor]
@@ -31,6 +32,13 @@ class StageEntry:
     meta: dict[str, Any] = field(default_factory=dict)  # JSON values, defined by the publisher
     published_at: float = 0.0  # time.time() at publish
     error: str | None = None  # the publisher could not publish the rows: why (no outputs then)
+    start: int = 0  # the position of the first row
+    final: bool = True  # no chunk follows under this entry
+
+    @property
+    def num_rows(self) -> int:
+        """Positions the rows cover (every key has as many rows)."""
+        return next(iter(self.outputs.values())).shape[0] if self.outputs else 0
 
 
 class EncodedEntry(NamedTuple):
@@ -67,7 +75,7 @@ def encode(entry: StageEntry) -> EncodedEntry:
         offset = _align(offset + raw.numel())
     header = {"request_id": entry.request_id, "aborted": bool(entry.aborted),
               "published_at": entry.published_at, "meta": entry.meta, "tensors": rows,
-              "error": entry.error}
+              "error": entry.error, "start": entry.start, "final": bool(entry.final)}
     try:
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
     except (TypeError, ValueError) as e:
@@ -131,5 +139,9 @@ def decode(data: torch.Tensor) -> StageEntry:
     error = header.get("error")
     if error is not None and not isinstance(error, str):
         raise ValueError(f"error {error!r} is not a str")
+    start, final = header.get("start", 0), header.get("final", True)
+    if not _whole(start) or not isinstance(final, bool):
+        raise ValueError(f"chunk start {start!r} and final {final!r} must be a whole number "
+                         f"and a bool")
     return StageEntry(header["request_id"], outputs, header["aborted"], header["meta"],
-                      header["published_at"], error)
+                      header["published_at"], error, start, final)

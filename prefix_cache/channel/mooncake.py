@@ -576,11 +576,13 @@ class MooncakeChannel(StageChannel):
                 if e == 0 and key in self._live:
                     self._used -= self._live.pop(key).nbytes
 
-    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: int) -> None:
+    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: int, *,
+                 final: bool) -> None:
         head = self.entry_key(request_id)
         with self._id_locks.hold(head):  # a chain's next index is taken by one put at a time
             self._append(head, request_id, encoded, reservation)
-        self._fulfil(head)
+        if final:
+            self._fulfil(head)
 
     def _append(self, head: str, request_id: str, encoded: EncodedEntry,
                 reservation: int) -> None:

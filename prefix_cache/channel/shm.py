@@ -525,8 +525,8 @@ class ShmChannel(StageChannel):
         finally:
             os.close(reservation.fd)
 
-    def _publish(self, request_id: str, encoded: EncodedEntry,
-                 reservation: _Reservation) -> None:
+    def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
+                 *, final: bool) -> None:
         try:
             for offset, piece in encoded.pieces:
                 _write_all(reservation.fd, piece, offset)
@@ -534,7 +534,8 @@ class ShmChannel(StageChannel):
             with self._locked():
                 self._mark(name)
                 os.rename(reservation.path, self.directory / f"{name}.{self._next_seq()}")
-                self._end_expectation(request_id)
+                if final:
+                    self._end_expectation(request_id)
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e

@@ -1,0 +1,159 @@
+"""Streamed entries on each channel backend (shared memory; Mooncake Store on loopback): chunks
+come in order and each exactly once, across processes and racing readers; `get` joins them; a
+failure raises where it was put; capacity holds chunk by chunk; malformed chunks are refused."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+import torch
+
+from prefix_cache import HIDDEN_KEY
+from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelFullError,
+                                  OmniPrefixCacheChannelTimeoutError, StageChannel, StageChunk,
+                                  open_channel)
+from tests.test_channel import channel, new_spec  # noqa: F401  (backend-parametrized fixtures)
+
+WIDTH = 8
+
+
+def positions(start: int, end: int) -> dict[str, torch.Tensor]:
+    """Rows whose values are their positions: a misplaced row shows."""
+    rows = torch.arange(start, end, dtype=torch.float32)[:, None].repeat(1, WIDTH)
+    return {HIDDEN_KEY: rows, "codes": rows[:, :2].to(torch.int64)}
+
+
+def put_stream(channel: StageChannel, request_id: str, bounds: list[int], *,
+               pause_s: float = 0.0) -> None:
+    """Chunks of positions bounds[0]..bounds[1], bounds[1]..bounds[2], ...; the last final."""
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        channel.put(request_id, positions(start, end), start=start,
+                    final=i == len(bounds) - 2, meta={"chunks": len(bounds) - 1})
+        time.sleep(pause_s)
+
+
+def _produce(spec: str, request_id: str, bounds: list[int]) -> None:
+    with open_channel(spec) as channel:
+        channel.register_producer()
+        channel.expect(request_id)
+        put_stream(channel, request_id, bounds, pause_s=0.05)
+
+
+def test_a_stream_from_another_process_arrives_in_order_chunk_by_chunk(
+        channel: StageChannel) -> None:
+    bounds = [0, 64, 65, 66, 80]
+    producer = multiprocessing.get_context("spawn").Process(
+        target=_produce, args=(channel.spec, "req-s", bounds))
+    producer.start()
+    arrived: list[tuple[StageChunk, float]] = []
+    for chunk in channel.stream("req-s", timeout_s=60):
+        arrived.append((chunk, time.monotonic()))
+    producer.join(30)
+    assert producer.exitcode == 0
+    chunks = [c for c, _ in arrived]
+    assert [(c.start, c.final) for c in chunks] == [(0, False), (64, False), (65, False),
+                                                    (66, True)]
+    for chunk, start, end in zip(chunks, bounds, bounds[1:]):
+        assert torch.equal(chunk.rows[HIDDEN_KEY], positions(start, end)[HIDDEN_KEY])
+    assert chunks[-1].meta == {"chunks": 4}
+    assert arrived[-1][1] - arrived[0][1] > 0.1  # each as it was put, not all at the end
+    with pytest.raises(OmniPrefixCacheChannelTimeoutError):  # each exactly once
+        channel.get("req-s", timeout_s=0.1)
+
+
+def test_get_waits_for_the_final_chunk_and_joins_the_rows_from_position_0(
+        channel: StageChannel) -> None:
+    putter = threading.Thread(target=put_stream, args=(channel, "req-j", [0, 10, 11, 12]),
+                              kwargs={"pause_s": 0.1})
+    putter.start()
+    entry = channel.get_entry("req-j", timeout_s=10)
+    putter.join()
+    assert entry.final and entry.start == 0 and entry.meta == {"chunks": 3}
+    assert all(torch.equal(entry.outputs[k], v) for k, v in positions(0, 12).items())
+    channel.put("req-j", positions(0, 3))  # whole entries under the id are as they were
+    assert torch.equal(channel.get("req-j", timeout_s=5)["codes"], positions(0, 3)["codes"])
+
+
+def test_a_key_missing_from_some_chunks_reads_zeros_there_when_joined(
+        channel: StageChannel) -> None:
+    channel.put("req-k", {HIDDEN_KEY: positions(0, 4)[HIDDEN_KEY]}, start=0, final=False)
+    channel.put("req-k", positions(4, 6), start=4, final=True)
+    got = channel.get("req-k", timeout_s=5)
+    assert torch.equal(got["codes"], torch.cat([torch.zeros(4, 2, dtype=torch.int64),
+                                                positions(4, 6)["codes"]]))
+
+
+def test_readers_racing_on_one_stream_take_each_chunk_once_and_in_order(
+        channel: StageChannel) -> None:
+    count = 40
+    taken: list[list[int]] = [[], []]
+    with open_channel(channel.spec) as other:
+        def read(handle: StageChannel, into: list[int]) -> None:
+            try:
+                for chunk in handle.stream("req-r", timeout_s=1.0):
+                    into.append(chunk.start)
+            except OmniPrefixCacheChannelTimeoutError:
+                pass  # the other reader took the final chunk
+
+        readers = [threading.Thread(target=read, args=(h, t))
+                   for h, t in ((channel, taken[0]), (other, taken[1]))]
+        for reader in readers:
+            reader.start()
+        put_stream(channel, "req-r", list(range(count + 1)))
+        for reader in readers:
+            reader.join(60)
+    assert sorted(taken[0] + taken[1]) == list(range(count))  # none lost, none twice
+    assert taken[0] == sorted(taken[0]) and taken[1] == sorted(taken[1])
+
+
+def test_a_failure_mid_stream_raises_where_it_was_put(channel: StageChannel) -> None:
+    channel.put("req-f", positions(0, 5), start=0, final=False)
+    channel.put("req-f", positions(5, 6), start=5, final=False)
+    channel.fail("req-f", "the stage stopped publishing")
+    starts = []
+    with pytest.raises(OmniPrefixCacheChannelError,
+                       match="request req-f: .*the stage stopped publishing"):
+        for chunk in channel.stream("req-f", timeout_s=5):
+            starts.append(chunk.start)
+    assert starts == [0, 5]
+    channel.put("req-f", positions(0, 2), start=0, final=True)  # the failure ended the stream
+
+
+@pytest.mark.parametrize("start, error", [
+    (7, "positions 5..6 would be missing"),
+    (3, "positions 3..4 were published already"),
+])
+def test_a_chunk_that_leaves_a_gap_or_overlaps_is_refused_and_the_stream_goes_on(
+        channel: StageChannel, start: int, error: str) -> None:
+    channel.put("req-m", positions(0, 5), start=0, final=False)
+    with pytest.raises(OmniPrefixCacheChannelError,
+                       match=f"request req-m: a chunk from position {start} is refused .*{error}"):
+        channel.put("req-m", positions(start, start + 2), start=start, final=False)
+    channel.put("req-m", positions(5, 6), start=5, final=True)
+    assert torch.equal(channel.get("req-m", timeout_s=5)[HIDDEN_KEY], positions(0, 6)[HIDDEN_KEY])
+
+
+def test_a_chunk_after_the_final_one_is_refused(channel: StageChannel) -> None:
+    put_stream(channel, "req-a", [0, 4, 6])
+    with pytest.raises(OmniPrefixCacheChannelError,
+                       match="request req-a: a chunk from position 6 is refused .*no stream is "
+                             "open under the id"):
+        channel.put("req-a", positions(6, 7), start=6, final=True)
+
+
+def test_a_full_channel_holds_chunk_by_chunk(new_spec: str) -> None:
+    """Each chunk is an entry: the put that finds no room waits bounded and fails that chunk
+    alone, the stream stays where it was, and it goes on once the consumer made room."""
+    with open_channel(new_spec + "&capacity=8192&wait=0.3") as channel:
+        big = 90  # rows of WIDTH float32 and 2 int64: about 4.3 KiB a chunk
+        channel.put("req-c", positions(0, big), start=0, final=False)
+        with pytest.raises(OmniPrefixCacheChannelFullError, match="request req-c"):
+            channel.put("req-c", positions(big, 2 * big), start=big, final=False)
+        chunks = channel.stream("req-c", timeout_s=5)
+        assert next(chunks).start == 0  # room again
+        channel.put("req-c", positions(big, 2 * big), start=big, final=True)
+        assert next(chunks).final
+
