@@ -1,7 +1,8 @@
 """Stage 1's engine-core process SIGKILLed mid-round on vLLM's real CPU engine, restarted each
-time, on shared memory and on Mooncake Store (loopback): every request finished before a kill
-arrives exactly once with exactly its rows, every cut request's consumer gets a failure naming
-the dead producer within seconds, stage 2's tokens never change, and nothing is left behind.
+time, on shared memory and on Mooncake Store (loopback): every request whose entry was out
+before a kill arrives exactly once with exactly its rows, every other request's consumer gets a
+failure naming the dead producer within seconds, stage 2's tokens never change, and nothing is
+left behind.
 
 The short form of `python -m prefix_cache.tools.kill_test` (BENCHMARKS.md, Reliability, has
 the long one)."""
