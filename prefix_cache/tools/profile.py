@@ -1,11 +1,13 @@
 """Where a vLLM engine's threads spent a profiled window, from py-spy's collapsed stacks.
 
-Two samplers run over the same window at the same rate (`profile_capture.PySpy`):
+Three samplers run over the same window at the same rate (`profile_capture.PySpy`):
 
 - `all` (`py-spy record --threads --idle`): every thread at every tick, whatever it is doing,
   so a thread alive for the whole window has one sample a tick; the window's ticks are the
   largest sample count of any thread;
-- `gil` (the same with `--gil`): at each tick, only the thread that holds the GIL.
+- `active` (without `--idle`): the threads py-spy finds running at each tick (on a CPU by the
+  OS's account, and not in a Python function it knows to wait);
+- `gil` (`--idle --gil`): at each tick, only the thread that holds the GIL.
 
 Shares are of the window's ticks. The engine thread is the one with the most samples inside
 a step (a frame named `execute_model` or `sample_tokens`, the model runner's and the cache's
@@ -37,8 +39,6 @@ SCHEDULER_MIXIN_FILE = "prefix_cache/integration/workers/finishes.py"
 #: The cache's own threads, by the name each is started with.
 CACHE_THREADS = {"output": "omni-stage-outputs", "prefetch": "omni-prefix-cache-prefetch",
                  "committer": "omni-prefix-cache-committer"}
-#: Innermost frames of a thread parked on a wait (a condition, an event, a selector): asleep.
-IDLE_FILES = ("threading.py", "selectors.py", "queue.py")
 
 _COMMAND = r':"(?:(?!";).)*";'  # a process frame's command line runs up to '";'
 _LINE = re.compile(rf'^(?:process \d+{_COMMAND})*?(?:process (?P<pid>\d+){_COMMAND})?'
@@ -91,11 +91,6 @@ class Stack:
         return self.owner == "cache" and any(
             ("/" + f.file).endswith("/" + SCHEDULER_MIXIN_FILE) for f in self.frames)
 
-    @property
-    def idle(self) -> bool:
-        """Parked on a wait: its innermost frame is in threading, queue or selectors."""
-        return bool(self.frames) and self.frames[-1].file.endswith(IDLE_FILES)
-
 
 def parse_frame(text: str) -> Frame:
     match = _FRAME.match(text)
@@ -129,10 +124,10 @@ def _by_thread(stacks: Iterable[Stack]) -> Counter[str]:
 
 @dataclass(frozen=True)
 class ThreadShare:
-    """One of the cache's threads: the share of ticks it was awake (not parked on a wait) and
-    the share it held the GIL."""
+    """One of the cache's threads: the share of ticks it was running and the share it held the
+    GIL."""
 
-    awake: float
+    active: float
     gil: float
 
 
@@ -142,6 +137,7 @@ class ProfileSummary:
 
     ticks: int
     seconds: float
+    lag_s: float          # the samplers' largest lag behind their rate (py-spy's own count)
     engine_thread: str | None
     in_step: float        # the engine thread inside a step
     hooks: float          # charged to the cache inside a step, any thread
@@ -151,9 +147,12 @@ class ProfileSummary:
     cache_threads: dict[str, ThreadShare]
 
 
-def summarize(all_text: str, gil_text: str, seconds: float) -> ProfileSummary:
-    """The shares of one window from its two samplers' raw outputs (see the module)."""
+def summarize(all_text: str, active_text: str, gil_text: str, seconds: float,
+              lag_s: float = 0.0) -> ProfileSummary:
+    """The shares of one window from its three samplers' raw outputs (see the module); the
+    active and GIL shares are exact only while no sampler lags (`lag_s`, py-spy's count)."""
     stacks, holders = parse_collapsed(all_text), parse_collapsed(gil_text)
+    active = _by_thread(parse_collapsed(active_text))
     ticks = max(_by_thread(stacks).values(), default=0)
     if ticks == 0:
         raise ValueError("the all-threads profile holds no samples")
@@ -170,11 +169,10 @@ def summarize(all_text: str, gil_text: str, seconds: float) -> ProfileSummary:
     for role, name in CACHE_THREADS.items():
         threads = {t for t, n in names.items() if n == name}
         if threads:
-            cache_threads[role] = ThreadShare(
-                share(s for s in stacks if s.thread in threads and not s.idle),
-                sum(held[t] for t in threads) / ticks)
+            cache_threads[role] = ThreadShare(sum(active[t] for t in threads) / ticks,
+                                              sum(held[t] for t in threads) / ticks)
     return ProfileSummary(
-        ticks=ticks, seconds=seconds, engine_thread=engine,
+        ticks=ticks, seconds=seconds, lag_s=lag_s, engine_thread=engine,
         in_step=stepping[engine] / ticks if engine else 0.0,
         hooks=share(s for s in stacks if s.in_step and s.owner == "cache"),
         scheduler_mixin=share(s for s in stacks if s.in_scheduler_mixin),
@@ -192,6 +190,8 @@ def format_table(summaries: dict[str, ProfileSummary]) -> str:
     rows: list[tuple[str, list[str]]] = [
         ("window: ticks / seconds", [f"{s.ticks} / {s.seconds:.1f} s"
                                      for s in summaries.values()]),
+        ("samplers' largest lag (0: shares exact)", [f"{s.lag_s:.1f} s"
+                                                     for s in summaries.values()]),
         ("engine thread inside a step", [_percent(s.in_step) for s in summaries.values()]),
         ("  in the cache's hooks", [_percent(s.hooks) for s in summaries.values()]),
         ("in the scheduler mixin (finishes)",
@@ -201,8 +201,8 @@ def format_table(summaries: dict[str, ProfileSummary]) -> str:
          [_percent(s.others_gil) for s in summaries.values()]),
     ]
     for role, name in CACHE_THREADS.items():
-        rows.append((f"{role} thread ({name}) awake / GIL",
-                     [f"{_percent(s.cache_threads[role].awake)} / "
+        rows.append((f"{role} thread ({name}) active / GIL",
+                     [f"{_percent(s.cache_threads[role].active)} / "
                       f"{_percent(s.cache_threads[role].gil)}"
                       if role in s.cache_threads else "-" for s in summaries.values()]))
     label_width = max(len(label) for label, _ in rows)
