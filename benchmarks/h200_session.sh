@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
-# One H200 session's measurements in two device calls of under 10 minutes each, from the
+# One H200 session's measurements, each part one device call of under 10 minutes, from the
 # repository root of the device machine's copy (outputs under $OUT, default ./h200-out):
 #
 #   bash benchmarks/h200_session.sh units    # CUDA unit suites, then the quick bench, 5 runs
 #   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
 #                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
+#   bash benchmarks/h200_session.sh perf     # issue 30 in about 9 minutes: the GPU engine
+#                                            # tests' CUDA graph case, then pipeline_bench: M5e
+#                                            # on the 7b model eager (with the profile) and with
+#                                            # CUDA graphs, M8 on 7b, M5e on the small model
+#                                            # eager and with graphs; needs .vllm-gpu/ and, for
+#                                            # py-spy, .profilers/ (a copy of
+#                                            # ../shared/tools/profilers; carry both)
 #
 # Each part installs the package (editable, no build isolation: the machine has no registry)
-# and writes what it ran and printed to $OUT/<part>.log.
+# and writes what it ran and printed to $OUT/<part>.log. perf gives each step a timeout of its
+# own, cut to what is left of PERF_BUDGET_S (default 540 s), and goes on after a failed step;
+# it leaves 8 files: perf.log, install.log, one JSON per pipeline_bench run and
+# perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
-part=${1:?usage: h200_session.sh units|engine}
+part=${1:?usage: h200_session.sh units|engine|perf}
 out=${OUT:-h200-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 log="$out/$part.log"
 run() { echo "+ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log" | tail -25; }
+budget_end=$((SECONDS + ${PERF_BUDGET_S:-540}))
+# step LIMIT CMD...: CMD under `timeout`, LIMIT seconds or what is left of the budget
+step() {
+    local limit=$1 left=$((budget_end - SECONDS)) start=$SECONDS; shift
+    if [ "$left" -lt 45 ]; then
+        echo "skipped, ${left} s of the budget left: $*" | tee -a "$log"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    run timeout -k 15 "$limit" "$@"
+    echo "= exit $?, $((SECONDS - start)) s (limit ${limit} s)" | tee -a "$log"
+}
 
-if [ "$part" = engine ]; then
-    eval "$(bash .vllm-gpu/install.sh)" || { echo "vllm-gpu install failed" | tee -a "$log"; exit 1; }
+if [ "$part" = engine ] || [ "$part" = perf ]; then
+    eval "$(bash .vllm-gpu/install.sh)" \
+        || { echo "vllm-gpu install failed" | tee -a "$log"; exit 1; }
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
     || { tail -20 "$out/install.log"; exit 1; }
@@ -36,6 +59,34 @@ engine)
     run timeout 260 python3 -m prefix_cache.tools.pipeline_bench --runs 3 \
         --json "$out/pipeline_bench.json"
     ;;
+perf)
+    # py-spy from the carried wheel; without it pipeline_bench profiles with torch's profiler only
+    ls .profilers/py_spy-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index \
+        --no-deps .profilers/py_spy-*.whl >>"$out/install.log" 2>&1
+    echo "py-spy: $(command -v py-spy || echo 'not installed')" | tee -a "$log"
+    profiles=/tmp/perf-profiles
+    rm -rf "$profiles" /tmp/omni-prefix-cache-pipeline-bench-*.log
+    bench=(python3 -m prefix_cache.tools.pipeline_bench)
+    # expected on a warm H200 (engine starts 10-40 s each): 60-90 s, 150, 100, 120, 60, 70
+    step 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py -k graphs
+    step 200 "${bench[@]}" --only M5e --model 7b --runs 5 --profile "$profiles/m5e-7b-eager" \
+        --profile-seconds 6 --json "$out/m5e-7b-eager.json"
+    step 150 "${bench[@]}" --only M5e --model 7b --cudagraphs --runs 5 \
+        --json "$out/m5e-7b-graphs.json"
+    step 150 "${bench[@]}" --only M8 --model 7b --runs 3 --json "$out/m8-7b.json"
+    step 100 "${bench[@]}" --only M5e --model small --runs 5 --json "$out/m5e-small-eager.json"
+    step 100 "${bench[@]}" --only M5e --model small --cudagraphs --runs 5 \
+        --json "$out/m5e-small-graphs.json"
+    mkdir -p "$profiles/vllm-logs"
+    cp /tmp/omni-prefix-cache-pipeline-bench-*.log "$profiles/vllm-logs/" 2>/dev/null
+    tar -czf "$out/perf-profiles.tar.gz" -C "$(dirname "$profiles")" "$(basename "$profiles")"
+    if [ "$(stat -c %s "$out/perf-profiles.tar.gz")" -gt $((15 * 1024 * 1024)) ]; then
+        echo "profiles over 15 MiB: the torch traces left out" | tee -a "$log"
+        tar -czf "$out/perf-profiles.tar.gz" --exclude '*.torch-trace.json' \
+            -C "$(dirname "$profiles")" "$(basename "$profiles")"
+    fi
+    ls -l "$out" | tee -a "$log"
+    ;;
 *)
-    echo "unknown part $part (units or engine)"; exit 2 ;;
+    echo "unknown part $part (units, engine or perf)"; exit 2 ;;
 esac

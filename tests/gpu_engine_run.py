@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from prefix_cache.tools.engines import EngineShape, multiprocessing_mode, start_thinker
+from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, EngineShape, multiprocessing_mode,
+                                        start_thinker)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
 
@@ -115,8 +116,7 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
     elif case == "mm":
         args["worker_cls"] = f"{__name__}.MMWorker"
     elif case == "graphs":
-        args.update(enforce_eager=False, compilation_config={
-            "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]})
+        args.update(CUDA_GRAPH_ARGS)
     with multiprocessing_mode(multiprocessing), open_channel() as channel:
         engine = start_thinker(model_dir, channel, prefix_caching=caching, shape=shape, **args)
         try:

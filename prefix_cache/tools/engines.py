@@ -85,6 +85,21 @@ def write_random_qwen2(path: Path, *, hidden_size: int = 256, num_layers: int = 
     return path
 
 
+def write_dummy_qwen2(path: Path, *, hidden_size: int, num_layers: int, intermediate_size: int,
+                      num_heads: int, num_kv_heads: int, vocab_size: int = 32000,
+                      max_positions: int = 4096) -> Path:
+    """A Qwen2 of this shape as its `config.json` alone, for vLLM's `load_format="dummy"`
+    (random weights made at load: a 7B-class model starts without gigabytes of files)."""
+    if not (path / "config.json").exists():
+        from transformers import Qwen2Config
+        Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size,
+                    intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                    num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                    max_position_embeddings=max_positions, tie_word_embeddings=False,
+                    torch_dtype="bfloat16").save_pretrained(path)
+    return path
+
+
 #: Share of a GPU's memory each engine takes (the demo runs two engines on one GPU).
 GPU_MEMORY_FRACTION = 0.2
 
@@ -94,6 +109,14 @@ PORTABLE_ENGINE_ARGS: dict[str, Any] = dict(
     enforce_eager=True, attention_config={"backend": "TRITON_ATTN"},
     compilation_config={"custom_ops": ["none"]},
     ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})
+
+
+#: Full CUDA graphs for decode steps, no torch.compile (what the offline build for the H200
+#: machine captures and replays; it needs `torch.ops._C.weak_ref_tensor`). Two engines with
+#: graphs do not share a process in vLLM 0.26: give each its own engine-core process.
+CUDA_GRAPH_ARGS: dict[str, Any] = dict(
+    enforce_eager=False,
+    compilation_config={"custom_ops": ["none"], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
 
 
 def platform_engine_args() -> dict[str, Any]:
@@ -182,6 +205,19 @@ def start_thinker(model_dir: Path, channel: StageChannel, *, prefix_caching: boo
                   **engine_args)
 
 
-def start_talker(model_dir: Path, shape: EngineShape = EngineShape()) -> Engine:
+def start_talker(model_dir: Path, shape: EngineShape = EngineShape(), **engine_args: Any
+                 ) -> Engine:
     """Stage 2: an engine fed the thinker's rows as `prompt_embeds`."""
-    return Engine(model_dir, shape, enable_prompt_embeds=True)
+    return Engine(model_dir, shape, enable_prompt_embeds=True, **engine_args)
+
+
+def engine_core_pid(engine: Engine) -> int:
+    """The process whose threads run `engine`'s steps: this one for an in-process engine core,
+    else its engine-core process (vLLM's worker processes, where it starts any, are children
+    of that one)."""
+    manager = getattr(getattr(engine.engine.engine_core, "resources", None), "engine_manager",
+                      None)
+    if manager is None:
+        return os.getpid()
+    (process,) = manager.processes
+    return process.pid

@@ -1,12 +1,14 @@
 """Pipeline figures on vLLM's real engine: M8 (what stage 1's prefix caching saves, and the
 two-stage end to end) and the engine step time with the cache against vLLM's plain worker.
 
-    python -m prefix_cache.tools.pipeline_bench [--runs N] [--json PATH]
+    python -m prefix_cache.tools.pipeline_bench [--runs N] [--json PATH] [--only M8|M5e]
+        [--model small|7b] [--cudagraphs] [--profile DIR]
 
 Each figure is the median of `runs` runs made back to back, on and off interleaved, with the
 smallest and largest beside it. Engines are started once and warmed up; between runs their
 prefix caches are emptied, so every run starts cold. It prints its progress and a table like the
-bench's; vLLM's logs go to a file it names.
+bench's; vLLM's logs go to a file it names. `--profile DIR` then profiles both engines of the
+step comparison (`profile_capture`) and prints where their threads spent the window (`profile`).
 """
 
 from __future__ import annotations
@@ -17,27 +19,63 @@ import random
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefix_cache.channel import StageChannel
 from prefix_cache.tools.bench_report import Metric, metric_json, report
 from prefix_cache.tools.engine_logs import new_log_path, output_to_log
-from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
+from prefix_cache.tools.harness import (REPORT_WIDTH, machine, source_commit, spread, unwritable,
+                                        write_json)
 from prefix_cache.tools.targets import PIPELINE_METRICS
-from prefix_cache.tools.engines import (Engine, EngineShape, multiprocessing_mode, start_talker,
-                                  start_thinker, write_random_qwen2)
+from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape, engine_core_pid,
+                                        multiprocessing_mode, start_talker, start_thinker,
+                                        write_dummy_qwen2, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
+from prefix_cache.tools.profile import ProfileSummary, format_table
+from prefix_cache.tools.profile_capture import profile_engine
 
-#: A prefill-dominated stage 1 (about 100 M parameters) and a light stage 2 of its width
-#: (2 layers), per vLLM platform: on a GPU, hidden 2048 in bf16 (about 400 M parameters).
-M8_THINKER = {
-    "cpu": dict(hidden_size=1024, num_layers=8, intermediate_size=2816, num_heads=16,
-                num_kv_heads=4),
-    "cuda": dict(hidden_size=2048, num_layers=8, intermediate_size=5632, num_heads=16,
-                 num_kv_heads=4),
+
+@dataclass(frozen=True)
+class StageModel:
+    """Stage 1's model (a Qwen2): random weights written by transformers, or (`dummy`) only its
+    config.json, vLLM making random weights at load (`load_format="dummy"`)."""
+
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    dummy: bool = False
+
+    def write(self, path: Path, *, num_layers: int | None = None, seed: int = 0) -> Path:
+        """The model (with `num_layers` where given: stage 2 is 2 layers of stage 1's width)."""
+        shape = dict(hidden_size=self.hidden_size, num_layers=num_layers or self.num_layers,
+                     intermediate_size=self.intermediate_size, num_heads=self.num_heads,
+                     num_kv_heads=self.num_kv_heads)
+        return write_dummy_qwen2(path, **shape) if self.dummy else \
+            write_random_qwen2(path, seed=seed, **shape)
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        return {"load_format": "dummy"} if self.dummy else {}
+
+    def describe(self, shape: EngineShape) -> str:
+        return (f"hidden {self.hidden_size} x {self.num_layers} layers, {shape.dtype}"
+                + (", dummy weights" if self.dummy else ""))
+
+
+#: Stage-1 models by name and vLLM platform. small: prefill-dominated on a CPU (about 100 M
+#: parameters; on a GPU hidden 2048, about 400 M, bf16); 7b: a 7B-class Qwen2 (about 5.9 B
+#: parameters, 12 GB in bf16), GPU only. Stage 2 is 2 layers of stage 1's width.
+MODELS: dict[str, dict[str, StageModel]] = {
+    "small": {"cpu": StageModel(1024, 8, 2816, 16, 4), "cuda": StageModel(2048, 8, 5632, 16, 4)},
+    "7b": {"cuda": StageModel(4096, 32, 11008, 32, 8, dummy=True)},
 }
 M8_SHAPE = EngineShape(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
                        long_prefill_token_threshold=0, num_blocks=129)
@@ -60,18 +98,15 @@ def m8_workload(*, families: int = 2, per_family: int = 8, prefix: int = 192, su
             for i in range(per_family) for f in range(families)]
 
 
-def m8_stage_one() -> tuple[str, dict[str, Any], EngineShape]:
-    """This platform's name, its M8 stage-1 model and engine shape (bf16 on a GPU)."""
+def m8_stage_one(model: str = "small") -> tuple[str, StageModel, EngineShape]:
+    """This platform's name, its stage-1 model `model` and engine shape (bf16 on a GPU)."""
     from vllm.platforms import current_platform
     device = current_platform.device_type
-    if device not in M8_THINKER:
-        raise RuntimeError(f"no M8 model for vLLM platform {device!r} (cpu and cuda have one)")
+    if device not in MODELS[model]:
+        raise RuntimeError(f"no {model} model for vLLM platform {device!r} "
+                           f"({' and '.join(MODELS[model])} have one)")
     shape = M8_SHAPE if device == "cpu" else dataclasses.replace(M8_SHAPE, dtype="bfloat16")
-    return device, M8_THINKER[device], shape
-
-
-def describe_model(model: dict[str, Any], shape: EngineShape) -> str:
-    return f"hidden {model['hidden_size']} x {model['num_layers']} layers, {shape.dtype}"
+    return device, MODELS[model][device], shape
 
 
 def _cold(*engines: Engine | None) -> None:
@@ -80,25 +115,25 @@ def _cold(*engines: Engine | None) -> None:
             engine.engine.reset_prefix_cache()
 
 
-def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
+def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None, model: str = "small",
                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """M8 on the real CPU engine: stage 1 with its prefix caching on / off, and the two-stage
+    """M8 on the real engine: stage 1 with its prefix caching on / off, and the two-stage
     pipeline on / off; `multiprocessing` None is vLLM's default (an engine-core process each)."""
     from prefix_cache.channel import open_channel
-    device, model, shape = m8_stage_one()
+    device, stage_model, shape = m8_stage_one(model)
     requests = m8_workload()
     prompt_tokens = sum(len(r.prompt) for r in requests)
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m8-") as tmp, \
             multiprocessing_mode(multiprocessing), open_channel() as channel:
-        progress(f"writing the M8 models on {device} ({describe_model(model, shape)}; "
+        progress(f"writing the M8 models on {device} ({stage_model.describe(shape)}; "
                  f"talker 2 layers) ...")
-        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **model)
-        talker_dir = write_random_qwen2(Path(tmp) / "talker", seed=1,
-                                        **dict(model, num_layers=2))
+        thinker_dir = stage_model.write(Path(tmp) / "thinker")
+        talker_dir = stage_model.write(Path(tmp) / "talker", num_layers=2, seed=1)
         progress("starting three engines (thinker with caching on and off, talker) ...")
         engines = {caching: start_thinker(thinker_dir, channel, prefix_caching=caching,
-                                          shape=shape) for caching in (True, False)}
-        talker = start_talker(talker_dir, shape)
+                                          shape=shape, **stage_model.engine_args)
+                   for caching in (True, False)}
+        talker = start_talker(talker_dir, shape, **stage_model.engine_args)
         try:
             for engine in engines.values():  # on the workload: see measure_step_time
                 warm_up(engine, channel, talker, requests=requests)
@@ -129,7 +164,7 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
     return {
         "device": device,
         "workload": f"{len(requests)} requests of {len(requests[0].prompt)} tokens, 75% in "
-                    f"shared prefixes; stage 1 {describe_model(model, shape)} on {device}, "
+                    f"shared prefixes; stage 1 {stage_model.describe(shape)} on {device}, "
                     f"stage 2 x 2 layers ({TALKER_TOKENS} tokens each)",
         "runs": runs, "hit_fraction": hit_fraction,
         "stage1_on_s": spread(times["on"]), "stage1_off_s": spread(times["off"]),
@@ -141,7 +176,8 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None,
     }
 
 
-def _timed_steps(engine: Engine, requests: list[StageRequest]) -> list[float]:
+def _timed_steps(engine: Engine, requests: list[StageRequest],
+                 after_step: Callable[[], None] | None = None) -> list[float]:
     from vllm import SamplingParams
     for request in requests:
         engine.engine.add_request(request.req_id, {"prompt_token_ids": request.prompt},
@@ -152,26 +188,49 @@ def _timed_steps(engine: Engine, requests: list[StageRequest]) -> list[float]:
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
+        if after_step is not None:
+            after_step()
     return steps
 
 
-def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
+def _cold_pass(engine: Engine, requests: list[StageRequest], channel: StageChannel | None,
+               after_step: Callable[[], None] | None = None) -> list[float]:
+    """One timed pass from a cold prefix cache; the cache's published rows (where `channel`
+    is given) are taken off the channel afterwards."""
+    _cold(engine)
+    steps = _timed_steps(engine, requests, after_step)
+    for request in requests if channel is not None else ():
+        channel.get(request.req_id)
+    return steps
+
+
+def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "small",
+                      cudagraphs: bool = False, profile_dir: Path | None = None,
+                      profile_seconds: float = 10.0,
                       progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Engine step time (in-process engines, so a step is the engine's own work) with the
-    cache's worker against vLLM's plain CPU worker, both with prefix caching on, on the M8
-    stage-1 model and workload with `decode_tokens` generated per request."""
+    """Engine step time with the cache's worker against vLLM's plain worker, both with prefix
+    caching on, on the M8 stage-1 `model` and workload with `decode_tokens` generated per
+    request. Engines run in-process (a step is the engine's own work); with `cudagraphs` (full
+    decode graphs), each in an engine-core process of its own, since two engines with graphs
+    do not share a process (a step then includes the engine core's round trip, for both).
+    With `profile_dir`, both engines are then profiled there (`profile_capture`), each for
+    `profile_seconds` of passes."""
     from prefix_cache.channel import open_channel
-    device, model, shape = m8_stage_one()
+    device, stage_model, shape = m8_stage_one(model)
     requests = [StageRequest(r.req_id, r.prompt, decode_tokens) for r in m8_workload()]
+    engine_args = {**stage_model.engine_args, **(CUDA_GRAPH_ARGS if cudagraphs else {})}
+    mode = "engine-core processes, CUDA graphs" if cudagraphs else "in-process"
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-steps-") as tmp, \
-            multiprocessing_mode(False), open_channel() as channel:
-        thinker_dir = write_random_qwen2(Path(tmp) / "thinker", **model)
-        progress(f"starting vLLM's plain {device} worker and the cache's worker "
-                 f"(in-process) ...")
+            multiprocessing_mode(cudagraphs), open_channel() as channel:
+        thinker_dir = stage_model.write(Path(tmp) / "thinker")
+        progress(f"starting vLLM's plain {device} worker and the cache's worker ({mode}; "
+                 f"{stage_model.describe(shape)}) ...")
         engines = {"plain": start_thinker(thinker_dir, channel, prefix_caching=True,
-                                          shape=shape, worker_cls=PLAIN_WORKER[device]),
+                                          shape=shape, worker_cls=PLAIN_WORKER[device],
+                                          **engine_args),
                    "cache": start_thinker(thinker_dir, channel, prefix_caching=True,
-                                          shape=shape)}
+                                          shape=shape, **engine_args)}
+        channels = {"plain": None, "cache": channel}
         try:
             # on the workload itself: kernels compile on first use of each batch shape, once
             # per process, and the first engine to meet a shape would pay for both
@@ -182,12 +241,12 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
                 progress(f"run {i + 1}/{runs} ...")
                 order = list(engines.items())
                 for name, engine in order if i % 2 == 0 else order[::-1]:
-                    _cold(engine)
-                    steps[name] += _timed_steps(engine, requests)
-                    if name == "cache":  # take the published rows off the channel
-                        for request in requests:
-                            channel.get(request.req_id)
+                    steps[name] += _cold_pass(engine, requests, channels[name])
             stats = engines["cache"].stats()
+            profiles = {} if profile_dir is None else {
+                name: _profile(name, engine, requests, channels[name], profile_dir,
+                               profile_seconds, in_process=not cudagraphs, progress=progress)
+                for name, engine in engines.items()}
         finally:
             for engine in engines.values():
                 engine.close()
@@ -195,7 +254,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
     library = (stats["time_s.new_step_starts"] + stats["time_s.save_outputs"]) / calls
     return {
         "device": device,
-        "workload": f"M8 stage 1 ({describe_model(model, shape)} on {device}), "
+        "workload": f"M8 stage 1 ({stage_model.describe(shape)} on {device}, {mode}), "
                     f"{len(requests)} requests of "
                     f"{len(requests[0].prompt)} tokens, {decode_tokens} generated each",
         "runs": runs, "steps_per_run": len(steps["cache"]) // runs,
@@ -203,7 +262,18 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16,
         "step_ratio": statistics.median(steps["cache"]) / statistics.median(steps["plain"]),
         "total_ratio": sum(steps["cache"]) / sum(steps["plain"]),
         "engine_thread_library_s_per_step": library,
+        "profile": profiles,
     }
+
+
+def _profile(name: str, engine: Engine, requests: list[StageRequest],
+             channel: StageChannel | None, out_dir: Path, seconds: float, *, in_process: bool,
+             progress: Callable[[str], None]) -> ProfileSummary | None:
+    progress(f"profiling the {name} engine ({seconds:g} s of passes under py-spy"
+             + (", then a pass under torch's profiler" if in_process else "") + ") ...")
+    return profile_engine(lambda after_step: _cold_pass(engine, requests, channel, after_step),
+                          pid=engine_core_pid(engine), prefix=out_dir / name, seconds=seconds,
+                          in_process=in_process)
 
 
 def m8_metric(m8: dict[str, Any]) -> Metric:
@@ -224,6 +294,30 @@ def m5e_metric(steps: dict[str, Any]) -> Metric:
                   f"{steps['workload']}")
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot run here, in one line, or None."""
+    import torch
+    if args.runs < 1:
+        return f"--runs {args.runs}: at least 1 run"
+    gpu_only = [flag for flag, asked in (("--model 7b", args.model == "7b"),
+                                         ("--cudagraphs", args.cudagraphs)) if asked]
+    if gpu_only and not torch.cuda.is_available():
+        return (f"{' and '.join(gpu_only)}: NVIDIA GPU only, and this torch sees no GPU "
+                f"(here: the small model, eager)")
+    if args.cudagraphs and args.only == "M8":
+        return "--cudagraphs applies to M5e's step comparison: not with --only M8"
+    if args.profile and args.only == "M8":
+        return "--profile profiles M5e's step comparison: not with --only M8"
+    if args.json and (problem := unwritable(args.json)):
+        return problem
+    if args.profile:
+        try:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--profile {args.profile}: cannot make that folder ({exc.strerror})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m prefix_cache.tools.pipeline_bench",
@@ -236,35 +330,84 @@ def main(argv: list[str] | None = None) -> int:
                     "measured, whatever the table says (the JSON's 'pass' fields hold each "
                     "verdict), 1 when a run failed, 2 on a usage error.",
         epilog="Takes about 5 minutes on a 2-core CPU machine and about 2 on an H200 with the "
-               "default 5 runs (three engine starts, then every run on and off).")
+               "default 5 runs (three engine starts, then every run on and off); a 7b model's "
+               "engines start in up to a minute each on an H200.")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--only", choices=list(PIPELINE_METRICS),
+                        help="measure this figure only (default: both)")
+    parser.add_argument("--model", choices=list(MODELS), default="small",
+                        help="stage 1's model: small (default; hidden 1024 x 8 layers on a CPU, "
+                             "2048 x 8 on a GPU) or 7b (hidden 4096 x 32 layers, vLLM's dummy "
+                             "weights; GPU only)")
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="M5e with full CUDA graphs for decode steps (GPU only; each engine "
+                             "in an engine-core process of its own)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after M5e's runs, profile both engines into DIR: py-spy per "
+                             "thread (where installed) and, in-process, torch's profiler as a "
+                             "Chrome trace; prints where the engine's threads spent the window")
+    parser.add_argument("--profile-seconds", type=float, default=10.0, metavar="S",
+                        help="seconds of passes each engine runs under py-spy (default 10)")
     args = parser.parse_args(argv)
-    if args.json and (problem := unwritable(args.json)):
-        parser.error(problem)
+    if problem := _argument_problem(args):
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
     log_path = new_log_path("pipeline-bench")
+    figures: dict[str, dict[str, Any]] = {}
     with output_to_log(log_path) as terminal:
         def say(msg: str) -> None:
             print(f"[pipeline bench] {msg}", file=terminal, flush=True)
 
         try:
-            m8 = measure_m8(runs=args.runs, progress=lambda msg: say(f"M8: {msg}"))
-            steps = measure_step_time(runs=args.runs,
-                                      progress=lambda msg: say(f"M5e: {msg}"))
+            if args.only in (None, "M8"):
+                figures["M8"] = measure_m8(runs=args.runs, model=args.model,
+                                           progress=lambda msg: say(f"M8: {msg}"))
+            if args.only in (None, "M5e"):
+                figures["M5e"] = measure_step_time(
+                    runs=args.runs, model=args.model, cudagraphs=args.cudagraphs,
+                    profile_dir=args.profile and Path(args.profile),
+                    profile_seconds=args.profile_seconds,
+                    progress=lambda msg: say(f"M5e: {msg}"))
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             traceback.print_exc()
             say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
             return 1
-    metrics = {"M8": m8_metric(m8), "M5e": m5e_metric(steps)}
-    results = {"device": m8["device"], "commit": source_commit(), "machine": machine(m8["device"]),
-               "metrics": {name: metric_json(PIPELINE_METRICS[name], metric, m8["device"])
-                           for name, metric in metrics.items()},
-               "m8": m8, "step_time": steps}
-    print(report(results, PIPELINE_METRICS), flush=True)
+    judged = {"M8": m8_metric, "M5e": m5e_metric}
+    device = next(iter(figures.values()))["device"]
+    specs = {name: PIPELINE_METRICS[name] for name in figures}
+    results = {"device": device, "commit": source_commit(), "machine": machine(device),
+               "model": args.model, "cudagraphs": args.cudagraphs,
+               "metrics": {name: metric_json(specs[name], judged[name](figure), device)
+                           for name, figure in figures.items()},
+               "m8": figures.get("M8"), "step_time": figures.get("M5e")}
+    profiles = results["step_time"] and results["step_time"].pop("profile")
+    if profiles:
+        results["profile"] = {name: summary and dataclasses.asdict(summary)
+                              for name, summary in profiles.items()}
+    print(report(results, specs), flush=True)
+    if profiles:
+        print(profile_report(profiles, Path(args.profile), in_process=not args.cudagraphs),
+              flush=True)
     print(f"\nvLLM's logs and warnings: {log_path}")
     if args.json:
         write_json(args.json, results)
     return 0
+
+
+def profile_report(profiles: dict[str, ProfileSummary | None], out_dir: Path, *,
+                   in_process: bool) -> str:
+    """The py-spy table of both engines (or why there is none) and where the profiles are."""
+    summaries = {name: summary for name, summary in profiles.items() if summary is not None}
+    if not summaries:
+        return (f"\nno py-spy profile: py-spy is not installed beside this Python nor on PATH"
+                f"\nprofiles (torch Chrome traces): {out_dir}")
+    shared = ("; in-process, the engines share this process: the plain engine's column shows "
+              "the cache engine's threads, idle while it is not stepped" if in_process else "")
+    return textwrap.fill(f"where each engine's threads spent its profiled window (py-spy, share "
+                         f"of its ticks; see prefix_cache/tools/profile.py{shared}):",
+                         REPORT_WIDTH, initial_indent="\n") + \
+        f"\n{format_table(summaries)}\nprofiles (raw py-spy stacks" + \
+        (", torch Chrome traces" if in_process else "") + f"): {out_dir}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""pipeline_bench's arguments: what cannot run here is refused in one line, exit 2, before any
+engine starts; and the stage-1 models it offers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefix_cache.tools import pipeline_bench
+
+
+def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as done:
+        pipeline_bench.main(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("python -m prefix_cache.tools.pipeline_bench: error: ")
+    return err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this process sees a GPU")
+@pytest.mark.parametrize("argv", [["--model", "7b"], ["--cudagraphs"],
+                                  ["--model", "7b", "--cudagraphs", "--only", "M5e"]])
+def test_gpu_only_options_are_refused_without_a_gpu(argv, capsys) -> None:
+    assert "NVIDIA GPU only" in _refusal(argv, capsys)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--only", "M8", "--profile", "{tmp}/profile"], "--profile profiles M5e's step comparison"),
+    (["--runs", "0"], "--runs 0: at least 1 run"),
+    (["--profile", "{tmp}/a-file/profile"], "cannot make that folder"),
+    (["--json", "{tmp}/missing/x.json"], "cannot write there"),
+])
+def test_arguments_that_cannot_run_are_one_line(argv, says, tmp_path, capsys) -> None:
+    (tmp_path / "a-file").write_text("")
+    assert says in _refusal([a.format(tmp=tmp_path) for a in argv], capsys)
+    assert not (tmp_path / "profile").exists() and not (tmp_path / "missing").exists()
+
+
+def test_the_7b_model_is_7b_class_and_written_as_a_config_alone(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    model = pipeline_bench.MODELS["7b"]["cuda"]
+    assert model.dummy and model.engine_args == {"load_format": "dummy"}
+    path = model.write(tmp_path / "m")
+    assert [p.name for p in path.iterdir()] == ["config.json"]
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    params = config.num_hidden_layers * (
+        2 * config.hidden_size ** 2 * (1 + config.num_key_value_heads / config.num_attention_heads)
+        + 3 * config.hidden_size * config.intermediate_size) \
+        + 2 * config.vocab_size * config.hidden_size
+    assert 5e9 < params < 8e9 and config.hidden_size == 4096 and config.num_hidden_layers == 32
