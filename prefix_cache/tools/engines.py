@@ -25,6 +25,7 @@ from prefix_cache.channel import StageChannel
 #: The environment a vLLM engine with the cache needs here, and why (set where unset):
 ENGINE_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",     # V1: the CPU worker hooks V1 only (GPU: both)
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # a process that touched CUDA cannot fork one
     "VLLM_CPU_KVCACHE_SPACE": "1",       # GiB of KV cache per CPU engine (default: most RAM)
     "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",  # a torch_npu without CANN must not break torch
     "VLLM_PLUGINS": "",                  # no out-of-tree platform may take over the CPU build
