@@ -18,7 +18,7 @@ from prefix_cache import (  # noqa: E402
     PrefixCacheConfig,
     stage_prefix_cache_config,
 )
-from prefix_cache.integration.gate import check_stage_outputs  # noqa: E402
+from prefix_cache.integration.gate import check_stage_outputs, stream_every  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -313,3 +313,17 @@ def test_model_deferring_hidden_key_raises() -> None:
 
     with pytest.raises(ValueError, match=HIDDEN_KEY):
         ModelCachePolicy.from_model(model)
+
+
+@pytest.mark.parametrize("value, every", [(False, None), (None, None), (True, 1), (1, 1),
+                                          (16, 16)])
+def test_the_stream_option_gives_positions_per_chunk(value: object, every: int | None) -> None:
+    assert stream_every({"stream": value}) == every
+    assert stream_every({}) is None
+
+
+@pytest.mark.parametrize("value", [0, -2, "yes", 1.5])
+def test_a_bad_stream_option_is_refused_in_one_line_naming_it(value: object) -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError,
+                       match=r"additional_config\['prefix_cache'\]\['stream'\] must be true"):
+        stream_every({"stream": value})

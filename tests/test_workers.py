@@ -257,8 +257,9 @@ class FinishedRows:
     """vLLM's real scheduler with the finish reporting installed, a worker's rows per step
     (each row holds its position) and the delivery they go to, as the runner wires them."""
 
-    def __init__(self, channel: Any, prompt_len: int, async_scheduling: bool) -> None:
-        self.delivery = StageDelivery(channel)
+    def __init__(self, channel: Any, prompt_len: int, async_scheduling: bool,
+                 stream_every: int | None = None) -> None:
+        self.delivery = StageDelivery(channel, stream_every=stream_every)
         self.fed: dict[str, int] = {}
 
         def heard(finished: Any) -> None:  # as the runner's omni_requests_finished
@@ -283,15 +284,17 @@ class FinishedRows:
             self.fed[req_id] = start + n
 
 
+@pytest.mark.parametrize("stream_every", [None, 1], ids=["whole", "streamed"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
-        async_scheduling: bool) -> None:
+        async_scheduling: bool, stream_every: int | None) -> None:
     """An asynchronous engine core runs the worker's step N+1 before the scheduler reads step
     N's output: a request whose stop token step N sampled has it fed in step N+1, a row a
-    synchronous engine never computes. Steps are driven as vLLM's batch queue drives them."""
+    synchronous engine never computes. Steps are driven as vLLM's batch queue drives them.
+    Streamed, no chunk carries that row: chunks cannot be taken back."""
     prompt_len, stop = 20, 2
     with open_channel() as channel:
-        run = FinishedRows(channel, prompt_len, async_scheduling)
+        run = FinishedRows(channel, prompt_len, async_scheduling, stream_every)
         scheduler = run.scheduler
         # tokens each generates: a stop token last, or (d) as many as max_tokens allows
         generated = {"a": 1, "b": 3, "c": 5, "d": 4}
@@ -315,18 +318,22 @@ def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
     # each stop token fed by a step in flight; vLLM schedules no step past max_tokens
     assert stale == {r: int(async_scheduling and r != "d") for r in generated}
     assert run.delivery.stats()["delivery_rows_cut"] == sum(stale.values())
+    assert (run.delivery.stats()["delivery_chunks"] > 0) == (stream_every is not None)
     for req_id, n in generated.items():
         assert not entries[req_id].aborted
         assert torch.equal(entries[req_id].outputs[HIDDEN_KEY][:, 0],
                            torch.arange(prompt_len + n - 1, dtype=torch.float32)), req_id
 
 
-def test_an_abort_while_a_step_is_in_flight_publishes_what_a_synchronous_engine_would() -> None:
+@pytest.mark.parametrize("stream_every", [None, 1], ids=["whole", "streamed"])
+def test_an_abort_while_a_step_is_in_flight_publishes_what_a_synchronous_engine_would(
+        stream_every: int | None) -> None:
     """The step after the prefill runs before the scheduler reads the prefill's token; an abort
     then retires the request, and that step's row (its output never read) is cut: 20 rows, as
     a synchronous engine that ran the prefill alone would publish."""
     with open_channel() as channel:
-        run = FinishedRows(channel, prompt_len=20, async_scheduling=True)
+        run = FinishedRows(channel, prompt_len=20, async_scheduling=True,
+                           stream_every=stream_every)
         scheduler = run.scheduler
         scheduler.add_request(make_request("e", [77] * 20, 16))
         prefill = scheduler.schedule()

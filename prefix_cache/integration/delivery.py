@@ -27,6 +27,14 @@ runner's own `finish` later only forgets it. Such an in-flight step (an
 asynchronous scheduler's) feeds the request's stop token; the scheduler says how
 many rows stand, and its row is cut whether it arrived before the finish or not.
 
+A streaming stage (`stream_every`) publishes a request's rows as chunks while it
+runs, once `stream_every` new positions stand: its first chunk carries a prefix
+hit's rows with the first step's, each later one the positions since, and the
+final chunk, at the finish, the rest. The newest row waits one step before it
+stands: an asynchronous scheduler feeds a stop token in the step it already has
+in flight, and that row is cut at the finish, so no chunk may carry it. A request
+recomputed after preemption never streams positions again.
+
 A request whose finish will never be heard (the stage shuts down first) is not
 left for its consumer to time out on: `fail_held` publishes a failure naming the
 cause in its place. A stage that stops publishing (`stop_publishing`) does so for
@@ -51,8 +59,9 @@ logger = logging.getLogger(__name__)
 class StageSink(Protocol):
     """Where finished requests' rows go (a `prefix_cache.channel.StageChannel`)."""
 
-    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *,
-            aborted: bool = False, meta: Mapping[str, Any] | None = None) -> None: ...
+    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *, start: int = 0,
+            final: bool = True, aborted: bool = False,
+            meta: Mapping[str, Any] | None = None) -> None: ...
 
     def fail(self, request_id: str, cause: str) -> None: ...
 
@@ -80,35 +89,61 @@ class _Part:
     rows: dict[str, torch.Tensor]  # key -> [end - start, *feat]
 
 
+def _rows(parts: list[_Part], start: int, end: int) -> dict[str, torch.Tensor]:
+    """The rows of positions `start..end - 1` per key, which `parts` cover; a key missing from
+    a part reads zeros there, as absent mm rows do on a prefix hit."""
+    like = {key: rows for p in reversed(parts) for key, rows in p.rows.items()}
+    out = {}
+    for key, ref in like.items():
+        pieces = []
+        for p in parts:
+            lo, hi = max(p.start, start), min(p.end, end)
+            if lo < hi:
+                pieces.append(p.rows[key][lo - p.start: hi - p.start] if key in p.rows else
+                              ref.new_zeros((hi - lo, *ref.shape[1:])))
+        out[key] = torch.cat(pieces) if pieces else ref.new_zeros((0, *ref.shape[1:]))
+    return out
+
+
 class StageDelivery:
-    """Per live request, parts whose positions run contiguously from 0 (a later part may overlap).
+    """Per live request, parts whose positions run contiguously from 0, or from where its last
+    chunk ended when streaming (a later part may overlap).
 
     One thread adds and finishes; `stats()` may be read from another.
     """
 
     def __init__(self, sink: StageSink | None = None, *,
-                 external_id: Callable[[str], str] = lambda req_id: req_id) -> None:
+                 external_id: Callable[[str], str] = lambda req_id: req_id,
+                 stream_every: int | None = None) -> None:
+        if stream_every is not None and (isinstance(stream_every, bool)
+                                         or not isinstance(stream_every, int)
+                                         or stream_every < 1):
+            raise ValueError(f"stream_every must be a whole number of positions >= 1 or None, "
+                             f"got {stream_every!r}")
         self._sink = sink
         self._external_id = external_id  # a runner id's id in the engine's caller
+        self._stream_every = stream_every  # None: whole entries at the finish
         self._lock = threading.Lock()
         self._parts: dict[str, list[_Part]] = {}
+        self._streamed: dict[str, int] = {}  # positions a request published in chunks
         self._published_early: set[str] = set()  # published; the runner's finish is to come
         self._broken: dict[str, str] = {}  # requests whose rows can no longer come whole: why
         self._published = 0
+        self._chunks = 0
         self._failed = 0
         self._rows_cut = 0  # rows of steps whose tokens the scheduler discarded
         self._stopped: str | None = None  # why no rows are published any more
 
     def stats(self) -> dict[str, int]:
-        """Requests and bytes held (waiting for their finish), requests published so far,
-        requests whose entry failed (published as failures), and rows cut from entries (fed
+        """Requests and bytes held (waiting for their finish), requests published so far and
+        the chunks streamed before their final ones, requests whose entry failed (published as failures), and rows cut from entries (fed
         by steps whose tokens the scheduler discarded)."""
         with self._lock:
             held = sum(t.numel() * t.element_size() for parts in self._parts.values()
                        for p in parts for t in p.rows.values())
             return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
-                    "delivery_published": self._published, "delivery_failed": self._failed,
-                    "delivery_rows_cut": self._rows_cut}
+                    "delivery_published": self._published, "delivery_chunks": self._chunks,
+                    "delivery_failed": self._failed, "delivery_rows_cut": self._rows_cut}
 
     def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor], num_rows: int) -> None:
         """`num_rows` positions `start, start + 1, ...`, and `rows` of them per key (each
@@ -132,6 +167,38 @@ class StageDelivery:
                 self._parts.pop(req_id, None)
         if first:
             self._expect(req_id)
+        if self._stream_every is not None:
+            self._stream(req_id)
+
+    def _stream(self, req_id: str) -> None:
+        """Publish `req_id`'s positions that stand since its last chunk, once there are
+        `stream_every` of them (the newest row waits a step: see the module docstring); a chunk
+        that cannot be published fails the request, as its entry would."""
+        if self._sink is None:
+            return
+        with self._lock:
+            parts = self._parts.get(req_id)
+            sent = self._streamed.get(req_id, 0)
+            stands = parts[-1].end - 1 if parts else 0
+            if stands - sent < self._stream_every:
+                return
+            rows = _rows(parts, sent, stands)
+            if not rows:  # no key emitted yet: nothing to read the positions' zeros by
+                return
+            self._streamed[req_id] = stands
+            self._parts[req_id] = [p if p.start >= stands else
+                                   _Part(stands, p.end, {k: v[stands - p.start:]
+                                                         for k, v in p.rows.items()})
+                                   for p in parts if p.end > stands]
+        external_id = self._external_id(req_id)
+        try:
+            self._sink.put(external_id, rows, start=sent, final=False)
+        except Exception as exc:  # a full /dev/shm, a store gone: this request fails alone
+            self.fail_requests([req_id], f"publishing the chunk of its positions {sent}.."
+                                         f"{stands - 1} failed: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            self._chunks += 1
 
     def _expect(self, req_id: str) -> None:
         """Tell the sink this stage will publish `req_id`: its consumer learns within seconds
@@ -162,22 +229,17 @@ class StageDelivery:
             parts[-1] = _Part(last.start, part.start, {k: v[:kept] for k, v in last.rows.items()})
         parts.append(part)
 
-    def pop(self, req_id: str) -> tuple[dict[str, torch.Tensor], int]:
-        """`req_id`'s rows from position 0, per key, and how many positions it has (({}, 0)
-        if none); forgets them.
+    def pop(self, req_id: str, start: int = 0) -> tuple[dict[str, torch.Tensor], int]:
+        """`req_id`'s rows per key from position `start` on (where its last chunk ended, when
+        streaming), and how many positions it has in all (at least `start`); forgets them.
 
         A key missing from some steps (a model may emit it for some tokens only)
         reads zeros at those positions, as absent mm rows do on a prefix hit.
         """
         with self._lock:
             parts = self._parts.pop(req_id, None)
-        if not parts:
-            return {}, 0
-        like = {key: rows for p in reversed(parts) for key, rows in p.rows.items()}
-        return {key: torch.cat([p.rows[key] if key in p.rows else
-                                ref.new_zeros((p.end - p.start, *ref.shape[1:]))
-                                for p in parts])
-                for key, ref in like.items()}, parts[-1].end
+        end = max(parts[-1].end if parts else 0, start)
+        return (_rows(parts, start, end) if parts else {}), end
 
     def finish(self, request: FinishedRequest) -> None:
         """The runner retired `request`: publish its rows under its external id (unless
@@ -213,6 +275,7 @@ class StageDelivery:
             for req_id in failing:
                 self._parts.pop(req_id, None)
                 self._broken.pop(req_id, None)
+                self._streamed.pop(req_id, None)
             self._published_early.update(failing)
         for req_id in failing:
             self._fail(self._external_id(req_id), req_id, cause)
@@ -233,16 +296,18 @@ class StageDelivery:
         if stopped is not None:  # said once, when the stage stopped: not again per request
             self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
             return
+        with self._lock:
+            sent = self._streamed.pop(request.req_id, 0)  # in chunks already
         try:
-            (rows, num_rows), cause = self.pop(request.req_id), None
+            (rows, num_rows), cause = self.pop(request.req_id, start=sent), None
         except Exception as exc:  # parts that do not join (a key's row shape changed)
-            rows, num_rows = {}, 0
+            rows, num_rows = {}, sent
             cause = f"its rows could not be joined: {type(exc).__name__}: {exc}"
         if request.rows_standing is not None and num_rows > request.rows_standing:
             with self._lock:
                 self._rows_cut += num_rows - request.rows_standing
-            num_rows = request.rows_standing
-            rows = {key: r[:num_rows] for key, r in rows.items()}
+            num_rows = max(request.rows_standing, sent)  # chunks carry only rows that stand
+            rows = {key: r[:num_rows - sent] for key, r in rows.items()}
         with self._lock:
             cause = self._broken.pop(request.req_id, None) or cause
         if self._sink is None:
@@ -250,7 +315,8 @@ class StageDelivery:
         if cause is None:
             aborted = request.prompt_len is None or num_rows < request.prompt_len
             try:
-                self._sink.put(request.external_id, rows, aborted=aborted,
+                self._sink.put(request.external_id, rows, start=sent, final=True,
+                               aborted=aborted,
                                meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
             except Exception as exc:  # a full /dev/shm, a store gone: this entry fails alone
                 cause = f"publishing its {num_rows} rows failed: {type(exc).__name__}: {exc}"

@@ -14,7 +14,7 @@ from prefix_cache.errors import OmniPrefixCacheUnmatchError
 _FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 #: What `vllm_config.additional_config["prefix_cache"]` may set.
-STAGE_OPTIONS = ("channel", "host_budget_bytes")
+STAGE_OPTIONS = ("channel", "host_budget_bytes", "stream")
 
 
 #: Why a stage with speculative decoding neither caches nor publishes its rows.
@@ -38,6 +38,21 @@ def stage_options(vllm_config: Any) -> Mapping[str, Any]:
         raise _refuse(f"additional_config['prefix_cache'] sets unknown option(s) {unknown}; "
                       f"known: {list(STAGE_OPTIONS)}")
     return options
+
+
+def stream_every(options: Mapping[str, Any]) -> int | None:
+    """Positions per streamed chunk from the stage option `stream` (true: every step, a whole
+    number N >= 1: once N positions stand); None when it is off (whole entries at finish)."""
+    value = options.get("stream", False)
+    if value is False or value is None:
+        return None
+    if value is True:
+        return 1
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise _refuse(f"additional_config['prefix_cache']['stream'] must be true (a chunk every "
+                  f"step), false, or a whole number N >= 1 (a chunk every N positions), got "
+                  f"{value!r}")
 
 
 def check_stage_outputs(*, speculative_config: Any = None) -> None:

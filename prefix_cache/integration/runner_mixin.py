@@ -32,7 +32,8 @@ from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.integration.forward_output import describe, read_forward_output
 from prefix_cache.integration.gate import (check_host_pool, check_stage_outputs,
-                                           stage_options, stage_prefix_cache_config)
+                                           stage_options, stage_prefix_cache_config,
+                                           stream_every)
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
@@ -122,6 +123,8 @@ class StageRunnerBase:
             return self.omni_prefix_cache
         vllm_config = self.vllm_config
         check_stage_outputs(speculative_config=vllm_config.speculative_config)
+        options = stage_options(vllm_config)
+        every = stream_every(options)
         config = stage_prefix_cache_config(
             kv_cache_config=self.kv_cache_config, cache_config=vllm_config.cache_config,
             kv_transfer_config=vllm_config.kv_transfer_config,
@@ -130,7 +133,7 @@ class StageRunnerBase:
             speculative_config=vllm_config.speculative_config,
             parallel_config=vllm_config.parallel_config,
             is_pooling_model=self.is_pooling_model,
-            host_budget_bytes=stage_options(vllm_config).get("host_budget_bytes"))
+            host_budget_bytes=options.get("host_budget_bytes"))
         backend = devices.get_backend(self.device.type)
         hidden_size = vllm_config.model_config.get_hidden_size()
         dtype = vllm_config.model_config.dtype
@@ -145,7 +148,8 @@ class StageRunnerBase:
             channel.close()
             raise
         self._omni_stage = StageOutputDriver(
-            StageDelivery(channel, external_id=external_request_id), backend, cache=manager,
+            StageDelivery(channel, external_id=external_request_id, stream_every=every),
+            backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
             timeout_s=30.0 if config is None else config.staging_claim_timeout_s)

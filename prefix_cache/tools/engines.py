@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,11 +172,14 @@ class Engine:
 
 def start_thinker(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,
                   shape: EngineShape = EngineShape(), worker_cls: str | None = None,
-                  **engine_args: Any) -> Engine:
-    """Stage 1: an engine whose worker publishes every finished request's rows to `channel`."""
+                  stage_options: Mapping[str, Any] | None = None, **engine_args: Any) -> Engine:
+    """Stage 1: an engine whose worker publishes every finished request's rows to `channel`
+    (`stage_options`: more of `additional_config["prefix_cache"]`, e.g. `stream`)."""
     return Engine(model_dir, shape, enable_prefix_caching=prefix_caching,
                   worker_cls=worker_cls or default_worker(),
-                  additional_config={"prefix_cache": {"channel": channel.spec}}, **engine_args)
+                  additional_config={"prefix_cache": {"channel": channel.spec,
+                                                      **(stage_options or {})}},
+                  **engine_args)
 
 
 def start_talker(model_dir: Path, shape: EngineShape = EngineShape()) -> Engine:
