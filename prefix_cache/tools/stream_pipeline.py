@@ -21,13 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
 import torch
 
 from prefix_cache.channel import StageChannel
 from prefix_cache.tools.codec_stage import Code2WavLike
 from prefix_cache.tools.engine_loop import EngineLoop, Finished
-from prefix_cache.tools.engines import Engine, EngineShape, default_worker
+from prefix_cache.tools.engines import Engine, EngineShape, start_thinker
 from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, talker_params
 from prefix_cache.tools.streaming import RowStream
 
@@ -72,18 +71,21 @@ class StreamResult:
         return self.since_submission(self.first_frame_at)
 
 
+def thinker_params(max_tokens: int) -> Any:
+    """Greedy, exactly `max_tokens` tokens (no stop), no detokenizing."""
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          detokenize=False)
+
+
 def start_stage(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,
                 stream: bool | int, prompt_embeds: bool = False,
                 shape: EngineShape = EngineShape()) -> Engine:
     """A vLLM engine whose worker publishes its requests' rows to `channel`: in chunks while
-    they run when `stream` (True: every position; N: every N positions), else at their finish."""
-    options: dict[str, Any] = {"channel": channel.spec}
-    if stream:
-        options["stream"] = stream
-    extra = {"enable_prompt_embeds": True} if prompt_embeds else {}
-    return Engine(model_dir, shape, enable_prefix_caching=prefix_caching,
-                  worker_cls=default_worker(), additional_config={"prefix_cache": options},
-                  **extra)
+    they run when `stream` (True: every position; N: every N positions), else at their finish;
+    `prompt_embeds`: it takes rows as prompts (a talker)."""
+    return start_thinker(model_dir, channel, prefix_caching=prefix_caching, shape=shape,
+                         stage_options={"stream": stream}, enable_prompt_embeds=prompt_embeds)
 
 
 @dataclass
@@ -102,11 +104,9 @@ class Stages:
 
     def run(self, request: StreamRequest) -> StreamResult:
         """`request` through every stage; returns once the last one is done with it."""
-        from vllm import SamplingParams
         prompt_len = len(request.prompt)
         self.thinker.submit(request.req_id, {"prompt_token_ids": request.prompt},
-                            SamplingParams(max_tokens=request.max_tokens, temperature=0.0,
-                                           ignore_eos=True, detokenize=False))
+                            thinker_params(request.max_tokens))
         with ThreadPoolExecutor(1, thread_name_prefix="feed-talker") as pool:
             fed = pool.submit(self._feed_talker, request.req_id, prompt_len)
             frames = self._codec(request.req_id, prompt_len)
@@ -121,18 +121,8 @@ class Stages:
         return result
 
     def _feed_talker(self, req_id: str, prompt_len: int) -> RowStream:
-        """Submit the talker's request once the thinker's prompt rows have all arrived; then
-        take the rest of the thinker's rows (they are this stage's outputs to check)."""
         rows = RowStream(self.thinker_channel, req_id, self.streaming, self.timeout_s)
-        submitted = False
-        for so_far in rows:
-            if not submitted and len(so_far) >= prompt_len:
-                self.talker.submit(req_id, {"prompt_embeds": so_far[:prompt_len]},
-                                   talker_params(self.talker_tokens))
-                submitted = True
-        if not submitted:
-            raise RuntimeError(f"request {req_id}: the thinker published {len(rows.rows())} "
-                               f"rows, fewer than its {prompt_len} prompt positions")
+        feed_talker(rows, self.talker, prompt_len, talker_params(self.talker_tokens))
         return rows
 
     def _codec(self, req_id: str, prompt_len: int
@@ -151,6 +141,20 @@ class Stages:
                 first_frame_at = first_frame_at or time.perf_counter()
                 done = len(so_far)
         return rows, torch.cat(frames) if frames else torch.empty(0), first_frame_at
+
+
+def feed_talker(rows: RowStream, talker: EngineLoop, prompt_len: int, params: Any) -> None:
+    """Submit `rows.request_id` to `talker` on its first `prompt_len` rows as soon as they have
+    arrived, then take the rest of `rows` (the stage's outputs, to check or pass on)."""
+    submitted = False
+    for so_far in rows:
+        if not submitted and len(so_far) >= prompt_len:
+            talker.submit(rows.request_id, {"prompt_embeds": so_far[:prompt_len]}, params)
+            submitted = True
+    if not submitted:
+        raise RuntimeError(f"request {rows.request_id}: its stage published "
+                           f"{len(rows.rows())} rows, fewer than its {prompt_len} prompt "
+                           f"positions")
 
 
 def run_stages(thinker: Engine, thinker_channel: StageChannel, talker: Engine,
