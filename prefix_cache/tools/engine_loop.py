@@ -4,6 +4,9 @@
 each wait on the other. An `EngineLoop` owns its engine from start to `close()`:
 other threads only `submit` requests and `wait` for them, and every timing it
 records (submission, first token, finish, each step) is taken on its thread.
+Loops step side by side only engines in engine-core processes of their own:
+vLLM's forward context is one per process, so two in-process engines stepped by
+two threads fail ("Forward context is not set").
 """
 
 from __future__ import annotations

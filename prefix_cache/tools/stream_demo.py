@@ -3,9 +3,10 @@
 Thinker (vLLM with the cache) -> talker (vLLM on `prompt_embeds`, with the cache)
 -> codec (`Code2WavLike`, no cache), as `prefix_cache.tools.stream_pipeline`
 runs them, in four configurations: streaming on and off (both vLLM stages publish
-chunks while a request runs, or whole entries at its finish) by prefix caching
-on and off (both vLLM stages). Requests from two prompt families sharing 64-token
-prefixes run one at a time. The demo prints the time from the thinker's
+chunks while a request runs, or whole entries at its finish: an engine pair each)
+by prefix caching on and off (off: both engines' prefix caches are emptied before
+each request, so every row is computed). Requests from two prompt families
+sharing 64-token prefixes run one at a time. The demo prints the time from the thinker's
 submission to the talker's first token and to the codec's first frame, and checks
 that every configuration's thinker rows, talker tokens, talker rows and frames
 are those of the plain run (streaming off, caching off).
@@ -23,10 +24,13 @@ from pathlib import Path
 
 import torch
 
+from prefix_cache.channel import StageChannel
+from prefix_cache.tools.codec_stage import Code2WavLike
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, format_table
+from prefix_cache.tools.engines import Engine
 from prefix_cache.tools.stream_pipeline import StreamRequest, StreamResult
 
-#: The configurations, in run order: (streaming, prefix caching); the first is the plain run.
+#: The configurations, in table order: (streaming, prefix caching); the first is the plain run.
 CONFIGS = ((False, False), (False, True), (True, False), (True, True))
 
 
@@ -85,6 +89,22 @@ def ms(seconds: list[float]) -> str:
            f"{max(seconds) * 1e3:.0f})"
 
 
+def run_config(stages: tuple[Engine, StageChannel, Engine, StageChannel],
+               requests: list[StreamRequest], streaming: bool, caching: bool,
+               workload: StreamWorkload, codec: Code2WavLike) -> list[StreamResult]:
+    """`requests` through the stages from empty prefix caches; without `caching`, the caches
+    are emptied before every request, so no request finds another's blocks."""
+    from prefix_cache.tools.stream_pipeline import run_stages
+    batches = [requests] if caching else [[r] for r in requests]
+    results = []
+    for batch in batches:
+        for engine in (stages[0], stages[2]):
+            engine.engine.reset_prefix_cache()
+        results += run_stages(*stages, batch, streaming=streaming,
+                              talker_tokens=workload.talker_tokens, codec=codec)
+    return results
+
+
 COLUMNS = """\
   times are from the thinker's submission of a request, in ms: median over the requests
   (fastest-slowest); requests run one at a time, so each time is that request's own
@@ -92,46 +112,44 @@ COLUMNS = """\
               at the thinker's finish)
   talker 1st  the talker's first token (it starts once the thinker's prompt rows are all in)
   1st frame   the codec's first frame (from the talker's rows, as they arrive)
-  hits        requests whose thinker / talker found prompt tokens in vLLM's prefix cache"""
+  hits        requests whose thinker / talker found prompt tokens in vLLM's prefix cache
+  caching off both engines' prefix caches emptied before each request: every row computed"""
 
 
 def run_stream_demo(progress: Callable[[str], None], say: Callable[[str], None], log_path: Path,
-                    device: str = "cpu", workload: StreamWorkload = StreamWorkload(),
-                    multiprocess: bool = True) -> int:
+                    device: str = "cpu", workload: StreamWorkload = StreamWorkload()) -> int:
     """Every configuration, the tables and the verdict; 0 when every check holds."""
     from prefix_cache.channel import open_channel
     from prefix_cache.tools import engines
     from prefix_cache.tools import stream_pipeline as sp
-    from prefix_cache.tools.codec_stage import Code2WavLike
 
     requests = workload.requests()
     warm_up = workload.requests("warm-up")[:1]
     runs: dict[tuple[bool, bool], list[StreamResult]] = {}
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-stream-demo-") as tmp, \
             open_channel("shm") as thinker_channel, open_channel("shm") as talker_channel, \
-            engines.multiprocessing_mode(multiprocess):
+            engines.multiprocessing_mode(True):
         progress("writing two random Qwen2 models (hidden 256, 2 layers, init range 1.0; "
                  "nothing downloaded)")
         thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
         talker_dir = engines.write_random_qwen2(Path(tmp) / "talker", seed=1)
         codec = Code2WavLike(hidden_size=256)
-        for streaming, caching in CONFIGS:
-            name = config_name(streaming, caching)
-            progress(f"{name}: starting the thinker and the talker ...")
+        for streaming in (False, True):
+            progress(f"streaming {'on' if streaming else 'off'}: starting the thinker and the "
+                     f"talker ...")
             start = time.perf_counter()
-            thinker = sp.start_stage(thinker_dir, thinker_channel, prefix_caching=caching,
+            thinker = sp.start_stage(thinker_dir, thinker_channel, prefix_caching=True,
                                      stream=streaming)
-            talker = sp.start_stage(talker_dir, talker_channel, prefix_caching=caching,
+            talker = sp.start_stage(talker_dir, talker_channel, prefix_caching=True,
                                     stream=streaming, prompt_embeds=True)
-            progress(f"{name}: engines ready in {time.perf_counter() - start:.0f}s; a warm-up "
-                     f"request, then {len(requests)} requests one at a time ...")
+            progress(f"engines ready in {time.perf_counter() - start:.0f}s; a warm-up request, "
+                     f"then {len(requests)} requests one at a time, prefix caching off and on")
             try:
-                for batch in (warm_up, requests):
-                    for engine in (thinker, talker):
-                        engine.engine.reset_prefix_cache()
-                    runs[(streaming, caching)] = sp.run_stages(
-                        thinker, thinker_channel, talker, talker_channel, batch,
-                        streaming=streaming, talker_tokens=workload.talker_tokens, codec=codec)
+                stages = (thinker, thinker_channel, talker, talker_channel)
+                run_config(stages, warm_up, streaming, True, workload, codec)
+                for caching in (False, True):
+                    runs[(streaming, caching)] = run_config(stages, requests, streaming, caching,
+                                                            workload, codec)
             finally:
                 thinker.close()
                 talker.close()
@@ -151,7 +169,7 @@ def run_stream_demo(progress: Callable[[str], None], say: Callable[[str], None],
           ms([r.first_frame_s for r in results]),
           f"{sum(r.thinker.cached_tokens > 0 for r in results)} / "
           f"{sum(r.talker.cached_tokens > 0 for r in results)}"]
-         for config, results in runs.items()]))
+         for config, results in sorted(runs.items())]))
     say("")
     say(COLUMNS)
     say("")
@@ -164,7 +182,7 @@ def run_stream_demo(progress: Callable[[str], None], say: Callable[[str], None],
           f"{sum(c.tokens_match for c in cs)}/{len(cs)} same",
           f"{max(c.talker_rows_diff for c in cs):.1e}",
           f"{max(c.frames_diff for c in cs):.1e}"]
-         for config, cs in checks.items() if config != CONFIGS[0]]))
+         for config, cs in sorted(checks.items()) if config != CONFIGS[0]]))
     say("  (largest |difference| over the requests; rows and frames of the same shape as the "
         "plain run's)")
     distinct = len({tuple(r.talker.tokens) for r in plain.values()})
