@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"{parser.prog} demo: error: --stream runs three stages; it does not "
                            f"go with --stages 2\n")
         from prefix_cache.tools import demo
-        return demo.main(device=args.device, stream=args.stream or args.stages == 3)
+        if args.stream or args.stages == 3:
+            from prefix_cache.tools.stream_demo import run_stream_demo
+            return demo.main(device=args.device, run=run_stream_demo, name="stream-demo")
+        return demo.main(device=args.device)
     if args.command == "channel":
         from prefix_cache.tools import channel_gc
         return channel_gc.main(args.dir, dry_run=args.dry_run)

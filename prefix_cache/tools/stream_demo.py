@@ -123,6 +123,7 @@ def run_stream_demo(progress: Callable[[str], None], say: Callable[[str], None],
     from prefix_cache.tools import engines
     from prefix_cache.tools import stream_pipeline as sp
 
+    progress(f"thinker and talker run on vLLM's {device} engine, the codec on torch")
     requests = workload.requests()
     warm_up = workload.requests("warm-up")[:1]
     runs: dict[tuple[bool, bool], list[StreamResult]] = {}
