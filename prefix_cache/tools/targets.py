@@ -93,3 +93,13 @@ PIPELINE_METRICS: dict[str, MetricSpec] = {
     "M5e": MetricSpec("real engine steps per s, the cache's worker / vLLM's plain worker",
                       Target(">=", 0.98, gpu_only=True)),
 }
+
+#: The streaming bench's figures (`python -m prefix_cache.tools.stream_bench`), in table order.
+STREAM_METRICS: dict[str, MetricSpec] = {
+    "M9": MetricSpec("stage 2's first token from stage-1 submission, streaming on / off "
+                     "(stage 1 generating 64 tokens; real engine)", Target("<=", 0.25)),
+    "M9h": MetricSpec("with a prefix hit: stage 2's first chunk from stage-1 submission / "
+                      "stage 1's first step", Target("<=", 1.0)),
+    "M9c": MetricSpec("streaming's cost: stage-1 steps per s, streaming on / off",
+                      Target(">=", 0.98)),
+}

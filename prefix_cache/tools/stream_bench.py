@@ -1,0 +1,192 @@
+"""M9 on vLLM's real engine: what streaming stage 1's rows buys stage 2, and what it costs.
+
+    python -m prefix_cache.tools.stream_bench [--runs N] [--json PATH]
+
+Stage 1 (the thinker, with the cache) generates 64 tokens per request; stage 2
+(a plain talker on `prompt_embeds`) starts on the thinker's prompt rows, as soon
+as they have arrived when stage 1 streams, else after its finish
+(`prefix_cache.tools.stream_pipeline`). Requests of two prompt families run one
+at a time, so the later two of each run hit the prefix cache. Figures:
+
+- M9: the talker's first token, from the thinker's submission, streaming on / off;
+- M9h: with a prefix hit, the first chunk's arrival from submission / the thinker's first
+  step (submission to its first token): within one stage-1 step is <= 1;
+- M9c: stage 1's steps per second, streaming on / off, four requests decoding together, their
+  rows drained by a consumer in both cases.
+
+Each figure is the median over `runs` runs made back to back, on and off interleaved, with
+the smallest and largest beside it; both thinkers and the talker are started once, warmed up,
+and their prefix caches emptied before every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from prefix_cache.channel import StageChannel
+from prefix_cache.tools.bench_report import Metric, metric_json, report
+from prefix_cache.tools.engine_logs import new_log_path, output_to_log
+from prefix_cache.tools.engine_loop import EngineLoop
+from prefix_cache.tools.engines import Engine
+from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
+from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S
+from prefix_cache.tools.stream_demo import StreamWorkload
+from prefix_cache.tools.stream_pipeline import StreamRequest, run_stages, thinker_params
+from prefix_cache.tools.streaming import RowStream
+from prefix_cache.tools.targets import STREAM_METRICS
+
+WORKLOAD = StreamWorkload(num_requests=4, thinker_tokens=64, talker_tokens=4)
+
+
+def mode(streaming: bool) -> str:
+    return "on" if streaming else "off"
+
+
+def decode_steps(thinker: Engine, channel: StageChannel, requests: Sequence[StreamRequest],
+                 streaming: bool) -> list[float]:
+    """Stage 1's step times with `requests` running together and a consumer draining each
+    one's rows (chunk by chunk when `streaming`, else whole)."""
+    loop = EngineLoop(thinker, "thinker")
+    try:
+        with ThreadPoolExecutor(len(requests), thread_name_prefix="drain") as pool:
+            drained = [pool.submit(lambda r: list(RowStream(channel, r.req_id, streaming,
+                                                            ROWS_TIMEOUT_S)), r)
+                       for r in requests]
+            for r in requests:
+                loop.submit(r.req_id, {"prompt_token_ids": r.prompt}, thinker_params(r.max_tokens))
+            for r in requests:
+                loop.wait(r.req_id, ROWS_TIMEOUT_S)
+            for future in drained:
+                future.result(ROWS_TIMEOUT_S)
+    finally:
+        loop.close()
+    return loop.step_seconds
+
+
+def measure(*, runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every run's figures, streaming on and off, on this machine's vLLM platform."""
+    from vllm.platforms import current_platform
+
+    from prefix_cache.channel import open_channel
+    from prefix_cache.tools import engines
+    from prefix_cache.tools.stream_pipeline import start_stage
+    first_token: dict[bool, list[float]] = {True: [], False: []}
+    hit_chunk, hit_step, steps = [], [], {True: [], False: []}
+    with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m9-") as tmp, \
+            open_channel("shm") as channel, engines.multiprocessing_mode(True):
+        thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
+        talker_dir = engines.write_random_qwen2(Path(tmp) / "talker", seed=1)
+        progress("starting three engines (the thinker streaming and not, a talker) ...")
+        thinkers = {streaming: start_stage(thinker_dir, channel, prefix_caching=True,
+                                           stream=streaming) for streaming in (True, False)}
+        talker = engines.start_talker(talker_dir)
+        try:
+            def cold() -> None:
+                for engine in (*thinkers.values(), talker):
+                    engine.engine.reset_prefix_cache()
+
+            for streaming, thinker in thinkers.items():
+                run_stages(thinker, channel, talker, None, WORKLOAD.requests(
+                    f"warm-up-{mode(streaming)}")[:2], streaming=streaming, talker_tokens=2)
+                decode_steps(thinker, channel, WORKLOAD.requests(
+                    f"warm-up-batch-{mode(streaming)}"), streaming)
+            for i in range(runs):
+                progress(f"run {i + 1}/{runs} ...")
+                for streaming in (True, False) if i % 2 == 0 else (False, True):
+                    cold()
+                    results = run_stages(thinkers[streaming], channel, talker, None,
+                                         WORKLOAD.requests(f"m9-{i}-{mode(streaming)}"),
+                                         streaming=streaming,
+                                         talker_tokens=WORKLOAD.talker_tokens)
+                    first_token[streaming].append(
+                        statistics.median(r.talker_first_token_s for r in results))
+                    if streaming:
+                        hits = [r for r in results if r.thinker.cached_tokens > 0]
+                        hit_chunk += [r.first_chunk_s for r in hits]
+                        hit_step += [r.since_submission(r.thinker.first_token_at) for r in hits]
+                    cold()
+                    steps[streaming].append(statistics.median(decode_steps(
+                        thinkers[streaming], channel,
+                        WORKLOAD.requests(f"m9c-{i}-{mode(streaming)}"), streaming)))
+        finally:
+            for engine in (*thinkers.values(), talker):
+                engine.close()
+    return {"device": current_platform.device_type, "runs": runs,
+            "workload": f"{WORKLOAD.num_requests} requests of two families sharing 64-token "
+                        f"prefixes, {WORKLOAD.thinker_tokens} thinker tokens each; random "
+                        f"Qwen2 (hidden 256, 2 layers) per stage",
+            "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
+            "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
+            "hit_ratio_per_request": spread([c / s for c, s in zip(hit_chunk, hit_step)]),
+            "step_s": {mode(k): spread(v) for k, v in steps.items()}}
+
+
+def ms(figure: dict[str, Any]) -> str:
+    return f"{figure['median'] * 1e3:.1f} ms ({figure['min'] * 1e3:.1f}-" \
+           f"{figure['max'] * 1e3:.1f})"
+
+
+def metrics(m: dict[str, Any]) -> dict[str, Metric]:
+    on, off = m["talker_first_token_s"]["on"], m["talker_first_token_s"]["off"]
+    step_on, step_off = m["step_s"]["on"], m["step_s"]["off"]
+    return {
+        "M9": Metric(on["median"] / off["median"], f"on {ms(on)}, off {ms(off)}",
+                     m["workload"]),
+        "M9h": Metric(m["hit_ratio_per_request"]["median"],
+                      f"first chunk {ms(m['hit_first_chunk_s'])} after submission; stage 1's "
+                      f"first step {ms(m['hit_first_step_s'])}",
+                      f"per hit request (median, min-max over {m['runs']} runs)"),
+        "M9c": Metric(step_off["median"] / step_on["median"],
+                      f"median step on {ms(step_on)}, off {ms(step_off)}",
+                      f"{WORKLOAD.num_requests} requests decoding together"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m prefix_cache.tools.stream_bench",
+        description="Measures M9 on vLLM's real engine of this machine: stage 2's first token "
+                    "with stage 1 streaming on / off, a prefix hit's first chunk against stage "
+                    "1's first step, and stage 1's step rate streaming on / off. Prints a table "
+                    "with a pass/MISS column (vLLM's logs go to a file it names). Exit status: 0 "
+                    "when it measured, whatever the table says, 1 when a run failed, 2 on a "
+                    "usage error.")
+    parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs must be >= 1, got {args.runs}")
+    if args.json and (problem := unwritable(args.json)):
+        parser.error(problem)
+    log_path = new_log_path("stream-bench")
+    with output_to_log(log_path) as terminal:
+        def say(msg: str) -> None:
+            print(f"[stream bench] {msg}", file=terminal, flush=True)
+
+        try:
+            m9 = measure(runs=args.runs, progress=say)
+        except Exception as exc:  # the traceback is in the log; the terminal gets one line
+            traceback.print_exc()
+            say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
+            return 1
+    results = {"device": m9["device"], "commit": source_commit(), "machine": machine(m9["device"]),
+               "metrics": {name: metric_json(STREAM_METRICS[name], metric, m9["device"])
+                           for name, metric in metrics(m9).items()},
+               "m9": m9}
+    print(report(results, STREAM_METRICS), flush=True)
+    print(f"\nvLLM's logs and warnings: {log_path}")
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
