@@ -394,6 +394,20 @@ class StageChannel(ABC):
         """Releases the backend; the namespace's owner also frees every entry in it."""
 
 
+def spec_number(scheme: str, options: Mapping[str, str], name: str, kind: type[int] | type[float],
+                default: Any) -> Any:
+    """Option `name` of a channel spec read as `kind` (`default` when absent), or a ValueError
+    naming the option and what it takes."""
+    if name not in options:
+        return default
+    try:
+        return kind(options[name])
+    except ValueError:
+        what = "a whole number of bytes" if kind is int else "a number of seconds"
+        raise ValueError(f"{scheme} channel spec: option {name}={options[name]!r} must be "
+                         f"{what}") from None
+
+
 def join_chunks(chunks: list[StageEntry]) -> dict[str, torch.Tensor]:
     """The chunks' rows from their first position on, per key; a key missing from some chunks
     reads zeros at their positions."""

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, LIVENESS_CHECK_S,
-                                       StageChannel)
+                                       StageChannel, spec_number)
 from prefix_cache.channel.codec import EncodedEntry, join
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
@@ -462,16 +462,22 @@ class MooncakeChannel(StageChannel):
         if unknown:
             raise ValueError(f"mooncake channel spec: unknown option(s) {sorted(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
-        if not netloc.rpartition(":")[2].isdigit() or "metadata" not in options:
+        host, colon, port = netloc.rpartition(":")
+        if not colon or not host or "metadata" not in options:
             raise ValueError(f"mooncake channel spec needs the master's HOST:PORT and "
                              f"?metadata=URL (the metadata server), got {netloc!r} and {query!r}")
+        if not port.isdigit():
+            raise ValueError(f"mooncake channel spec: the master's port {port!r} in {netloc!r} "
+                             f"is not a port number")
         namespace = options.get("namespace") or secrets.token_hex(16)
         return cls(netloc, options["metadata"], namespace,
-                   ttl_s=float(options.get("ttl", DEFAULT_TTL_S)),
+                   ttl_s=spec_number("mooncake", options, "ttl", float, DEFAULT_TTL_S),
                    owner="namespace" not in options,
                    protocol=options.get("protocol", "tcp"), device=options.get("device", ""),
-                   capacity_bytes=int(options.get("capacity", DEFAULT_CAPACITY)),
-                   full_wait_s=float(options.get("wait", DEFAULT_FULL_WAIT_S)))
+                   capacity_bytes=spec_number("mooncake", options, "capacity", int,
+                                              DEFAULT_CAPACITY),
+                   full_wait_s=spec_number("mooncake", options, "wait", float,
+                                           DEFAULT_FULL_WAIT_S))
 
     @property
     def spec(self) -> str:

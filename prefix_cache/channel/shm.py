@@ -67,7 +67,8 @@ from urllib.parse import parse_qs, urlencode
 
 import torch
 
-from prefix_cache.channel.base import DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel
+from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel,
+                                      spec_number)
 from prefix_cache.channel.codec import EncodedEntry
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
@@ -316,14 +317,14 @@ class ShmChannel(StageChannel):
             raise ValueError(f"shm channel spec: unknown option(s) {sorted(unknown)}; "
                              f"known: dir, ttl, wait, capacity")
         root = Path(options["dir"]) if "dir" in options else None
-        ttl_s = float(options.get("ttl", DEFAULT_TTL_S))
-        wait_s = float(options.get("wait", DEFAULT_FULL_WAIT_S))
+        ttl_s = spec_number("shm", options, "ttl", float, DEFAULT_TTL_S)
+        wait_s = spec_number("shm", options, "wait", float, DEFAULT_FULL_WAIT_S)
         if namespace:
             if "capacity" in options:
                 raise ValueError("shm channel spec: capacity is set when a namespace is created; "
                                  "a handle joining one uses its capacity")
             return cls.join(namespace, root, ttl_s=ttl_s, full_wait_s=wait_s)
-        capacity = int(options["capacity"]) if "capacity" in options else None
+        capacity = spec_number("shm", options, "capacity", int, None)
         return cls.create(root, ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=wait_s)
 
     @property
