@@ -207,7 +207,7 @@ def test_a_malformed_entry_is_a_channel_error_naming_the_request(
     with pytest.raises(ValueError):
         decode(data)
     channel._publish("req-bad", EncodedEntry(data.numel(), [(0, memoryview(data.numpy()))]),
-                     channel._reserve(data.numel(), force=True))
+                     channel._reserve(data.numel(), force=True), final=True)
     with pytest.raises(OmniPrefixCacheChannelError, match="request req-bad .* unreadable"):
         channel.get("req-bad", timeout_s=5)
 

@@ -131,12 +131,14 @@ class StageChannel(ABC):
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"request {request_id}: chunk start must be a whole number, "
                              f"got {start!r}")
+        stands = self._streams.get(request_id, 0)
+        if entry.final and start == 0 and request_id not in self._streams:
+            return stands  # a whole entry: its keys may be of any shape
         counts = {key: rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() else None
                   for key, rows in entry.outputs.items()}
         if len(set(counts.values())) > 1:
-            raise ValueError(f"request {request_id}: the keys of one entry must have as many "
-                             f"rows each, got {counts}")
-        stands = self._streams.get(request_id, 0)
+            raise ValueError(f"request {request_id}: the keys of a chunk must have as many rows "
+                             f"each (its positions), got {counts}")
         if start == stands:
             return stands
         if request_id not in self._streams:
