@@ -191,10 +191,13 @@ class StageOutputDriver:
             self._engine_fault("ending a step", exc)
 
     def _engine_fault(self, what: str, exc: Exception) -> None:
-        """A fault on the engine thread: the engine goes on, the stage turns off naming it."""
+        """A fault on the engine thread: the engine goes on, the stage turns off naming it
+        (said once: a stage already off only logs it)."""
         reason = f"{what} failed: {type(exc).__name__}: {exc}"
-        logger.error("stage outputs off, the engine goes on: %s", reason)
         logger.debug("stage outputs: %s failed", what, exc_info=exc)
+        if self._off:
+            return
+        logger.error("stage outputs off, the engine goes on: %s", reason)
         self.turn_off(reason)
 
     # ------------------------------------------------------------------ output thread
