@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import StageChannel, StageChunk, open_channel  # noqa: E402
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, vllm_device  # noqa: E402
-from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.engines import EngineShape, multiprocessing_mode, start_thinker  # noqa: E402
 from tests.vllm_fixtures import thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
@@ -115,6 +116,43 @@ def test_an_abort_mid_stream_ends_it_with_a_final_chunk_marked_aborted(
     assert len(chunks) >= 2 and chunks[-1].final and chunks[-1].aborted
     rows = torch.cat([c.rows[HIDDEN_KEY] for c in chunks])
     assert rows.shape[0] == chunks[-1].meta["num_rows"] < len(PREFIX) * 8
+
+
+def test_requests_preempted_while_streaming_stream_each_position_once(
+        thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests whose decodes outgrow a 7-block KV cache: vLLM preempts some and
+    recomputes them from position 0 while their chunks are out; each stream's positions still
+    come once, in order, prompt + generated - 1 of them."""
+    starts: dict[str, list[int]] = {}
+    add = StageDelivery.add
+
+    def recording_add(self: StageDelivery, req_id: str, start: int, *args: Any) -> None:
+        starts.setdefault(req_id, []).append(start)
+        add(self, req_id, start, *args)
+
+    monkeypatch.setattr(StageDelivery, "add", recording_add)
+    shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
+                        max_model_len=192, long_prefill_token_threshold=32)
+    prompts = {f"p{i}": PREFIX[:32] + [7 + i] * 16 for i in range(4)}
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True, shape=shape,
+                               stage_options={"stream": True})
+        try:
+            streams = Streams(channel, list(prompts))
+            for request_id, prompt in prompts.items():
+                engine.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            while engine.has_work():
+                engine.step()
+            joined = streams.joined()
+        finally:
+            engine.close()
+    recomputed = [r for r, s in starts.items() if any(b < a for a, b in zip(s, s[1:]))]
+    assert recomputed, "no request was preempted: the KV cache did not run out"
+    for request_id, chunks in streams.chunks.items():
+        ends = [c.start + c.rows[HIDDEN_KEY].shape[0] for c, _ in chunks]
+        assert [c.start for c, _ in chunks] == [0, *ends[:-1]], request_id  # each once
+        assert joined[request_id].shape[0] == len(prompts[request_id]) + 99
 
 
 def test_rows_recomputed_after_preemption_are_not_streamed_again() -> None:
