@@ -69,7 +69,7 @@ def test_an_unknown_stage_option_is_refused_naming_the_known_ones() -> None:
     vllm_config = SimpleNamespace(additional_config={"prefix_cache": {"host_budget": 1}})
     with pytest.raises(OmniPrefixCacheUnmatchError,
                        match=r"unknown option\(s\) \['host_budget'\]; known: \['channel', "
-                             r"'host_budget_bytes'\]"):
+                             r"'host_budget_bytes', 'stream'\]"):
         stage_options(vllm_config)
 
 
