@@ -26,6 +26,7 @@ and exits 1 on any failed check.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -94,8 +95,13 @@ def kill_engine(engine: Any) -> None:
     """SIGKILL a multiprocess engine's engine-core process and its children (the worker that
     publishes, where the executor runs one), and wait until they are gone."""
     import psutil  # a dependency of vLLM
-    (process,) = engine.engine.engine_core.resources.engine_manager.processes
-    core = psutil.Process(process.pid)
+
+    from prefix_cache.tools.engines import engine_core_pid
+    pid = engine_core_pid(engine)
+    if pid == os.getpid():
+        raise RuntimeError("the kill test needs an engine-core process of its own, not an "
+                           "in-process engine (it would kill itself)")
+    core = psutil.Process(pid)
     doomed = [*core.children(recursive=True), core]
     for proc in doomed:
         proc.kill()
