@@ -378,15 +378,14 @@ def test_mooncake_processes_listen_on_loopback_only(
         assert _listening_addresses(port) == {loopback}, port
 
 
-@pytest.mark.slow
-def test_mooncake_master_not_running_names_the_address(
+def test_mooncake_master_not_running_names_the_address_at_once(
         mooncake_store: MooncakeStoreProcesses) -> None:
     master = f"127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(OmniPrefixCacheChannelError,
-                       match=f"cannot reach the Mooncake master at {master} "):
+                       match=f"cannot reach the Mooncake master at {master} .*refused"):
         open_channel(f"mooncake://{master}?metadata={mooncake_store.metadata_url}")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 1  # Mooncake's own set-up would wait about 4.5 s
 
 
 def test_a_process_opening_a_mooncake_channel_logs_no_info_lines(

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +31,7 @@ from prefix_cache.channel import (OmniPrefixCacheChannelError,
                                   OmniPrefixCacheChannelTimeoutError, open_channel)
 from prefix_cache.channel import mooncake as mooncake_module
 from prefix_cache.channel.mooncake import LEASE_S, MooncakeChannel
-from tests.mooncake_store import MooncakeStoreProcesses
+from tests.mooncake_store import HOST, MooncakeStoreProcesses
 from tests.test_channel import RealClient, _mark, _marked, use_client
 
 #: Children fork from a server that imported the channel once and never opened a store client.
@@ -298,3 +305,60 @@ def test_a_take_killed_at_any_store_call_leaves_the_ids_other_entries_whole(
         with open_channel(owner.spec) as other:
             other.put("r", _marked(3))
             assert _drain(owner, "r") == [3]
+
+
+
+def _registered_client_port(store: MooncakeStoreProcesses, port: int) -> bool:
+    """Whether the metadata server holds a client's registration on loopback `port`."""
+    key = urllib.parse.quote(f"mooncake/rpc_meta/{HOST}:{port}", safe="")
+    try:
+        with urllib.request.urlopen(f"{store.metadata_url}?key={key}", timeout=5):
+            return True
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return False
+        raise
+
+
+def _free_port_pair() -> int:
+    """P, with P and P + 1 free on loopback, inside Mooncake's accepted client port range."""
+    for _ in range(100):
+        first = random.randrange(12400, 14200)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind((HOST, first))
+                b.bind((HOST, first + 1))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports in 12400..14200")
+
+
+def test_a_client_that_draws_a_killed_clients_port_still_connects(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed client's port stays registered with the metadata server. Two killed clients
+    hold both ports of a two-port range, so a new client's first draw is refused there:
+    connecting must try again on another draw, not fail (as a restarted producer would)."""
+    first = _free_port_pair()
+    ports = {"MC_STORE_CLIENT_MIN_PORT": str(first), "MC_STORE_CLIENT_MAX_PORT": str(first + 1)}
+    holder = ("import sys, time; from prefix_cache.channel import open_channel\n"
+              "channel = open_channel(sys.argv[1]); print('open', flush=True); time.sleep(600)")
+    holders = [subprocess.Popen([sys.executable, "-c", holder, mooncake_store.spec],
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, **ports})
+               for _ in range(2)]
+    try:
+        assert [h.stdout.readline().strip() for h in holders] == ["open", "open"]
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait(30)
+            h.stdout.close()
+    assert _registered_client_port(mooncake_store, first)
+    assert _registered_client_port(mooncake_store, first + 1)
+    for name, value in ports.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MC_STORE_CLIENT_SETUP_RETRIES", raising=False)
+    for _ in range(2):
+        with open_channel(mooncake_store.spec) as channel:
+            channel.put("r", _marked(1))
+            assert _mark(channel.get("r", timeout_s=5)) == 1

@@ -92,6 +92,10 @@ LEASE_REFRESH_S = 1.0
 LEASE_S = 4.0
 #: Bytes of unconsumed entries a namespace's publisher keeps in the store unless told otherwise.
 DEFAULT_CAPACITY = 1 << 30
+#: How long connecting waits for the master's port to accept before saying it is not there.
+MASTER_PROBE_S = 2.0
+#: Client set-up attempts, each on a fresh random port, unless the environment says otherwise.
+SETUP_ATTEMPTS = 5
 _INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU machines; -cuda13 or -npu "
                  "elsewhere), and libibverbs1")
 
@@ -505,15 +509,26 @@ class MooncakeChannel(StageChannel):
     def _connect(self) -> Any:
         store = _store_class()()
         host, _, port = self.master.rpartition(":")
-        os.environ["MC_TCP_BIND_ADDRESS"] = _local_address(host.strip("[]"), int(port))
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # fail in seconds, not 90
+        host = host.strip("[]")
+        try:  # Mooncake's own setup waits about 4.5 s per attempt for an absent master
+            socket.create_connection((host, int(port)), timeout=MASTER_PROBE_S).close()
+        except OSError as e:
+            raise OmniPrefixCacheChannelError(
+                f"mooncake channel: cannot reach the Mooncake master at {self.master} ({e}); "
+                f"is mooncake_master running there?") from e
+        os.environ["MC_TCP_BIND_ADDRESS"] = _local_address(host, int(port))
+        # Each attempt takes a fresh random port: a killed client's port stays registered
+        # with the metadata server, and a client that draws it is refused.
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(SETUP_ATTEMPTS))
         rc = store.setup(os.environ["MC_TCP_BIND_ADDRESS"], self.metadata, 0, 0,
                          self._protocol, self._device, self.master)
         if rc != 0:
             raise OmniPrefixCacheChannelError(
-                f"mooncake channel: cannot reach the Mooncake master at {self.master} with "
-                f"metadata server {self.metadata} (setup returned {rc}); is mooncake_master "
-                f"running there?")
+                f"mooncake channel: the Mooncake master at {self.master} answers, but setting "
+                f"up a client with metadata server {self.metadata} failed (setup returned "
+                f"{rc}, Mooncake's log above says why); is the metadata server running, and "
+                f"are the client ports (MC_STORE_CLIENT_MIN_PORT..MC_STORE_CLIENT_MAX_PORT) "
+                f"free?")
         return store
 
     @contextmanager
