@@ -9,6 +9,11 @@ outside the pool, mismatched buffers) raised before a byte is written.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import threading
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -312,6 +317,94 @@ def test_a_large_copy_releases_the_gil_and_is_correct(gather: bool) -> None:
 I64 = np.iinfo(np.int64)
 EXTREMES = st.sampled_from([I64.min, I64.min + 1, -(2**31), -1, 0, 1, 2**31 - 1, 2**31,
                             2**62, I64.max - 1, I64.max])
+
+
+def _split_gather_case(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A pool and 4701 slots of 300 random blocks: 18.4 MiB of rows, split 8 ways at most."""
+    rng = np.random.default_rng(seed)
+    width, num_slots = 4096, 8192
+    blocks = rng.permutation(np.arange(num_slots // 16))[:300]
+    slots = (blocks[:, None] * 16 + np.arange(16)).ravel()[:4701].astype(np.int64)
+    return rng.integers(0, 255, (num_slots, width), dtype=np.uint8), slots
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _thread_counts(answer: Any) -> None:
+    """In a new process: its threads before the first split gather, after it, after ten more."""
+    pool, slots = _split_gather_case(1)
+    out = np.zeros((len(slots), pool.shape[1]), dtype=np.uint8)
+    counts = [_os_threads()]
+    _core.gather_rows(pool, slots, out, 8)
+    counts.append(_os_threads())
+    for _ in range(10):
+        out[:] = 0
+        _core.gather_rows(pool, slots, out, 8)
+        assert np.array_equal(out, pool[slots])
+    answer.put([*counts, _os_threads()])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_a_split_gathers_threads_are_started_once_and_kept() -> None:
+    """Starting and joining threads per gather cost as much as the copy they share; the
+    copy threads (7 for an 8-way split) start at the first split gather and serve every
+    later one."""
+    spawn = multiprocessing.get_context("spawn")
+    answer = spawn.Queue()
+    child = spawn.Process(target=_thread_counts, args=(answer,))
+    child.start()
+    try:
+        before, first, later = answer.get(timeout=120)
+    finally:
+        child.join(30)
+    assert first == before + 7 and later == first
+
+
+def test_split_gathers_from_several_threads_at_once_are_each_correct() -> None:
+    """One gather at a time has the copy threads; one that finds them busy copies alone."""
+    pool, slots = _split_gather_case(2)
+    wrong: list[int] = []
+
+    def gather(seed: int) -> None:
+        mine = np.random.default_rng(seed).permutation(slots)
+        out = np.zeros((len(mine), pool.shape[1]), dtype=np.uint8)
+        for _ in range(8):
+            _core.gather_rows(pool, mine, out, 8)
+            if not np.array_equal(out, pool[mine]):
+                wrong.append(seed)
+
+    threads = [threading.Thread(target=gather, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(t.is_alive() for t in threads) and wrong == []
+
+
+def _gather_in_child(pool: np.ndarray, slots: np.ndarray, answer: Any) -> None:
+    out = np.zeros((len(slots), pool.shape[1]), dtype=np.uint8)
+    _core.gather_rows(pool, slots, out, 8)
+    answer.put(bool(np.array_equal(out, pool[slots])))
+
+
+def test_a_forked_child_gathers_without_its_parents_copy_threads() -> None:
+    """Threads do not survive fork: a child (vLLM forks its workers) starts copy threads of its
+    own instead of waiting for its parent's."""
+    pool, slots = _split_gather_case(3)
+    _core.gather_rows(pool, slots, np.zeros((len(slots), pool.shape[1]), dtype=np.uint8), 8)
+    fork = multiprocessing.get_context("fork")
+    answer = fork.Queue()
+    child = fork.Process(target=_gather_in_child, args=(pool, slots, answer))
+    child.start()
+    try:
+        assert answer.get(timeout=60) is True
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
 
 
 @settings(max_examples=300, deadline=None)

@@ -808,13 +808,13 @@ copy_slot_runs(char *rows, char *pool, const int64_t *s, Py_ssize_t lo, Py_ssize
 }
 
 /* Copies are split across at most this many threads, each given at least SPLIT_BYTES: below
- * that, starting a thread costs more than its share takes (a step's own rows, up to a few
- * hundred tokens', stay on the calling thread: split at 512 KiB, M5 on the 2-core machine
- * fell from 0.86-0.89 to 0.80-0.87). */
+ * that, handing a share to another thread costs more than its share takes (a step's own rows,
+ * up to a few hundred tokens', stay on the calling thread: split at 512 KiB, M5 on the 2-core
+ * machine fell from 0.86-0.89 to 0.80-0.87). */
 #define MAX_COPY_THREADS 16
 #define SPLIT_BYTES (2 << 20)
 
-/* One thread's share of a split copy: rows [lo, hi). */
+/* One share of a split copy: rows [lo, hi). */
 typedef struct {
     char *rows, *pool;
     const int64_t *slots;
@@ -823,40 +823,130 @@ typedef struct {
     Direction dir;
 } CopyPart;
 
-static void *
-copy_part(void *arg)
+/* The copy threads, started on first need and kept for the process's life: starting and
+ * joining 7 threads took 130-200 us on the 2-core machine, as long as the 16 MiB gather they
+ * share on a 16-core host. One split copy at a time uses them (`busy`); a copy that finds them
+ * busy runs on its caller alone rather than wait. Invariant: a part is taken (next++) by one
+ * thread, and `left` counts the parts not yet finished. A forked child starts with none. */
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t posted, finished;
+    int threads;            /* started and waiting for work */
+    int busy;               /* a copy owns parts[] until its last part finishes */
+    const CopyPart *parts;  /* the current copy's parts; parts[0] is its caller's */
+    int count, next, left;
+} copy_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+               0, 0, NULL, 0, 0, 0};
+
+static void
+copy_part(const CopyPart *part)
 {
-    CopyPart *part = arg;
     copy_slot_runs(part->rows, part->pool, part->slots, part->lo, part->hi, part->row, part->dir);
+}
+
+/* Take and run parts of the current copy until none is left untaken; hold copy_pool.lock. */
+static void
+run_parts_locked(void)
+{
+    while (copy_pool.next < copy_pool.count) {
+        const CopyPart *part = &copy_pool.parts[copy_pool.next++];
+        pthread_mutex_unlock(&copy_pool.lock);
+        copy_part(part);
+        pthread_mutex_lock(&copy_pool.lock);
+        if (--copy_pool.left == 0) {
+            pthread_cond_signal(&copy_pool.finished);
+        }
+    }
+}
+
+static void *
+copy_thread(void *unused)
+{
+    (void)unused;
+    pthread_mutex_lock(&copy_pool.lock);
+    for (;;) {
+        while (copy_pool.next >= copy_pool.count) {
+            pthread_cond_wait(&copy_pool.posted, &copy_pool.lock);
+        }
+        run_parts_locked();
+    }
     return NULL;
 }
 
-/* Rows [0, n) copied by up to `threads` threads (the caller's among them), each a contiguous
- * share of the rows of at least SPLIT_BYTES; a thread that cannot start leaves its share to
- * the caller. Call without the GIL. */
+/* In a forked child: no copy thread exists there, and the lock may have been held by one. */
+static void
+copy_pool_after_fork(void)
+{
+    pthread_mutex_init(&copy_pool.lock, NULL);
+    pthread_cond_init(&copy_pool.posted, NULL);
+    pthread_cond_init(&copy_pool.finished, NULL);
+    copy_pool.threads = copy_pool.busy = copy_pool.count = copy_pool.next = copy_pool.left = 0;
+    copy_pool.parts = NULL;
+}
+
+/* Start copy threads until `want` wait for work, or one cannot start; hold copy_pool.lock. */
+static void
+grow_copy_pool_locked(int want)
+{
+    while (copy_pool.threads < want) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        if (pthread_attr_init(&attr) != 0) {
+            return;
+        }
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&thread, &attr, copy_thread, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            return;  /* the threads already started, and the caller, take every part */
+        }
+        copy_pool.threads++;
+    }
+}
+
+/* Rows [0, n) copied in up to `threads` contiguous shares of at least SPLIT_BYTES each: the
+ * caller copies the first and takes any left over, the kept copy threads the others. Returns
+ * once every share is copied. Call without the GIL. */
 static void
 copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, Direction dir,
            int threads)
 {
     Py_ssize_t most = row ? (Py_ssize_t)((size_t)n * row / SPLIT_BYTES) : 0;
-    Py_ssize_t parts = threads < most ? threads : most;
-    parts = parts < 1 ? 1 : parts > MAX_COPY_THREADS ? MAX_COPY_THREADS : parts;
+    int count = (int)(threads < most ? threads : most);
+    count = count < 1 ? 1 : count > MAX_COPY_THREADS ? MAX_COPY_THREADS : count;
     CopyPart part[MAX_COPY_THREADS];
-    pthread_t thread[MAX_COPY_THREADS];
-    int started[MAX_COPY_THREADS] = {0};
-    for (Py_ssize_t i = 0; i < parts; i++) {
-        part[i] = (CopyPart){rows, pool, s, n * i / parts, n * (i + 1) / parts, row, dir};
-        started[i] = i > 0 && pthread_create(&thread[i], NULL, copy_part, &part[i]) == 0;
+    for (int i = 0; i < count; i++) {
+        part[i] = (CopyPart){rows, pool, s, n * i / count, n * (i + 1) / count, row, dir};
     }
-    for (Py_ssize_t i = 0; i < parts; i++) {
-        if (!started[i]) {
-            copy_part(&part[i]);
-        }
+    if (count == 1 || pthread_mutex_trylock(&copy_pool.lock) != 0) {
+        goto alone;
     }
-    for (Py_ssize_t i = 1; i < parts; i++) {
-        if (started[i]) {
-            pthread_join(thread[i], NULL);
-        }
+    if (copy_pool.busy) {
+        pthread_mutex_unlock(&copy_pool.lock);
+        goto alone;
+    }
+    grow_copy_pool_locked(count - 1);
+    copy_pool.busy = 1;
+    copy_pool.parts = part;
+    copy_pool.count = count;
+    copy_pool.next = 1;  /* part 0 is the caller's */
+    copy_pool.left = count - 1;
+    pthread_cond_broadcast(&copy_pool.posted);
+    pthread_mutex_unlock(&copy_pool.lock);
+    copy_part(&part[0]);
+    pthread_mutex_lock(&copy_pool.lock);
+    run_parts_locked();  /* the shares no thread took yet (none could start, or all are slow) */
+    while (copy_pool.left > 0) {
+        pthread_cond_wait(&copy_pool.finished, &copy_pool.lock);
+    }
+    copy_pool.busy = 0;
+    copy_pool.parts = NULL;
+    copy_pool.count = copy_pool.next = 0;
+    pthread_mutex_unlock(&copy_pool.lock);
+    return;
+alone:
+    for (int i = 0; i < count; i++) {
+        copy_part(&part[i]);
     }
 }
 
@@ -957,7 +1047,9 @@ PyDoc_STRVAR(gather_rows_doc,
 "[num_slots, W] array (a pool's rows as bytes), into dst, a writable C-contiguous uint8\n"
 "[n, W] array: copy_rows the other way, with the same copies of runs, GIL release, checks\n"
 "and errors (dst unchanged when it raises). A large gather is split across up to `threads`\n"
-"threads (at most 16), the caller's among them, each copying at least 2 MiB of rows.");
+"threads (at most 16), the caller's among them, each copying at least 2 MiB of rows; the\n"
+"others are copy threads of this module, started once and kept (never torch's). While they\n"
+"serve one gather, another runs on its caller alone.");
 
 static PyObject *
 gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -986,5 +1078,12 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
+    static int registered;
+    if (!registered) {
+        if (pthread_atfork(NULL, NULL, copy_pool_after_fork) != 0) {
+            return PyErr_Format(PyExc_RuntimeError, "_core: pthread_atfork failed");
+        }
+        registered = 1;
+    }
     return PyModule_Create(&core_module);
 }
