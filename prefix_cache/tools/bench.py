@@ -74,8 +74,8 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                            f"against the same rows again (cache-hot) "
                            f"{big['hit'] / big['memcpy_hot']:.2f}; at {HIT_TOKENS[1]} tokens "
                            f"{small['hit'] / small['memcpy']:.2f} ({small['hit']:.1f} ÷ "
-                           f"{small['memcpy']:.1f} GB/s). Every repetition reads rows the last "
-                           f"{HIT_INPUT_SETS - 1} did not")
+                           f"{small['memcpy']:.1f} GB/s). No read meets rows the last "
+                           f"{HIT_INPUT_SETS - 1} reads of the pool (or memcpys) read")
     allocations, syncs, counted = engine_thread_stalls(backend, dtype, 200 if quick else 1000)
     metrics["M4"] = Metric(allocations + syncs,
                            f"{counted} mixed steps after warm-up: {allocations} pinned "
@@ -146,8 +146,9 @@ def pipeline_m8(quick: bool) -> Metric:
 
 
 def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
-    """`runs` back-to-back runs: each metric's median, judged, with every run's value kept
-    (`runs`) and its spread in the note; references and notes are the last run's."""
+    """`runs` back-to-back runs: each metric's median (the largest for an exact target: M4),
+    judged, with every run's value kept (`runs`) and its spread in the note; references and
+    notes are the last run's."""
     results = [run(device, quick) for _ in range(runs)]
     merged = results[-1]
     if runs == 1:
@@ -156,11 +157,13 @@ def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
         values = [r["metrics"][name]["value"] for r in results]
         if None in values:
             continue
+        # an exact target (M4's == 0) must hold in every run, not in the median one
+        exact = METRICS[name].target_on(merged["device"]).op == "=="
         metric["runs"] = values
-        metric["value"] = statistics.median(values)
+        metric["value"] = max(values) if exact else statistics.median(values)
         metric["pass"] = judge(METRICS[name], metric["value"], merged["device"])
-        metric["note"] = (f"median of {runs} runs, spread {min(values):.3g}-{max(values):.3g}; "
-                          + metric["note"])
+        metric["note"] = (f"{'largest' if exact else 'median'} of {runs} runs, spread "
+                          f"{min(values):.3g}-{max(values):.3g}; " + metric["note"])
     return merged
 
 

@@ -16,6 +16,7 @@ token) into frames as they arrive. Each engine is stepped by its own thread
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ class Stages:
                 frames.append(self.codec(so_far[done:]))
                 first_frame_at = first_frame_at or time.perf_counter()
                 done = len(so_far)
+        rows.check_whole()
         return rows, torch.cat(frames) if frames else torch.empty(0), first_frame_at
 
 
@@ -151,6 +153,7 @@ def feed_talker(rows: RowStream, talker: EngineLoop, prompt_len: int, params: An
         if not submitted and len(so_far) >= prompt_len:
             talker.submit(rows.request_id, {"prompt_embeds": so_far[:prompt_len]}, params)
             submitted = True
+    rows.check_whole()
     if not submitted:
         raise RuntimeError(f"request {rows.request_id}: its stage published "
                            f"{len(rows.rows())} rows, fewer than its {prompt_len} prompt "
@@ -163,11 +166,10 @@ def run_stages(thinker: Engine, thinker_channel: StageChannel, talker: Engine,
                ) -> list[StreamResult]:
     """`requests` one at a time through the stages, each engine stepped by a thread of its own
     for the length of the run."""
-    loops = [EngineLoop(thinker, "thinker"), EngineLoop(talker, "talker")]
-    try:
+    with ExitStack() as stack:  # every loop is closed, whichever close raises
+        loops = [EngineLoop(thinker, "thinker"), EngineLoop(talker, "talker")]
+        for loop in loops:
+            stack.callback(loop.close)
         stages = Stages(loops[0], thinker_channel, loops[1], talker_channel, codec, streaming,
                         talker_tokens)
         return [stages.run(request) for request in requests]
-    finally:
-        for loop in loops:
-            loop.close()

@@ -48,6 +48,12 @@ class RowStream:
             return torch.empty(0)
         return torch.cat(self._parts) if len(self._parts) > 1 else self._parts[0]
 
+    def check_whole(self) -> None:
+        """Raise when the stage aborted the request: its rows stop short of its outputs."""
+        if self.aborted:
+            raise RuntimeError(f"request {self.request_id}: its stage aborted it after "
+                               f"{len(self.rows())} rows; the next stage has no whole input")
+
     def _arrive(self, outputs: dict[str, torch.Tensor], final: bool, aborted: bool,
                 meta: dict[str, Any]) -> torch.Tensor:
         self.arrived_at.append(time.perf_counter())

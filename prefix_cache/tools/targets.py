@@ -41,12 +41,14 @@ class Target:
 class MetricSpec:
     """One metric of a bench: what it measures, in one line, and its target (on the CPU backend
     `cpu_target` where one is set); `cpu_miss`, where set, says why the CPU backend misses the
-    target by design (the report says so beside the row)."""
+    target by design, for values at or above `cpu_floor` (the report says so beside the row;
+    a lower value is a plain MISS: a regression, not the design)."""
 
     what: str
     target: Target
     cpu_target: Target | None = None
     cpu_miss: str = ""
+    cpu_floor: float = 0.0
 
     def target_on(self, device: str) -> Target:
         return self.cpu_target if device == "cpu" and self.cpu_target is not None \
@@ -77,9 +79,14 @@ METRICS: dict[str, MetricSpec] = {
                      Target("==", 0)),
     "M5": MetricSpec("0%-hit overhead: steps per s with the cache / without",
                      Target(">=", 0.99), cpu_target=Target(">=", 0.95),
-                     cpu_miss="the host that runs the forward also makes the step's two copies "
-                              "of its rows (into the pool, into the caller's tensor), which "
-                              "holds it near 0.94 at best on a 2-core machine"),
+                     cpu_floor=0.75,
+                     cpu_miss="the host that runs the forward also runs the cache's calls and "
+                              "makes the step's two copies of its rows (into the pool, into the "
+                              "caller's tensor); a py-spy profile of this loop on a 2-core "
+                              "machine puts 9% of a step in the cache's calls and slows the "
+                              "forward itself by 10% (the copies evict its weights from the "
+                              "processor's caches): 0.80-0.87 measured there, below 0.75 a "
+                              "regression"),
     "M6": MetricSpec("host memory: bytes resident / logical pool bytes", Target("<=", 1.05)),
     "M7": MetricSpec("interference: GEMM loop time with concurrent saves / alone",
                      Target("<=", 1.03, gpu_only=True)),

@@ -34,10 +34,10 @@ STEP_FORWARD_US = 3400
 
 @dataclass
 class EngineTiming:
-    """Engine-thread time of a step loop, and the host memory the cache held for it."""
+    """Engine-thread time of a step loop after its first step, and the host memory the cache
+    held for it."""
 
     median_us: float
-    first_us: float
     host_bytes: int  # pools plus staging
 
 
@@ -73,9 +73,10 @@ class _ForwardStandIn:
 
 
 def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int, dtype: torch.dtype,
-                     steps: int, *, preallocate: bool = True, num_blocks: int | None = None,
+                     steps: int, *, num_blocks: int | None = None,
                      write_stream: str = "compute", forward_us: float = 0.0) -> EngineTiming:
-    """µs per step in new_step_starts + save_outputs (median and first step), and host bytes.
+    """µs per step in new_step_starts + save_outputs (the median after the first), and host
+    bytes.
 
     The pool has `num_blocks` blocks, by default just enough for the requests' positions.
     On a device, each step passes the slot mapping a runner keeps there; a stand-in forward
@@ -105,8 +106,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     forward = _ForwardStandIn(backend, forward_us) if forward_us and backend.name != "cpu" else None
     times = []
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
-        if preallocate:
-            cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
+        cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
         for step in range(steps):
             batch.move_to(positions[step % len(positions)])
             if slot_buffer is not None:  # untimed: the runner's buffer, rewritten each step
@@ -125,7 +125,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
             synchronize(backend)
         stats = cache.stats()
     host = stats["staging_bytes"] + sum(v for k, v in stats.items() if k.startswith("pool_bytes."))
-    return EngineTiming(statistics.median(times[1:]) * 1e6, times[0] * 1e6, int(host))
+    return EngineTiming(statistics.median(times[1:]) * 1e6, int(host))
 
 
 def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, float, int]]]:

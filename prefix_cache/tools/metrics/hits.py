@@ -18,8 +18,8 @@ from prefix_cache.tools.harness import timeit, timeit_interleaved
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH
 
 
-#: Input sets a hit read's measurement rotates through: 4 x 32 MiB at M3's 8192 tokens.
-HIT_INPUT_SETS = 4
+#: Input sets the reads rotate through: 8 x 32 MiB at M3's 8192 tokens of bfloat16.
+HIT_INPUT_SETS = 8
 
 
 #: Hit sizes of M3: judged at the first, the second reported beside it.
@@ -27,9 +27,11 @@ HIT_TOKENS = (8192, 2048)
 
 
 def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, float]:
-    """GB/s of hit reads and of memcpys of the same bytes, interleaved, each kind's repetition
-    reading rows its HIT_INPUT_SETS - 1 before did not (inputs that stay in the host's caches
-    would time the caches, not the memory a hit reads):
+    """GB/s of hit reads and of memcpys of the same bytes, interleaved. The two pool reads (hit,
+    fresh) take turns through one rotation of HIT_INPUT_SETS block sets, the two memcpys
+    through one of row windows, so no read meets rows the HIT_INPUT_SETS - 1 reads of its
+    family before it read (inputs that stay in the host's caches would time the caches, not
+    the memory a hit reads):
     - `hit`: random blocks of the pool into a new tensor the caller owns, whose memory the
       cache recycles once the caller drops it, as a pipeline does;
     - `fresh`: the same into fresh memory (no recycling, `output_cache_bytes=0`);
@@ -53,19 +55,19 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, f
     recycled = OutputBuffers(PrefixCacheConfig.output_cache_bytes)  # the default
     fresh = OutputBuffers(0)  # keeps nothing: every output is new memory
     reused = torch.empty((hit_tokens, WIDTH), dtype=dtype)
-    turns = {name: itertools.count() for name in ("hit", "fresh", "memcpy", "memcpy_new")}
+    read_turns, copy_turns = itertools.count(), itertools.count()
 
-    def read(name: str, outputs: OutputBuffers) -> None:
-        slots = slot_sets[next(turns[name]) % HIT_INPUT_SETS]
+    def read(outputs: OutputBuffers) -> None:
+        slots = slot_sets[next(read_turns) % HIT_INPUT_SETS]
         RowRead("bench", HIDDEN_KEY, slots, np.ones(len(slots), bool), [], hit_tokens + 1,
                 WIDTH, dtype).resolve(pool, outputs, 10, lambda r: None)
 
-    def memcpy(name: str, out: torch.Tensor | None = None) -> None:
+    def memcpy(out: torch.Tensor | None = None) -> None:
         out = torch.empty((hit_tokens, WIDTH), dtype=dtype) if out is None else out
-        out.copy_(windows[next(turns[name]) % HIT_INPUT_SETS])
+        out.copy_(windows[next(copy_turns) % HIT_INPUT_SETS])
 
-    runs = {"hit": lambda: read("hit", recycled), "fresh": lambda: read("fresh", fresh),
-            "memcpy": lambda: memcpy("memcpy", reused), "memcpy_new": lambda: memcpy("memcpy_new")}
+    runs = {"hit": lambda: read(recycled), "fresh": lambda: read(fresh),
+            "memcpy": lambda: memcpy(reused), "memcpy_new": memcpy}
     result = {name: nbytes / seconds / 1e9
               for name, seconds in timeit_interleaved(runs, repeat).items()}
     # the same rows again and again, timed alone: nothing else may evict them between calls

@@ -30,7 +30,10 @@ def resident_ratio(device: str, num_blocks: int) -> float:
     code = ("from prefix_cache.tools.metrics import memory; "
             f"print(memory._resident_ratio({device!r}, {num_blocks}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600, check=True)
+                         timeout=600)
+    if run.returncode != 0:
+        raise RuntimeError(f"M6's measuring process exited with {run.returncode}:\n"
+                           f"{run.stderr[-4000:]}")
     return float(run.stdout.strip().splitlines()[-1])
 
 
