@@ -43,7 +43,11 @@ def _pipelined(backend: DeviceBackend, launch: Callable[[], Transfer | None]
 
 
 def land(transfer: Transfer) -> None:
+    """Wait for `transfer`, then raise what its copies found wrong, as the committer does (a
+    save that wrote nothing must not be timed), then run its host half."""
     block_on_event(transfer.event, 60, lambda: "bench transfer")
+    if transfer.verify is not None:
+        transfer.verify()
     if transfer.finish is not None:
         transfer.finish()
 
