@@ -107,36 +107,42 @@ def engine_thread_stalls(backend: DeviceBackend, dtype: torch.dtype, steps: int,
     view = _MixedView(num_reqs)
     config = PrefixCacheConfig(4 * num_reqs + 2, BLOCK, staging_capacity_tokens=32 * num_reqs)
     counter = _StallCounter(backend)
-    cache = OmniPrefixCacheManager(config, view, backend=backend)
-    cache.register_policy(ModelCachePolicy(deferred_keys={"codes"}))
-    cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
-    finished: list[str] = []
-    try:
-        for step in range(warmup + steps):
-            if step % 4 == 0:
-                finished, view.req_ids = view.req_ids, [f"s{step}r{j}" for j in range(num_reqs)]
-                view.positions = dict.fromkeys(view.req_ids, 0)
-            n = 32 if step % 2 == 0 else 1
-            so = SimpleNamespace(finished_req_ids=set(finished), scheduled_new_reqs=[],
-                                 scheduled_cached_reqs=None,
-                                 num_scheduled_tokens=dict.fromkeys(view.req_ids, n))
-            finished = []
-            hidden = torch.randn(num_reqs * n, WIDTH, device=backend.device).to(dtype)
-            mm = {"codes": torch.randn(num_reqs * n, 64, device=backend.device).to(dtype),
-                  "logits": torch.randn(num_reqs, 1000, device=backend.device)}
-
-            def engine_calls() -> int:
-                cache.new_step_starts(so)
-                return cache.save_outputs(hidden, mm, num_tokens_unpadded=num_reqs * n,
-                                          num_tokens_padded=num_reqs * n)
-
-            if step == warmup:
-                counter.allocations = counter.syncs = 0
-            sid = counter.window(engine_calls)
-            cache.materialize(sid, view.req_ids)
-            for req_id in view.req_ids:
-                view.positions[req_id] += n
+    try:  # the backend is patched from here: restored whatever raises
+        with OmniPrefixCacheManager(config, view, backend=backend) as cache:
+            cache.register_policy(ModelCachePolicy(deferred_keys={"codes"}))
+            cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
+            _mixed_steps(cache, view, counter, backend, dtype, warmup + steps, warmup)
     finally:
-        cache.shutdown()
         counter.restore()
     return counter.allocations, counter.syncs, steps
+
+
+def _mixed_steps(cache: OmniPrefixCacheManager, view: _MixedView, counter: _StallCounter,
+                 backend: DeviceBackend, dtype: torch.dtype, steps: int, warmup: int) -> None:
+    """`engine_thread_stalls`' step loop; the counters restart at step `warmup`."""
+    num_reqs = view.num_reqs
+    finished: list[str] = []
+    for step in range(steps):
+        if step % 4 == 0:
+            finished, view.req_ids = view.req_ids, [f"s{step}r{j}" for j in range(num_reqs)]
+            view.positions = dict.fromkeys(view.req_ids, 0)
+        n = 32 if step % 2 == 0 else 1
+        so = SimpleNamespace(finished_req_ids=set(finished), scheduled_new_reqs=[],
+                             scheduled_cached_reqs=None,
+                             num_scheduled_tokens=dict.fromkeys(view.req_ids, n))
+        finished = []
+        hidden = torch.randn(num_reqs * n, WIDTH, device=backend.device).to(dtype)
+        mm = {"codes": torch.randn(num_reqs * n, 64, device=backend.device).to(dtype),
+              "logits": torch.randn(num_reqs, 1000, device=backend.device)}
+
+        def engine_calls() -> int:
+            cache.new_step_starts(so)
+            return cache.save_outputs(hidden, mm, num_tokens_unpadded=num_reqs * n,
+                                      num_tokens_padded=num_reqs * n)
+
+        if step == warmup:
+            counter.allocations = counter.syncs = 0
+        sid = counter.window(engine_calls)
+        cache.materialize(sid, view.req_ids)
+        for req_id in view.req_ids:
+            view.positions[req_id] += n
