@@ -26,7 +26,7 @@ from prefix_cache.tools.metrics.memory import resident_ratio
 from prefix_cache.tools.metrics.overhead import step_loop
 from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, measure_save
 from prefix_cache.tools.metrics.stalls import engine_thread_stalls
-from prefix_cache.tools.metrics.workload import BLOCK, WIDTH
+from prefix_cache.tools.metrics.workload import BLOCK, FULL_POOL_BLOCKS, WIDTH, bench_dtype
 from prefix_cache.tools.plot import plot_scaling, unplottable
 from prefix_cache.tools.targets import METRICS
 
@@ -35,11 +35,11 @@ __all__ = ["main", "run", "run_many", "unplottable", "unusable_device", "unwrita
 
 def run(device: str | None, quick: bool) -> dict[str, Any]:
     backend = devices.get_backend(device)
-    dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
+    dtype = bench_dtype(backend)
     repeat = 3 if quick else 10
     metrics: dict[str, Metric] = {}
     tokens = 2048 if quick else 8192
-    save = measure_save(backend, tokens, 4 * tokens // BLOCK if quick else 15092, dtype, repeat)
+    save = measure_save(backend, tokens, 4 * tokens // BLOCK if quick else FULL_POOL_BLOCKS, dtype, repeat)
     metrics["M1"] = Metric(save["scatter"] / save["contiguous"],
                            f"contiguous {'pinned D2H' if backend.name != 'cpu' else 'memcpy'} "
                            f"{save['contiguous']:.1f} GB/s",
@@ -84,7 +84,7 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
                               else "syncs not observable on this device"),
                            "deferred key and leftover on every step; batches finish and "
                            "new tenants take their blocks")
-    metrics["M6"] = Metric(resident_ratio(backend.name, 1000 if quick else 15092),
+    metrics["M6"] = Metric(resident_ratio(backend.name, 1000 if quick else FULL_POOL_BLOCKS),
                            "pool, staging and arena bytes the cache holds",
                            "resident-set growth of a new process (pinned pages are "
                            "resident)")
@@ -135,8 +135,9 @@ def _other_stream(figures: dict[str, dict[str, float]], name: str, fmt: str) -> 
 
 
 def pipeline_m8(quick: bool) -> Metric:
-    """M8 from one run of `pipeline_bench.measure_m8` (vLLM's CPU engine, in process), as the
-    ratio's distance from the no-recompute limit; not measured by `--quick` or without vLLM."""
+    """M8 from one run of `pipeline_bench.measure_m8` (the installed vLLM's engine, in
+    process), as the ratio's distance from the no-recompute limit; not measured by `--quick`
+    or without vLLM."""
     if quick:
         return Metric(None, "not measured by --quick (it starts three vLLM engines)")
     if importlib.util.find_spec("vllm") is None:

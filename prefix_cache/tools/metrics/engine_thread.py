@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -16,7 +15,8 @@ from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, RunnerBatch, synchronize
+from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, bench_dtype,
+                                                 held_host_bytes, scheduler_step, synchronize)
 
 
 #: Pool size of the requests and tokens scaling sweeps (16384 tokens fit in it).
@@ -93,9 +93,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     hidden = torch.randn(num_reqs * tokens_per_req, WIDTH, device=backend.device).to(dtype)
     # decode steps walk through each request's block; larger steps rewrite it
     positions = [i * tokens_per_req for i in range(max(BLOCK // tokens_per_req, 1))]
-    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
-                         scheduled_cached_reqs=None,
-                         num_scheduled_tokens=dict.fromkeys(batch.req_ids, tokens_per_req))
+    so = scheduler_step(dict.fromkeys(batch.req_ids, tokens_per_req))
     slot_mappings = []  # the runner's device slot mapping at each of those positions
     if backend.name != "cpu":
         for position in positions:
@@ -124,8 +122,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
             # them in an engine; back to back, large steps would time PCIe, not the host
             synchronize(backend)
         stats = cache.stats()
-    host = stats["staging_bytes"] + sum(v for k, v in stats.items() if k.startswith("pool_bytes."))
-    return EngineTiming(statistics.median(times[1:]) * 1e6, int(host))
+    return EngineTiming(statistics.median(times[1:]) * 1e6, held_host_bytes(stats))
 
 
 def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, float, int]]]:
@@ -138,7 +135,7 @@ def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, fl
     differ only in the step itself (back to back, a step after a long write waits longer in
     between, and the next step runs slower for that wait alone)."""
     backend = devices.get_backend(device)
-    dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
+    dtype = bench_dtype(backend)
     pool = SCALING_POOL_BLOCKS
     # (sweep, x, requests, tokens per request, pool blocks)
     points = ([("requests", n, n, 1, pool) for n in (1, 4, 16, 64, 256)]

@@ -8,7 +8,6 @@ import gc
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -16,7 +15,8 @@ from prefix_cache import devices
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, RunnerBatch
+from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, bench_dtype,
+                                                 held_host_bytes, scheduler_step)
 
 
 def _rss_bytes() -> int:
@@ -45,13 +45,11 @@ def _resident_ratio(device: str, num_blocks: int) -> float:
     run on a tiny pool takes the process's one-time costs (threads, torch's first ops).
     """
     backend = devices.get_backend(device)
-    dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
+    dtype = bench_dtype(backend)
     batch = RunnerBatch(64, 1)
     view = FullAttentionGroupView(batch, BLOCK, backend=backend)
     hidden = torch.randn(64, WIDTH, device=backend.device).to(dtype)
-    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
-                         scheduled_cached_reqs=None, num_scheduled_tokens=dict.fromkeys(
-                             batch.req_ids, 1))
+    so = scheduler_step(dict.fromkeys(batch.req_ids, 1))
 
     def measure(blocks: int) -> float:
         config = PrefixCacheConfig(blocks, BLOCK, staging_capacity_tokens=64)
@@ -68,8 +66,7 @@ def _resident_ratio(device: str, num_blocks: int) -> float:
             gc.collect()
             resident = _rss_bytes() - before
             stats = cache.stats()
-        return resident / (stats["staging_bytes"] + stats["output_cache_bytes"] + sum(
-            v for k, v in stats.items() if k.startswith("pool_bytes.")))
+        return resident / (held_host_bytes(stats) + stats["output_cache_bytes"])
 
     measure(len(batch.req_ids) + 3)
     ratio = measure(num_blocks)

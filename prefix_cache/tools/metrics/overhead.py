@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import statistics
-from types import SimpleNamespace
 
 import torch
 
@@ -13,7 +12,8 @@ from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.tools.harness import paired_seconds
-from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, RunnerBatch, synchronize
+from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, scheduler_step,
+                                                 synchronize)
 
 
 def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: int, pairs: int,
@@ -48,8 +48,7 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
             hidden = (hidden @ w_in).relu_() @ w_out
         return hidden @ w_head
 
-    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
-                         scheduled_cached_reqs=None, num_scheduled_tokens={"r0": tokens})
+    so = scheduler_step({"r0": tokens})
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
 

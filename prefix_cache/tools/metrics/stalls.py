@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.tools.metrics.workload import BLOCK, WIDTH
+from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, scheduler_step
 
 
 class _MixedView:
@@ -127,9 +126,7 @@ def _mixed_steps(cache: OmniPrefixCacheManager, view: _MixedView, counter: _Stal
             finished, view.req_ids = view.req_ids, [f"s{step}r{j}" for j in range(num_reqs)]
             view.positions = dict.fromkeys(view.req_ids, 0)
         n = 32 if step % 2 == 0 else 1
-        so = SimpleNamespace(finished_req_ids=set(finished), scheduled_new_reqs=[],
-                             scheduled_cached_reqs=None,
-                             num_scheduled_tokens=dict.fromkeys(view.req_ids, n))
+        so = scheduler_step(dict.fromkeys(view.req_ids, n), finished)
         finished = []
         hidden = torch.randn(num_reqs * n, WIDTH, device=backend.device).to(dtype)
         mm = {"codes": torch.randn(num_reqs * n, 64, device=backend.device).to(dtype),

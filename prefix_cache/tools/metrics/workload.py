@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +16,31 @@ WIDTH = 2048
 
 
 BLOCK = 16
+
+
+#: Blocks of the full bench's pools for M1 and M6: 8192-token steps' rows, 241,472 slots.
+FULL_POOL_BLOCKS = 15092
+
+
+def bench_dtype(backend: DeviceBackend) -> torch.dtype:
+    """The rows' dtype: bfloat16 as a model emits them on a device; float32 on CPU, where
+    bfloat16 arithmetic is emulated and would time the emulation."""
+    return torch.float32 if backend.name == "cpu" else torch.bfloat16
+
+
+def scheduler_step(num_scheduled_tokens: dict[str, int], finished: Iterable[str] = ()
+                   ) -> SimpleNamespace:
+    """The fields of vLLM's SchedulerOutput the cache reads, for a step that schedules only
+    requests it already knows (no new or resumed ones)."""
+    return SimpleNamespace(finished_req_ids=set(finished), scheduled_new_reqs=[],
+                           scheduled_cached_reqs=None,
+                           num_scheduled_tokens=num_scheduled_tokens)
+
+
+def held_host_bytes(stats: dict[str, int | float]) -> int:
+    """Host bytes a cache's `stats()` says it holds in its pools and staging."""
+    return int(stats["staging_bytes"] + sum(v for k, v in stats.items()
+                                            if k.startswith("pool_bytes.")))
 
 
 def synchronize(backend: DeviceBackend) -> None:
