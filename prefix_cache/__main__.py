@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu, cuda, npu or a registered backend (default: the first present "
                             "of npu, cuda, cpu)")
     bench.add_argument("--quick", action="store_true",
-                       help="2048-token steps and no scaling sweep; under a minute on CPU")
+                       help="fewer repetitions, smaller pools, no M8 and no scaling sweep; "
+                            "under a minute on CPU")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     bench.add_argument("--plot", metavar="PATH",
                        help="also draw the scaling sweep as a PNG at PATH (needs matplotlib, "

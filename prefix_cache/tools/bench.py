@@ -30,6 +30,11 @@ from prefix_cache.tools.metrics.workload import BLOCK, FULL_POOL_BLOCKS, WIDTH, 
 from prefix_cache.tools.plot import plot_scaling, unplottable
 from prefix_cache.tools.targets import METRICS
 
+
+#: Step sizes M1 is judged at (SPEC §8: the target holds at both; the table shows the lower).
+SAVE_TOKENS = (2048, 8192)
+
+
 __all__ = ["main", "run", "run_many", "unplottable", "unusable_device", "unwritable"]
 
 
@@ -38,19 +43,26 @@ def run(device: str | None, quick: bool) -> dict[str, Any]:
     dtype = bench_dtype(backend)
     repeat = 3 if quick else 10
     metrics: dict[str, Metric] = {}
-    tokens = 2048 if quick else 8192
-    save = measure_save(backend, tokens, 4 * tokens // BLOCK if quick else FULL_POOL_BLOCKS, dtype, repeat)
+    saves = {tokens: measure_save(backend, tokens,
+                                  4 * tokens // BLOCK if quick else FULL_POOL_BLOCKS, dtype,
+                                  repeat)
+             for tokens in SAVE_TOKENS}
+    tokens, save = min(saves.items(), key=lambda kv: kv[1]["scatter"] / kv[1]["contiguous"])
+    others = "; ".join(f"at {t} tokens {s['scatter'] / s['contiguous']:.2f} ({s['scatter']:.1f} "
+                       f"÷ {s['contiguous']:.1f} GB/s)" for t, s in saves.items() if t != tokens)
     metrics["M1"] = Metric(save["scatter"] / save["contiguous"],
                            f"contiguous {'pinned D2H' if backend.name != 'cpu' else 'memcpy'} "
                            f"{save['contiguous']:.1f} GB/s",
-                           f"{tokens} tok x {WIDTH}, {SAVES_IN_FLIGHT} in flight: "
+                           f"the lower of {' and '.join(map(str, SAVE_TOKENS))} tokens: {tokens} "
+                           f"tok x {WIDTH}, {SAVES_IN_FLIGHT} in flight: "
                            f"scatter {save['scatter']:.1f} GB/s"
                            + (f", by the kernel {save['kernel']:.1f} GB/s "
                               f"({save['kernel'] / save['contiguous']:.2f})"
                               if "kernel" in save else "")
                            + (f", staged design {save['staged']:.1f} GB/s "
                               f"({save['staged'] / save['contiguous']:.2f})"
-                              if "staged" in save else ""))
+                              if "staged" in save else "")
+                           + f"; {others}")
     streams = WRITE_STREAMS if backend.name != "cpu" else ("compute",)
     figures, off = engine_figures(backend, dtype, quick, streams)
     metrics["M2"] = Metric(figures["compute"]["M2"], "64-request decode step, µs per step",

@@ -15,6 +15,10 @@ from prefix_cache.tools.metrics.save import land, without_dma
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, random_slots, synchronize
 
 
+#: Pairs of GEMM loops (alone, with saves) per figure: SPEC §8 asks for medians of 5 or more.
+M7_PAIRS = 5
+
+
 def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
     """GEMM-loop time with a 2048-token save per iteration ÷ without (CUDA only), median of
     three back-to-back pairs, by where the save runs: `copy` (the copy stream, concurrent
@@ -67,7 +71,7 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
     for run in (lambda: loop(None), *runs.values()):
         run()  # warm-up
     out = {name: statistics.median(with_saves / alone for alone, with_saves
-                                   in paired_seconds(lambda: loop(None), run, 3))
+                                   in paired_seconds(lambda: loop(None), run, M7_PAIRS))
            for name, run in runs.items()}
     pool.close()
     staging.close()
