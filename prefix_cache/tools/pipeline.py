@@ -72,10 +72,17 @@ class PipelineRun:
     thinker_seconds: float
 
 
-def talker_params(max_tokens: int) -> Any:
+def greedy_params(max_tokens: int, logprobs: int | None = None) -> Any:
+    """Greedy, exactly `max_tokens` tokens (no stop), no detokenizing; `logprobs` best
+    logprobs of each token where given."""
     from vllm import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          detokenize=False, logprobs=2)
+                          detokenize=False, logprobs=logprobs)
+
+
+def talker_params(max_tokens: int) -> Any:
+    """`greedy_params` with the two best logprobs of each token (`min_margin` reads them)."""
+    return greedy_params(max_tokens, logprobs=2)
 
 
 def min_margin(logprobs: Sequence[dict[int, Any]] | None) -> float:

@@ -37,9 +37,9 @@ from prefix_cache.tools.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.engine_loop import EngineLoop
 from prefix_cache.tools.engines import Engine
 from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
-from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S
+from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, greedy_params
 from prefix_cache.tools.stream_demo import StreamWorkload
-from prefix_cache.tools.stream_pipeline import StreamRequest, run_stages, thinker_params
+from prefix_cache.tools.stream_pipeline import StreamRequest, run_stages
 from prefix_cache.tools.streaming import RowStream
 from prefix_cache.tools.targets import STREAM_METRICS
 
@@ -61,7 +61,7 @@ def decode_steps(thinker: Engine, channel: StageChannel, requests: Sequence[Stre
                                                             ROWS_TIMEOUT_S)), r)
                        for r in requests]
             for r in requests:
-                loop.submit(r.req_id, {"prompt_token_ids": r.prompt}, thinker_params(r.max_tokens))
+                loop.submit(r.req_id, {"prompt_token_ids": r.prompt}, greedy_params(r.max_tokens))
             for r in requests:
                 loop.wait(r.req_id, ROWS_TIMEOUT_S)
             for future in drained:

@@ -28,7 +28,7 @@ from prefix_cache.channel import StageChannel
 from prefix_cache.tools.codec_stage import Code2WavLike
 from prefix_cache.tools.engine_loop import EngineLoop, Finished
 from prefix_cache.tools.engines import Engine, EngineShape, start_thinker
-from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, talker_params
+from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, greedy_params, talker_params
 from prefix_cache.tools.streaming import RowStream
 
 
@@ -72,13 +72,6 @@ class StreamResult:
         return self.since_submission(self.first_frame_at)
 
 
-def thinker_params(max_tokens: int) -> Any:
-    """Greedy, exactly `max_tokens` tokens (no stop), no detokenizing."""
-    from vllm import SamplingParams
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          detokenize=False)
-
-
 def start_stage(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,
                 stream: bool | int, prompt_embeds: bool = False,
                 shape: EngineShape = EngineShape()) -> Engine:
@@ -107,7 +100,7 @@ class Stages:
         """`request` through every stage; returns once the last one is done with it."""
         prompt_len = len(request.prompt)
         self.thinker.submit(request.req_id, {"prompt_token_ids": request.prompt},
-                            thinker_params(request.max_tokens))
+                            greedy_params(request.max_tokens))
         with ThreadPoolExecutor(1, thread_name_prefix="feed-talker") as pool:
             fed = pool.submit(self._feed_talker, request.req_id, prompt_len)
             frames = self._codec(request.req_id, prompt_len)

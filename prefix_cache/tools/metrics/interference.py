@@ -21,7 +21,7 @@ M7_PAIRS = 5
 
 def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) -> dict[str, float]:
     """GEMM-loop time with a 2048-token save per iteration ÷ without (CUDA only), median of
-    three back-to-back pairs, by where the save runs: `copy` (the copy stream, concurrent
+    M7_PAIRS back-to-back pairs, by where the save runs: `copy` (the copy stream, concurrent
     with the GEMMs), `compute` (in stream, between them), `compute_kernel` (the same by the
     scatter kernel, where the backend saves by DMA too), and `full_grid` (torch `index_copy_`
     on the copy stream)."""
