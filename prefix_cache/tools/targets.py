@@ -84,9 +84,9 @@ METRICS: dict[str, MetricSpec] = {
                               "makes the step's two copies of its rows (into the pool, into the "
                               "caller's tensor); a py-spy profile of this loop on a 2-core "
                               "machine puts 9% of a step in the cache's calls and slows the "
-                              "forward itself by 10% (the copies evict its weights from the "
-                              "processor's caches): 0.80-0.87 measured there, below 0.75 a "
-                              "regression"),
+                              "forward itself by 10% (the cache's threads idle: most likely "
+                              "the copies evict its weights from the processor's caches): "
+                              "0.80-0.87 measured there, below 0.75 a regression"),
     "M6": MetricSpec("host memory: bytes resident / bytes the cache holds (pools, staging)",
                      Target("<=", 1.05)),
     "M7": MetricSpec("interference: GEMM loop time with concurrent saves / alone",
