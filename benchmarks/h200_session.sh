@@ -2,7 +2,8 @@
 # One H200 session's measurements, each part one device call of under 10 minutes, from the
 # repository root of the device machine's copy (outputs under $OUT, default ./h200-out):
 #
-#   bash benchmarks/h200_session.sh units    # CUDA unit suites, then the quick bench, 5 runs
+#   bash benchmarks/h200_session.sh units    # CUDA unit suites, the quick bench (5 runs), the
+#                                            # hit gather's thread sweep
 #   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
 #                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
@@ -50,8 +51,11 @@ case "$part" in
 units)
     run timeout 420 python3 -m pytest -q -p no:cacheprovider -m "not npu and not vllm" \
         -k "cuda or engine_thread or scatter_bounds or dma" --ignore tests/test_gpu_engine.py tests
-    run timeout 150 python3 -m prefix_cache bench --device cuda --quick --runs 5 \
+    run timeout 180 python3 -m prefix_cache bench --device cuda --quick --runs 5 \
         --json "$out/bench_quick5.json"
+    # the hit gather's kept copy threads (8161819) against torch, pinned and pageable pools
+    run timeout 60 env PYTHONPATH=. python3 benchmarks/gather_sweep.py --pinned
+    run timeout 60 env PYTHONPATH=. python3 benchmarks/gather_sweep.py
     ;;
 engine)
     run env OMNI_PREFIX_CACHE_CUDA_DMA_MIN_BYTES=0 timeout 300 python3 -m pytest -q \
