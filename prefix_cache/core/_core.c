@@ -918,9 +918,10 @@ copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, D
     for (int i = 0; i < count; i++) {
         part[i] = (CopyPart){rows, pool, s, n * i / count, n * (i + 1) / count, row, dir};
     }
-    if (count == 1 || pthread_mutex_trylock(&copy_pool.lock) != 0) {
+    if (count == 1) {
         goto alone;
     }
+    pthread_mutex_lock(&copy_pool.lock);  /* never held across a copy: a short wait at most */
     if (copy_pool.busy) {
         pthread_mutex_unlock(&copy_pool.lock);
         goto alone;
