@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/h200_session.sh units    # CUDA unit suites, the quick bench (5 runs), the
 #                                            # hit gather's thread sweep
-#   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
-#                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
+#   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), the
+#                                            # streaming engine tests, then pipeline_bench
+#                                            # (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
 #   bash benchmarks/h200_session.sh perf     # issue 30 in about 9 minutes: the GPU engine
 #                                            # tests' CUDA graph case, then pipeline_bench: M5e
@@ -60,6 +61,8 @@ units)
 engine)
     run env OMNI_PREFIX_CACHE_CUDA_DMA_MIN_BYTES=0 timeout 300 python3 -m pytest -q \
         -p no:cacheprovider tests/test_gpu_engine.py -k "in-process or preempted or v2-main"
+    # issue 31: streaming on the GPU engine, preemption while streaming included (unrun there)
+    run timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
     run timeout 260 python3 -m prefix_cache.tools.pipeline_bench --runs 3 \
         --json "$out/pipeline_bench.json"
     ;;
