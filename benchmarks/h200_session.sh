@@ -4,10 +4,12 @@
 #
 #   bash benchmarks/h200_session.sh units    # CUDA unit suites, the quick bench (5 runs), the
 #                                            # hit gather's thread sweep
-#   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), the
-#                                            # streaming engine tests, then pipeline_bench
-#                                            # (M5e, M8); needs .vllm-gpu/,
+#   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
+#                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
+#   bash benchmarks/h200_session.sh stream   # the streaming engine tests (preemption while
+#                                            # streaming included), then stream_bench (M9);
+#                                            # needs .vllm-gpu/ (carry it)
 #   bash benchmarks/h200_session.sh perf     # issue 30 in about 9 minutes: the GPU engine
 #                                            # tests' CUDA graph case, then pipeline_bench: M5e
 #                                            # on the 7b model eager (with the profile) and with
@@ -22,7 +24,7 @@
 # it leaves 8 files: perf.log, install.log, one JSON per pipeline_bench run and
 # perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
-part=${1:?usage: h200_session.sh units|engine|perf}
+part=${1:?usage: h200_session.sh units|engine|stream|perf}
 out=${OUT:-h200-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
@@ -41,7 +43,7 @@ step() {
     echo "= exit $?, $((SECONDS - start)) s (limit ${limit} s)" | tee -a "$log"
 }
 
-if [ "$part" = engine ] || [ "$part" = perf ]; then
+if [ "$part" = engine ] || [ "$part" = stream ] || [ "$part" = perf ]; then
     eval "$(bash .vllm-gpu/install.sh)" \
         || { echo "vllm-gpu install failed" | tee -a "$log"; exit 1; }
 fi
@@ -61,10 +63,13 @@ units)
 engine)
     run env OMNI_PREFIX_CACHE_CUDA_DMA_MIN_BYTES=0 timeout 300 python3 -m pytest -q \
         -p no:cacheprovider tests/test_gpu_engine.py -k "in-process or preempted or v2-main"
-    # issue 31: streaming on the GPU engine, preemption while streaming included (unrun there)
-    run timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
     run timeout 260 python3 -m prefix_cache.tools.pipeline_bench --runs 3 \
         --json "$out/pipeline_bench.json"
+    ;;
+stream)
+    run timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
+    run timeout 330 python3 -m prefix_cache.tools.stream_bench --runs 5 \
+        --json "$out/stream_bench.json"
     ;;
 perf)
     # py-spy from the carried wheel; without it pipeline_bench profiles with torch's profiler only
