@@ -25,6 +25,9 @@
 # perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
 part=${1:?usage: h200_session.sh units|engine|stream|perf}
+case "$part" in units|engine|stream|perf) ;; *)
+    echo "unknown part $part (units, engine, stream or perf)"; exit 2 ;;
+esac
 out=${OUT:-h200-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
@@ -99,6 +102,4 @@ perf)
     fi
     ls -l "$out" | tee -a "$log"
     ;;
-*)
-    echo "unknown part $part (units, engine or perf)"; exit 2 ;;
 esac
