@@ -2,14 +2,26 @@
 # One H200 session's measurements, each part one device call of under 10 minutes, from the
 # repository root of the device machine's copy (outputs under $OUT, default ./h200-out):
 #
-#   bash benchmarks/h200_session.sh units    # CUDA unit suites, the quick bench (5 runs), the
-#                                            # hit gather's thread sweep
+#   bash benchmarks/h200_session.sh units    # CUDA unit suites (about 8 minutes; cut by
+#                                            # SIGINT, so pytest still names what failed)
+#   bash benchmarks/h200_session.sh bench    # the quick bench (5 runs), the hit gather's
+#                                            # thread sweep
 #   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
 #                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
 #   bash benchmarks/h200_session.sh stream   # the streaming engine tests (preemption while
 #                                            # streaming included), then stream_bench (M9);
 #                                            # needs .vllm-gpu/ (carry it)
+#   bash benchmarks/h200_session.sh serve    # the `vllm serve` test (vLLM's OpenAI server with
+#                                            # the cache's GPU worker); needs .vllm-gpu/ and
+#                                            # .serve-wheels/ (carry both): the server's packages
+#                                            # the bundle lacks, fetched on a machine with a
+#                                            # registry by `pip download --no-deps
+#                                            # --only-binary=:all: --python-version 3.12 -d
+#                                            # .serve-wheels uvicorn==0.55.0
+#                                            # prometheus-fastapi-instrumentator==8.1.0
+#                                            # watchfiles==1.3.0 jmespath==1.1.0 supervisor==4.3.0
+#                                            # model-hosting-container-standards==0.1.16`
 #   bash benchmarks/h200_session.sh perf     # issue 30 in about 9 minutes: the GPU engine
 #                                            # tests' CUDA graph case, then pipeline_bench: M5e
 #                                            # on the 7b model eager (with the profile) and with
@@ -24,9 +36,9 @@
 # it leaves 8 files: perf.log, install.log, one JSON per pipeline_bench run and
 # perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
-part=${1:?usage: h200_session.sh units|engine|stream|perf}
-case "$part" in units|engine|stream|perf) ;; *)
-    echo "unknown part $part (units, engine, stream or perf)"; exit 2 ;;
+part=${1:?usage: h200_session.sh units|bench|engine|stream|serve|perf}
+case "$part" in units|bench|engine|stream|serve|perf) ;; *)
+    echo "unknown part $part (units, bench, engine, stream, serve or perf)"; exit 2 ;;
 esac
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -46,7 +58,7 @@ step() {
     echo "= exit $?, $((SECONDS - start)) s (limit ${limit} s)" | tee -a "$log"
 }
 
-if [ "$part" = engine ] || [ "$part" = stream ] || [ "$part" = perf ]; then
+if [ "$part" != units ] && [ "$part" != bench ]; then
     eval "$(bash .vllm-gpu/install.sh)" \
         || { echo "vllm-gpu install failed" | tee -a "$log"; exit 1; }
 fi
@@ -55,8 +67,11 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log
 
 case "$part" in
 units)
-    run timeout 420 python3 -m pytest -q -p no:cacheprovider -m "not npu and not vllm" \
+    run timeout -s INT -k 30 540 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+        --durations=15 -m "not npu and not vllm" \
         -k "cuda or engine_thread or scatter_bounds or dma" --ignore tests/test_gpu_engine.py tests
+    ;;
+bench)
     run timeout 180 python3 -m prefix_cache bench --device cuda --quick --runs 5 \
         --json "$out/bench_quick5.json"
     # the hit gather's kept copy threads (8161819) against torch, pinned and pageable pools
@@ -73,6 +88,12 @@ stream)
     run timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
     run timeout 330 python3 -m prefix_cache.tools.stream_bench --runs 5 \
         --json "$out/stream_bench.json"
+    ;;
+serve)
+    site=${PYTHONPATH%%:*}  # the bundle's target folder, first on the path install.sh printed
+    python3 -m pip install -q --no-index --no-deps --target "$site" .serve-wheels/*.whl \
+        >>"$out/install.log" 2>&1 || { echo "serve wheels install failed" | tee -a "$log"; exit 1; }
+    run timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_serve.py
     ;;
 perf)
     # py-spy from the carried wheel; without it pipeline_bench profiles with torch's profiler only

@@ -3,6 +3,7 @@ benchmark work, and a report that fits in 100 columns."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -153,20 +154,26 @@ def test_a_cpu_miss_below_its_floor_is_a_plain_miss() -> None:
 
 def test_runs_judge_an_exact_target_on_every_run_and_the_others_on_their_median(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """M4 (== 0) with stalls in one of three runs misses; M3 is judged on its median."""
+    """M4 (== 0) with stalls in one of three runs misses; M3 is judged on its median. Each
+    shows the reference and note of the run it stands by, whichever run came last."""
     values = iter([(0.0, 0.8), (3.0, 0.5), (0.0, 0.9)])
+    run_numbers = itertools.count()
 
     def run(device: str | None, quick: bool) -> dict:
         m4, m3 = next(values)
+        n = next(run_numbers)
         return {"device": "cpu", "metrics": {
-            "M4": {"value": m4, "pass": m4 == 0, "note": "n", "reference": "r"},
-            "M3": {"value": m3, "pass": m3 >= 0.7, "note": "n", "reference": "r"}}}
+            "M4": {"value": m4, "pass": m4 == 0, "note": f"n{n}", "reference": f"r{n}"},
+            "M3": {"value": m3, "pass": m3 >= 0.7, "note": f"n{n}", "reference": f"r{n}"}}}
 
     monkeypatch.setattr(bench, "run", run)
     metrics = bench.run_many("cpu", True, 3)["metrics"]
     assert metrics["M4"]["value"] == 3.0 and metrics["M4"]["pass"] is False
     assert metrics["M4"]["note"].startswith("largest of 3 runs")
+    assert metrics["M4"]["note"].endswith("n1") and metrics["M4"]["reference"] == "r1"
     assert metrics["M3"]["value"] == 0.8 and metrics["M3"]["pass"] is True
+    assert metrics["M3"]["note"].endswith("n0") and metrics["M3"]["reference"] == "r0"
+    assert metrics["M3"]["runs"] == [0.8, 0.5, 0.9]
 
 
 def test_bench_help_lines_up_each_metric_and_its_target(capsys) -> None:

@@ -159,24 +159,32 @@ def pipeline_m8(quick: bool) -> Metric:
 
 
 def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:
-    """`runs` back-to-back runs: each metric's median (the largest for an exact target: M4),
-    judged, with every run's value kept (`runs`) and its spread in the note; references and
-    notes are the last run's."""
-    results = [run(device, quick) for _ in range(runs)]
+    """`runs` back-to-back runs of the bench, merged by `merge_runs`."""
+    return merge_runs([run(device, quick) for _ in range(runs)])
+
+
+def merge_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each metric's median over `results` (the largest for an exact target: M4), judged, with
+    every run's value kept (`runs`) and its spread in the note. Its reference and note are
+    those of the run whose value is shown (the lower middle one for an even count, whose value
+    is the mean of the two middle ones), so the rates a note gives make the value it stands by."""
     merged = results[-1]
-    if runs == 1:
+    if len(results) == 1:
         return merged
-    for name, metric in merged["metrics"].items():
+    for name in merged["metrics"]:
         values = [r["metrics"][name]["value"] for r in results]
         if None in values:
             continue
         # an exact target (M4's == 0) must hold in every run, not in the median one
         exact = METRICS[name].target_on(merged["device"]).op == "=="
+        shown = max(values) if exact else statistics.median_low(values)
+        metric = dict(results[values.index(shown)]["metrics"][name])
         metric["runs"] = values
-        metric["value"] = max(values) if exact else statistics.median(values)
+        metric["value"] = shown if exact else statistics.median(values)
         metric["pass"] = judge(METRICS[name], metric["value"], merged["device"])
-        metric["note"] = (f"{'largest' if exact else 'median'} of {runs} runs, spread "
+        metric["note"] = (f"{'largest' if exact else 'median'} of {len(values)} runs, spread "
                           f"{min(values):.3g}-{max(values):.3g}; " + metric["note"])
+        merged["metrics"][name] = metric
     return merged
 
 
