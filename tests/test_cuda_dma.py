@@ -146,3 +146,23 @@ def test_a_full_ring_refuses_a_save_instead_of_reusing_a_job_in_flight(monkeypat
     assert (pool.tensor[768:1024] == 1).all()
     pool.close()
     backend.close()
+
+
+def test_the_bench_times_the_kernel_beside_dma_only_where_a_save_goes_by_dma(monkeypatch) -> None:
+    """M1's and M7's "by the kernel" figures are a second path only where the save they time
+    goes by copy engine: not below `dma_min_bytes`, nor with DMA turned off."""
+    from prefix_cache import devices
+    from prefix_cache.devices.cuda import dma
+    from prefix_cache.tools.metrics.save import saves_by_dma
+    backend = devices.get_backend("cuda")
+    try:
+        threshold = max(backend.dma_min_bytes, 1)
+        assert saves_by_dma(backend, threshold) and not saves_by_dma(backend, threshold - 1)
+    finally:
+        backend.close()
+    monkeypatch.setenv(dma.DMA_ENV, "0")
+    backend = devices.get_backend("cuda")
+    try:
+        assert not saves_by_dma(backend, 1 << 30)
+    finally:
+        backend.close()

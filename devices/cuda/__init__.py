@@ -73,6 +73,11 @@ class CudaBackend(AcceleratorBackend):
         self.dma_min_bytes = dma_min_bytes()
         self._dma = self._start_dma() if self.zero_copy else None  # serves mapped pools only
 
+    def dma_takes(self, nbytes: int) -> bool:
+        """Whether a save of `nbytes` of one key into a mapped pool goes by copy engine (the
+        path is on and passed its self-test, and the save is at least `dma_min_bytes`)."""
+        return self._dma is not None and nbytes >= self.dma_min_bytes
+
     def _start_dma(self) -> RunCopier | None:
         """The copy-engine path, unless turned off or the runtime has no batch copies."""
         if not dma_enabled():

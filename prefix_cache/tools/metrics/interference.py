@@ -11,7 +11,7 @@ import torch
 
 from prefix_cache.devices.base import DeviceBackend, Transfer
 from prefix_cache.tools.harness import paired_seconds
-from prefix_cache.tools.metrics.save import land, without_dma
+from prefix_cache.tools.metrics.save import land, saves_by_dma, without_dma
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, random_slots, synchronize
 
 
@@ -46,12 +46,13 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
         return backend.scatter_rows(rows, slots, pool, ready=backend.record_event(),
                                     staging=staging.tensor)
 
+    slots_on_device = slots.to(backend.device)
+
     def full_grid_save() -> Transfer:  # torch index_copy_ on the mapped pool
-        dev_slots = slots.to(backend.device)
-        pool.device_view.index_copy_(0, dev_slots, rows)
+        pool.device_view.index_copy_(0, slots_on_device, rows)
         return Transfer()
 
-    device_slots = slots.to(backend.device) if backend.device_slots else slots
+    device_slots = slots_on_device if backend.device_slots else slots
 
     def in_stream_save() -> Transfer:  # as the cache's save: the runner's mapping and the host's
         return backend.scatter_rows(rows, device_slots, pool, ready=None, staging=staging.tensor,
@@ -62,7 +63,7 @@ def gemm_interference(backend: DeviceBackend, dtype: torch.dtype, iters: int) ->
             loop(full_grid_save)
 
     runs = {"copy": lambda: loop(kernel_save), "compute": lambda: loop(in_stream_save)}
-    if getattr(backend, "dma_min_bytes", None) is not None:  # the kernel, side by side
+    if saves_by_dma(backend, rows.numel() * rows.element_size()):  # the kernel, side by side
         runs["compute_kernel"] = lambda: without_dma(backend, lambda: loop(in_stream_save))
     if pool.device_view is not None:
         runs["full_grid"] = full_grid_on_copy_stream

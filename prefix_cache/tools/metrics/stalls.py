@@ -67,7 +67,16 @@ class _StallCounter:
         return counted
 
     def _torch_pinned(self) -> int:
-        return int(torch.cuda.host_memory_stats().get("num_host_alloc", 0)) if self._cuda else 0
+        """Pinned blocks torch's caching host allocator has made (0 off CUDA). A torch without
+        the counter is refused: counting nothing there would pass M4 by construction."""
+        if not self._cuda:
+            return 0
+        stats = torch.cuda.host_memory_stats()
+        if "num_host_alloc" not in stats:
+            raise RuntimeError(f"M4: torch {torch.__version__}'s host_memory_stats() has no "
+                               f"num_host_alloc (it has {sorted(stats)}); cannot count pinned "
+                               f"allocations on the engine thread")
+        return int(stats["num_host_alloc"])
 
     def window(self, fn: Callable[[], Any]) -> Any:
         """Run `fn`, counting what it does on this thread."""
