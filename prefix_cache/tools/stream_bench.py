@@ -12,7 +12,11 @@ at a time, so the later two of each run hit the prefix cache. Figures:
 - M9h: with a prefix hit, the first chunk's arrival from submission / the thinker's first
   step (submission to its first token): within one stage-1 step is <= 1;
 - M9c: stage 1's steps per second, streaming on / off, four requests decoding together, their
-  rows drained by a consumer in both cases.
+  rows drained in both cases by a consumer in a process of its own, as a next stage is (its
+  polls and takes are not stage 1's client work).
+
+`--every N` streams a chunk every N positions instead of every step (the stage option
+`stream: N`).
 
 Each figure is the median over `runs` runs made back to back, on and off interleaved, with
 the smallest and largest beside it; both thinkers and the talker are started once, warmed up,
@@ -22,6 +26,8 @@ and their prefix caches emptied before every run.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import queue
 import statistics
 import sys
 import tempfile
@@ -50,29 +56,76 @@ def mode(streaming: bool) -> str:
     return "on" if streaming else "off"
 
 
-def decode_steps(thinker: Engine, channel: StageChannel, requests: Sequence[StreamRequest],
+def _drain_jobs(spec: str, jobs: Any, done: Any) -> None:
+    """The consumer process: for each job (request ids, streaming) from `jobs`, drain every
+    request's rows at once, one thread each, then put None on `done`, or what failed."""
+    from prefix_cache.channel import open_channel
+    with open_channel(spec) as channel, \
+            ThreadPoolExecutor(WORKLOAD.num_requests, thread_name_prefix="drain") as pool:
+        while (job := jobs.get()) is not None:
+            req_ids, streaming = job
+            try:
+                for future in [pool.submit(lambda r: list(RowStream(channel, r, streaming,
+                                                                    ROWS_TIMEOUT_S)), r)
+                               for r in req_ids]:
+                    future.result(ROWS_TIMEOUT_S)
+                done.put(None)
+            except Exception as exc:
+                done.put(f"{type(exc).__name__}: {exc}")
+
+
+class Drainer:
+    """Stage 2's consumer in a process of its own, as a next stage is: it drains requests'
+    rows from the channel (chunk by chunk, or whole) while stage 1 runs them."""
+
+    def __init__(self, channel: StageChannel) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._jobs, self._done = context.Queue(), context.Queue()
+        self._process = context.Process(target=_drain_jobs, name="m9c-drainer", daemon=True,
+                                        args=(channel.spec, self._jobs, self._done))
+        self._process.start()
+
+    def start(self, req_ids: Sequence[str], streaming: bool) -> None:
+        self._jobs.put((list(req_ids), streaming))
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the last job's rows are drained; raises what failed there, or on a timeout."""
+        try:
+            failure = self._done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the drainer process did not finish within {timeout_s:g} s "
+                               f"(alive: {self._process.is_alive()})") from None
+        if failure is not None:
+            raise RuntimeError(f"the drainer process failed: {failure}")
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def decode_steps(thinker: Engine, drainer: Drainer, requests: Sequence[StreamRequest],
                  streaming: bool) -> list[float]:
-    """Stage 1's step times with `requests` running together and a consumer draining each
+    """Stage 1's step times with `requests` running together and `drainer` draining each
     one's rows (chunk by chunk when `streaming`, else whole)."""
     loop = EngineLoop(thinker, "thinker")
     try:
-        with ThreadPoolExecutor(len(requests), thread_name_prefix="drain") as pool:
-            drained = [pool.submit(lambda r: list(RowStream(channel, r.req_id, streaming,
-                                                            ROWS_TIMEOUT_S)), r)
-                       for r in requests]
-            for r in requests:
-                loop.submit(r.req_id, {"prompt_token_ids": r.prompt}, greedy_params(r.max_tokens))
-            for r in requests:
-                loop.wait(r.req_id, ROWS_TIMEOUT_S)
-            for future in drained:
-                future.result(ROWS_TIMEOUT_S)
+        drainer.start([r.req_id for r in requests], streaming)
+        for r in requests:
+            loop.submit(r.req_id, {"prompt_token_ids": r.prompt}, greedy_params(r.max_tokens))
+        for r in requests:
+            loop.wait(r.req_id, ROWS_TIMEOUT_S)
+        drainer.wait(ROWS_TIMEOUT_S)
     finally:
         loop.close()
     return loop.step_seconds
 
 
-def measure(*, runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Every run's figures, streaming on and off, on this machine's vLLM platform."""
+def measure(*, runs: int, progress: Callable[[str], None], every: int | None = None
+            ) -> dict[str, Any]:
+    """Every run's figures, streaming on (a chunk every step, or every `every` positions)
+    and off, on this machine's vLLM platform."""
     from vllm.platforms import current_platform
 
     from prefix_cache.channel import open_channel
@@ -86,8 +139,10 @@ def measure(*, runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
         talker_dir = engines.write_random_qwen2(Path(tmp) / "talker", seed=1)
         progress("starting three engines (the thinker streaming and not, a talker) ...")
         thinkers = {streaming: start_stage(thinker_dir, channel, prefix_caching=True,
-                                           stream=streaming) for streaming in (True, False)}
+                                           stream=streaming and (every or True))
+                    for streaming in (True, False)}
         talker = engines.start_talker(talker_dir)
+        drainer = Drainer(channel)
         try:
             def cold() -> None:
                 for engine in (*thinkers.values(), talker):
@@ -96,7 +151,7 @@ def measure(*, runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
             for streaming, thinker in thinkers.items():
                 run_stages(thinker, channel, talker, None, WORKLOAD.requests(
                     f"warm-up-{mode(streaming)}")[:2], streaming=streaming, talker_tokens=2)
-                decode_steps(thinker, channel, WORKLOAD.requests(
+                decode_steps(thinker, drainer, WORKLOAD.requests(
                     f"warm-up-batch-{mode(streaming)}"), streaming)
             for i in range(runs):
                 progress(f"run {i + 1}/{runs} ...")
@@ -114,15 +169,17 @@ def measure(*, runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
                         hit_step += [r.since_submission(r.thinker.first_token_at) for r in hits]
                     cold()
                     steps[streaming].append(statistics.median(decode_steps(
-                        thinkers[streaming], channel,
+                        thinkers[streaming], drainer,
                         WORKLOAD.requests(f"m9c-{i}-{mode(streaming)}"), streaming)))
         finally:
+            drainer.close()
             for engine in (*thinkers.values(), talker):
                 engine.close()
     return {"device": current_platform.device_type, "runs": runs,
             "workload": f"{WORKLOAD.num_requests} requests of two families sharing 64-token "
                         f"prefixes, {WORKLOAD.thinker_tokens} thinker tokens each; random "
-                        f"Qwen2 (hidden 256, 2 layers) per stage",
+                        f"Qwen2 (hidden 256, 2 layers) per stage; a chunk every "
+                        f"{f'{every} positions' if every else 'step'}",
             "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
             "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
             "hit_ratio_per_request": spread([c / s for c, s in zip(hit_chunk, hit_step)]),
@@ -160,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
                     "when it measured, whatever the table says, 1 when a run failed, 2 on a "
                     "usage error.")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
+    parser.add_argument("--every", type=int, metavar="N",
+                        help="stream a chunk every N positions (the stage option stream: N) "
+                             "instead of every step")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
+    if args.every is not None and args.every < 1:
+        parser.error(f"--every must be >= 1, got {args.every}")
     if args.json and (problem := unwritable(args.json)):
         parser.error(problem)
     log_path = new_log_path("stream-bench")
@@ -172,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[stream bench] {msg}", file=terminal, flush=True)
 
         try:
-            m9 = measure(runs=args.runs, progress=say)
+            m9 = measure(runs=args.runs, progress=say, every=args.every)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             traceback.print_exc()
             say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
