@@ -27,6 +27,7 @@ from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channe
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
+from prefix_cache.integration.stage_outputs import scheduled_prompt_lens  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
 from prefix_cache.integration.workers.base import PrefixCacheWorkerMixin, adopt_runner  # noqa: E402
 from prefix_cache.integration.workers.finishes import FinishReporting, report_finishes  # noqa: E402
@@ -276,7 +277,9 @@ class FinishedRows:
                                         max_num_batched_tokens=128, configure=in_process_worker)
 
     def worker_step(self, output: Any) -> None:
-        """The rows of every token the step feeds."""
+        """The rows of every token the step feeds (the new requests' prompt lengths first, as
+        the stage's driver notes them)."""
+        self.delivery.note_prompts(scheduled_prompt_lens(output))
         for req_id, n in output.num_scheduled_tokens.items():
             start = self.fed.get(req_id, 0)
             self.delivery.add(req_id, start, {HIDDEN_KEY: torch.arange(
@@ -284,7 +287,7 @@ class FinishedRows:
             self.fed[req_id] = start + n
 
 
-@pytest.mark.parametrize("stream_every", [None, 1], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream_every", [None, 1, 16], ids=["whole", "streamed", "every-16"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
         async_scheduling: bool, stream_every: int | None) -> None:
@@ -325,7 +328,7 @@ def test_an_entry_has_one_row_per_token_fed_however_the_engine_schedules(
                            torch.arange(prompt_len + n - 1, dtype=torch.float32)), req_id
 
 
-@pytest.mark.parametrize("stream_every", [None, 1], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream_every", [None, 1, 16], ids=["whole", "streamed", "every-16"])
 def test_an_abort_while_a_step_is_in_flight_publishes_what_a_synchronous_engine_would(
         stream_every: int | None) -> None:
     """The step after the prefill runs before the scheduler reads the prefill's token; an abort
@@ -344,6 +347,34 @@ def test_an_abort_while_a_step_is_in_flight_publishes_what_a_synchronous_engine_
         entry = channel.get_entry("e", timeout_s=1)
     assert run.fed["e"] == 21 and run.delivery.stats()["delivery_rows_cut"] == 1
     assert torch.equal(entry.outputs[HIDDEN_KEY][:, 0], torch.arange(20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("stream_every", [1, 16])
+def test_a_streamed_prompt_goes_out_whole_once_computed_and_later_rows_a_step_after(
+        stream_every: int) -> None:
+    """A prompt position's row stands once computed (a prompt token is never a stop token): the
+    chunk after the prefill carries all 20, whatever the policy; a row fed a sampled token
+    stands one step later, under an asynchronous scheduler too."""
+    with open_channel() as channel:
+        run = FinishedRows(channel, prompt_len=20, async_scheduling=True,
+                           stream_every=stream_every)
+        scheduler = run.scheduler
+        scheduler.add_request(make_request("p", [55] * 20, 40))
+        stream = channel.stream("p", timeout_s=1)
+        prefill = scheduler.schedule()
+        run.worker_step(prefill)
+        first = next(stream)
+        assert (first.start, first.rows[HIDDEN_KEY].shape[0], first.final) == (0, 20, False)
+        queue = [prefill]
+        for _ in range(stream_every + 1):  # decode steps, one in flight
+            queue.append(scheduler.schedule())
+            run.worker_step(queue[-1])
+            fake_model_step(scheduler, queue.pop(0))
+        second = next(stream)
+        # rows 20.. were fed sampled tokens: the newest of them waits a step
+        assert (second.start, second.rows[HIDDEN_KEY].shape[0]) == (20, stream_every)
+        assert torch.equal(second.rows[HIDDEN_KEY][:, 0],
+                           torch.arange(20, 20 + stream_every, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])

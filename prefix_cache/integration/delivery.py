@@ -28,12 +28,14 @@ asynchronous scheduler's) feeds the request's stop token; the scheduler says how
 many rows stand, and its row is cut whether it arrived before the finish or not.
 
 A streaming stage (`stream_every`) publishes a request's rows as chunks while it
-runs, once `stream_every` new positions stand: its first chunk carries a prefix
-hit's rows with the first step's, each later one the positions since, and the
-final chunk, at the finish, the rest. The newest row waits one step before it
-stands: an asynchronous scheduler feeds a stop token in the step it already has
-in flight, and that row is cut at the finish, so no chunk may carry it. A request
-recomputed after preemption never streams positions again.
+runs, once `stream_every` new positions stand, and once its prompt's positions all
+stand: its first chunk carries a prefix hit's rows with the first step's, each
+later one the positions since, and the final chunk, at the finish, the rest. A
+prompt position stands once computed (a prompt token is never a stop token); a
+later one, fed a sampled token, one step after: an asynchronous scheduler feeds a
+stop token in the step it already has in flight, and that row is cut at the
+finish, so no chunk may carry it. A request recomputed after preemption never
+streams positions again.
 
 A request whose finish will never be heard (the stage shuts down first) is not
 left for its consumer to time out on: `fail_held` publishes a failure naming the
@@ -126,6 +128,7 @@ class StageDelivery:
         self._lock = threading.Lock()
         self._parts: dict[str, list[_Part]] = {}
         self._streamed: dict[str, int] = {}  # positions a request published in chunks
+        self._prompt_lens: dict[str, int] = {}  # streaming: prompt lengths of live requests
         self._published_early: set[str] = set()  # published; the runner's finish is to come
         self._broken: dict[str, str] = {}  # requests whose rows can no longer come whole: why
         self._published = 0
@@ -144,6 +147,20 @@ class StageDelivery:
             return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
                     "delivery_published": self._published, "delivery_chunks": self._chunks,
                     "delivery_failed": self._failed, "delivery_rows_cut": self._rows_cut}
+
+    @property
+    def streaming(self) -> bool:
+        """Whether requests' rows go out in chunks while they run."""
+        return self._stream_every is not None
+
+    def note_prompts(self, prompt_lens: Mapping[str, int]) -> None:
+        """Prompt lengths of requests a step schedules anew (from the engine thread, before
+        the step's rows are added): a streaming stage publishes their prompt rows as soon as
+        they are all computed. Others keep nothing."""
+        if not self.streaming or not prompt_lens:
+            return
+        with self._lock:
+            self._prompt_lens.update(prompt_lens)
 
     def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor], num_rows: int) -> None:
         """`num_rows` positions `start, start + 1, ...`, and `rows` of them per key (each
@@ -167,29 +184,33 @@ class StageDelivery:
                 self._parts.pop(req_id, None)
         if first:
             self._expect(req_id)
-        if self._stream_every is not None:
+        if self.streaming:
             self._stream(req_id)
 
     def _stream(self, req_id: str) -> None:
         """Publish `req_id`'s positions that stand since its last chunk, once there are
-        `stream_every` of them (the newest row waits a step: see the module docstring); a chunk
-        that cannot be published fails the request, as its entry would."""
+        `stream_every` of them or they complete its prompt (see the module docstring for which
+        stand); a chunk that cannot be published fails the request, as its entry would."""
         if self._sink is None:
             return
         with self._lock:
             parts = self._parts.get(req_id)
             sent = self._streamed.get(req_id, 0)
-            stands = parts[-1].end - 1 if parts else 0
-            if stands - sent < self._stream_every:
+            prompt_len = self._prompt_lens.get(req_id, 0)
+            end = parts[-1].end if parts else 0
+            stands = end if end <= prompt_len else end - 1
+            if stands - sent < self._stream_every and not sent < prompt_len <= stands:
                 return
             rows = _rows(parts, sent, stands)
             if not rows:  # no key emitted yet: nothing to read the positions' zeros by
                 return
             self._streamed[req_id] = stands
-            self._parts[req_id] = [p if p.start >= stands else
-                                   _Part(stands, p.end, {k: v[stands - p.start:]
+            # what is left from `stands` on; at least the last part, emptied: the next rows
+            # join it, and a final chunk without rows still has its keys
+            self._parts[req_id] = [_Part(stands, p.end, {k: v[stands - p.start:]
                                                          for k, v in p.rows.items()})
-                                   for p in parts if p.end > stands]
+                                   if p.start < stands else p
+                                   for p in parts if p.end > stands or p is parts[-1]]
         external_id = self._external_id(req_id)
         try:
             self._sink.put(external_id, rows, start=sent, final=False)
@@ -276,6 +297,7 @@ class StageDelivery:
                 self._parts.pop(req_id, None)
                 self._broken.pop(req_id, None)
                 self._streamed.pop(req_id, None)
+                self._prompt_lens.pop(req_id, None)
             self._published_early.update(failing)
         for req_id in failing:
             self._fail(self._external_id(req_id), req_id, cause)
@@ -298,6 +320,7 @@ class StageDelivery:
             return
         with self._lock:
             sent = self._streamed.pop(request.req_id, 0)  # in chunks already
+            self._prompt_lens.pop(request.req_id, None)
         try:
             (rows, num_rows), cause = self.pop(request.req_id, start=sent), None
         except Exception as exc:  # parts that do not join (a key's row shape changed)

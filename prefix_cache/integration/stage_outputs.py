@@ -67,6 +67,18 @@ class StepBatch:
         return list(zip(self.req_ids, firsts, self.ends, self.starts, strict=True))
 
 
+def scheduled_prompt_lens(scheduler_output: Any) -> dict[str, int]:
+    """Prompt lengths of the requests `scheduler_output` schedules anew (vLLM's
+    `NewRequestData`: token ids, else prompt embeddings; a continuation's is its whole prompt)."""
+    lens = {}
+    for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+        if new.prompt_token_ids is not None:
+            lens[new.req_id] = len(new.prompt_token_ids)
+        elif getattr(new, "prompt_embeds", None) is not None:
+            lens[new.req_id] = int(new.prompt_embeds.shape[0])
+    return lens
+
+
 @dataclass
 class _SavedStep:
     batch: StepBatch
@@ -107,6 +119,8 @@ class StageOutputDriver:
                 self._thread.check()
                 if self.cache is not None:
                     self.cache.new_step_starts(scheduler_output)
+                if self.delivery.streaming:
+                    self.delivery.note_prompts(scheduled_prompt_lens(scheduler_output))
                 self._step, self._in_step = None, True
             except Exception as exc:
                 self._engine_fault("starting a step", exc)
