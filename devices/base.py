@@ -129,11 +129,13 @@ def check_timeout(timeout_s: float, what: str) -> float:
 
 def poll_until(poll: Callable[[], T | bool | None], timeout_s: float,
                timed_out: Callable[[], Exception], *, first_pause_s: float = 1e-5,
-               max_pause_s: float = 1e-4) -> T | bool:
+               max_pause_s: float = 1e-4,
+               sleep: Callable[[float], None] = time.sleep) -> T | bool:
     """Call `poll` until it returns something other than False or None (a check that turns
     true, or a value that is None until it is ready) and return that, backing off from
     `first_pause_s` to `max_pause_s` between calls (the GIL is free meanwhile, no pause runs
-    past the deadline); raise `timed_out()` once `timeout_s` passed."""
+    past the deadline; `sleep` pauses, and may return early when there is news); raise
+    `timed_out()` once `timeout_s` passed."""
     check_timeout(timeout_s, "poll_until")
     deadline = time.monotonic() + timeout_s
     pause = first_pause_s
@@ -141,7 +143,7 @@ def poll_until(poll: Callable[[], T | bool | None], timeout_s: float,
         left = deadline - time.monotonic()
         if left <= 0:
             raise timed_out()
-        time.sleep(min(pause, left))
+        sleep(min(pause, left))
         pause = min(pause * 2, max_pause_s)
     return result
 

@@ -27,6 +27,7 @@ from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
 from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelFullError,
                                   OmniPrefixCacheChannelTimeoutError,
                                   StageChannel, open_channel)
+from prefix_cache.channel import base as channel_base
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
 from prefix_cache.channel import mooncake as mooncake_module
 from prefix_cache.channel.mooncake import MooncakeChannel, TailBuffer, unconsumed_keys
@@ -146,6 +147,24 @@ def test_get_waits_for_a_put_from_another_process(channel: StageChannel) -> None
     assert publisher.exitcode == 0
     assert same_rows(outputs, sample_outputs(7))
     assert waited >= 1.0
+
+
+def test_an_shm_reader_wakes_when_an_entry_is_published_not_when_its_pause_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 10 s between a waiting reader's polls, a put by another handle 0.5 s into the wait
+    ends the pause it falls in (the entry is renamed into the namespace): the get returns then,
+    not at the pause's end."""
+    monkeypatch.setattr(channel_base, "_FIRST_POLL_S", 10.0)
+    monkeypatch.setattr(channel_base, "_MAX_POLL_S", 10.0)
+    with open_channel("shm") as channel, open_channel(channel.spec) as publisher:
+        timer = threading.Timer(0.5, publisher.put, ("req-woken", sample_outputs(7)))
+        start = time.monotonic()
+        timer.start()
+        outputs = channel.get("req-woken", timeout_s=60)
+        waited = time.monotonic() - start
+        timer.join()
+    assert same_rows(outputs, sample_outputs(7))
+    assert 0.5 <= waited < 5.0
 
 
 def test_a_reader_never_takes_a_half_written_entry(channel: StageChannel) -> None:

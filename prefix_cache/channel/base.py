@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -274,10 +274,17 @@ class StageChannel(ABC):
                     f"{self.spec}: {entry.error}")
             return entry
 
-        return poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
-            f"no entry for request {request_id} on channel {self.spec} within {timeout_s:g} s "
-            f"(entries live {self.ttl_s:g} s unless consumed)"),
-            first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+        with self._arrivals() as pause:
+            return poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
+                f"no entry for request {request_id} on channel {self.spec} within "
+                f"{timeout_s:g} s (entries live {self.ttl_s:g} s unless consumed)"),
+                first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S, sleep=pause)
+
+    @contextmanager
+    def _arrivals(self) -> Iterator[Callable[[float], None]]:
+        """The pause between a waiting reader's polls: a sleep, unless the channel can be told
+        that an entry was published, and end the pause then."""
+        yield time.sleep
 
     def close(self) -> None:
         """Releases this handle (idempotent); the namespace's owner also frees every entry.

@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +70,7 @@ import torch
 from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel,
                                       spec_number)
 from prefix_cache.channel.codec import EncodedEntry
+from prefix_cache.channel.dir_watch import DirectoryWatch
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
 logger = logging.getLogger(__name__)
@@ -244,6 +245,9 @@ class ShmChannel(StageChannel):
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
             self._lock_files = [owner] if owner else []  # the owner's and the producer's
+            self._watch: DirectoryWatch | None = None  # readers' wake-ups, opened on first wait
+            self._watch_pid = 0  # the process `_watch` was opened in
+            self._watch_lock = threading.Lock()
             super().__init__(ttl_s=ttl_s, capacity_bytes=self._read_budget().capacity,
                              full_wait_s=full_wait_s)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
@@ -336,6 +340,36 @@ class ShmChannel(StageChannel):
     def entry_path(self, request_id: str) -> Path:
         """The id's marker: it exists whenever the id has unconsumed entries (`NAME.SEQ`)."""
         return self.directory / self._name(request_id)
+
+    @contextmanager
+    def _arrivals(self) -> Iterator[Callable[[float], None]]:
+        """Pauses that end when an entry is renamed into the namespace (the handle's
+        `DirectoryWatch`), or plain sleeps where it has none."""
+        watch = self._directory_watch()
+        if watch is None:
+            yield time.sleep
+            return
+        seen = watch.generation  # taken before the poll that precedes the first pause
+
+        def pause(seconds: float) -> None:
+            nonlocal seen
+            watch.pause(seconds, seen)
+            seen = watch.generation  # before the next poll: a rename after it ends the pause
+
+        yield pause
+
+    def _directory_watch(self) -> DirectoryWatch | None:
+        """The handle's watch of its namespace, opened by its first waiting reader (one of
+        this process's own in a forked child); None where inotify cannot serve."""
+        if self._watch_pid not in (0, os.getpid()):  # a forked child: the lock may be held
+            self._watch_lock, self._watch, self._watch_pid = threading.Lock(), None, 0
+        with self._watch_lock:
+            if self._watch_pid != os.getpid():
+                self._watch = DirectoryWatch.open(self.directory)
+                self._watch_pid = os.getpid()
+                if self._watch is not None:
+                    weakref.finalize(self, self._watch.close)
+            return self._watch
 
     def _name(self, request_id: str) -> str:
         """The id's name in the namespace: an HMAC of it under the namespace's key."""
@@ -617,6 +651,9 @@ class ShmChannel(StageChannel):
         return OmniPrefixCacheChannelError(f"shm channel {self.spec}: {what}: {error}")
 
     def _close(self) -> None:
+        with self._watch_lock:
+            if self._watch is not None and self._watch_pid == os.getpid():
+                self._watch.close()
         self._finalizer()
 
 
