@@ -274,16 +274,17 @@ class StageChannel(ABC):
                     f"{self.spec}: {entry.error}")
             return entry
 
-        with self._arrivals() as pause:
+        with self._arrivals(request_id) as pause:
             return poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
                 f"no entry for request {request_id} on channel {self.spec} within "
                 f"{timeout_s:g} s (entries live {self.ttl_s:g} s unless consumed)"),
                 first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S, sleep=pause)
 
     @contextmanager
-    def _arrivals(self) -> Iterator[Callable[[float], None]]:
-        """The pause between a waiting reader's polls: a sleep, unless the channel can be told
-        that an entry was published, and end the pause then."""
+    def _arrivals(self, request_id: str) -> Iterator[Callable[[float], None]]:
+        """The pause between the polls of a reader waiting for `request_id` (entered before
+        its first poll): a sleep, unless the channel can be told that an entry of the id was
+        published, and end the pause then."""
         yield time.sleep
 
     def close(self) -> None:

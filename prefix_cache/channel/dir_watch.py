@@ -2,22 +2,30 @@
 
 A reader waiting on the shm channel polls for its entry and pauses between polls, backing off
 to `_MAX_POLL_S`; an entry published just after a poll would wait out the pause. A
-`DirectoryWatch` ends the pauses as soon as a file is renamed into the namespace (every entry
-is published by a rename), so its readers poll again at once. One watch (one inotify instance)
-serves every thread of a handle. Where inotify is missing the pauses are plain sleeps.
+`DirectoryWatch` ends a waiter's pause as soon as a file of its id (`STEM` or `STEM.*`) is
+renamed into the namespace (every entry is published by a rename), so it polls again at once,
+and only then: readers of other ids sleep on. One watch (one inotify instance) serves every
+thread of a handle. Where inotify is missing the pauses are plain sleeps.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import os
 import select
+import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-#: inotify event: a file was moved (renamed) into the watched directory.
+#: inotify events: a file was moved (renamed) into the watched directory; events were lost.
 IN_MOVED_TO = 0x00000080
+IN_Q_OVERFLOW = 0x00004000
+#: `struct inotify_event` before its name: wd, mask, cookie, len.
+_EVENT = struct.Struct("iIII")
 
 _libc: ctypes.CDLL | None = None
 
@@ -37,10 +45,25 @@ def _inotify() -> ctypes.CDLL | None:
     return _libc
 
 
+def renamed_stems(events: bytes) -> tuple[set[str], bool]:
+    """The stems (names up to their first dot) of the files `events` renamed in, and whether
+    the kernel dropped events (then any stem may have been renamed in)."""
+    stems, offset, overflowed = set(), 0, False
+    while offset + _EVENT.size <= len(events):
+        _, mask, _, length = _EVENT.unpack_from(events, offset)
+        name = events[offset + _EVENT.size: offset + _EVENT.size + length].rstrip(b"\0")
+        offset += _EVENT.size + length
+        overflowed |= bool(mask & IN_Q_OVERFLOW)
+        if mask & IN_MOVED_TO and name:
+            stems.add(os.fsdecode(name).split(".", 1)[0])
+    return stems, overflowed
+
+
 class DirectoryWatch:
-    """Invariant: `generation` counts the batches of renames into the directory seen so far;
-    `pause(s, seen)` returns once it moved past `seen`, or after `s` seconds. One waiter at a
-    time reads the inotify descriptor; the others wait on a condition it notifies."""
+    """Invariant: `_renamed[stem]` counts the renames of a waited-for stem seen since its first
+    waiter registered; a pause of that stem returns once it moves past what its waiter saw,
+    or after its seconds. One waiter at a time reads the inotify descriptor; the others wait
+    on a condition it notifies."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -49,7 +72,8 @@ class DirectoryWatch:
         self._poller.register(fd, select.POLLIN)
         self._poller.register(self._closing_r, select.POLLIN)
         self._changed = threading.Condition()
-        self._generation = 0
+        self._waiters: collections.Counter[str] = collections.Counter()
+        self._renamed: collections.Counter[str] = collections.Counter()
         self._reading = False
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy is not its own: it never touches it
@@ -69,18 +93,37 @@ class DirectoryWatch:
             return None
         return cls(fd)
 
-    @property
-    def generation(self) -> int:
+    @contextmanager
+    def waiting_for(self, stem: str) -> Iterator[Callable[[float], None]]:
+        """Pauses for a waiter of the files `stem` and `stem.*`: each ends once one was renamed
+        in since the waiter registered (enter this before its first poll) or since its last
+        pause ended, or after its seconds."""
         with self._changed:
-            return self._generation
+            self._waiters[stem] += 1
+            seen = self._renamed[stem]
 
-    def pause(self, seconds: float, seen: int) -> None:
+        def pause(seconds: float) -> None:
+            nonlocal seen
+            self._pause(stem, seen, seconds)
+            with self._changed:
+                seen = self._renamed[stem]  # before the next poll: a rename after it counts
+
+        try:
+            yield pause
+        finally:
+            with self._changed:
+                self._waiters[stem] -= 1
+                if not self._waiters[stem]:
+                    del self._waiters[stem]
+                    self._renamed.pop(stem, None)
+
+    def _pause(self, stem: str, seen: int, seconds: float) -> None:
         if self._closed:  # a closed watch tells nothing: sleep, as without one
             time.sleep(seconds)
             return
         deadline = time.monotonic() + seconds
         with self._changed:
-            while self._generation == seen and not self._closed:
+            while self._renamed[stem] == seen and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -89,26 +132,33 @@ class DirectoryWatch:
                     continue
                 self._reading = True
                 self._changed.release()
-                renamed = False
+                events = b""
                 try:
-                    renamed = self._wait_for_events(left)
+                    events = self._read_events(left)
                 finally:
                     self._changed.acquire()
                     self._reading = False
-                    self._generation += renamed
+                    self._count(events)
                     self._changed.notify_all()  # news, or the descriptor is free to read
 
-    def _wait_for_events(self, seconds: float) -> bool:
-        """Whether renames arrived within `seconds` (read and dropped: any may be awaited)."""
+    def _read_events(self, seconds: float) -> bytes:
+        """The events that arrive within `seconds` (none: b"")."""
         ready = {fd for fd, _ in self._poller.poll(max(1, round(seconds * 1000)))}
         if self._fd not in ready:
-            return False
+            return b""
+        chunks = []
         try:
-            while os.read(self._fd, 4096):
-                pass
+            while chunk := os.read(self._fd, 65536):
+                chunks.append(chunk)
         except BlockingIOError:
             pass
-        return True
+        return b"".join(chunks)
+
+    def _count(self, events: bytes) -> None:
+        """Count the renames of waited-for stems in `events` (caller holds the condition)."""
+        stems, overflowed = renamed_stems(events)
+        for stem in self._waiters.keys() if overflowed else stems & self._waiters.keys():
+            self._renamed[stem] += 1
 
     def close(self) -> None:
         """Wake every waiter (they return to polling; later pauses sleep) and release the

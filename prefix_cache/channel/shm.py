@@ -342,21 +342,15 @@ class ShmChannel(StageChannel):
         return self.directory / self._name(request_id)
 
     @contextmanager
-    def _arrivals(self) -> Iterator[Callable[[float], None]]:
-        """Pauses that end when an entry is renamed into the namespace (the handle's
+    def _arrivals(self, request_id: str) -> Iterator[Callable[[float], None]]:
+        """Pauses that end when an entry of the id is renamed into the namespace (the handle's
         `DirectoryWatch`), or plain sleeps where it has none."""
         watch = self._directory_watch()
         if watch is None:
             yield time.sleep
             return
-        seen = watch.generation  # taken before the poll that precedes the first pause
-
-        def pause(seconds: float) -> None:
-            nonlocal seen
-            watch.pause(seconds, seen)
-            seen = watch.generation  # before the next poll: a rename after it ends the pause
-
-        yield pause
+        with watch.waiting_for(self._name(request_id)) as pause:
+            yield pause
 
     def _directory_watch(self) -> DirectoryWatch | None:
         """The handle's watch of its namespace, opened by its first waiting reader (one of
