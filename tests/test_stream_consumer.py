@@ -30,13 +30,14 @@ def thinker_like_rows(num_rows: int = CUTS[-1], seed: int = 0) -> torch.Tensor:
 
 def put_chunks(channel: StageChannel, request_id: str, rows: torch.Tensor, cuts: list[int],
                pause_s: float = 0.0) -> list[float]:
-    """Publish `rows` in chunks cut at `cuts`, the last final; when each was put."""
+    """Publish `rows` in chunks cut at `cuts`, the last final; when each put began (a reader
+    may take a chunk before its put returns)."""
     put_at = []
     for start, end in zip(cuts, cuts[1:]):
         time.sleep(pause_s)
+        put_at.append(time.perf_counter())
         channel.put(request_id, {HIDDEN_KEY: rows[start:end]}, start=start,
                     final=end == cuts[-1], meta={"prompt_len": PROMPT_LEN})
-        put_at.append(time.perf_counter())
     return put_at
 
 
