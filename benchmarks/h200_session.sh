@@ -2,7 +2,8 @@
 # One H200 session's measurements, each part one device call of under 10 minutes, from the
 # repository root of the device machine's copy (outputs under $OUT, default ./h200-out):
 #
-#   bash benchmarks/h200_session.sh units    # CUDA unit suites (about 8 minutes; cut by
+#   bash benchmarks/h200_session.sh units    # CUDA unit suites (over 7 minutes: they ran
+#                                            # past 420 s on 2026-12-03; cut at 540 s by
 #                                            # SIGINT, so pytest still names what failed)
 #   bash benchmarks/h200_session.sh bench    # the quick bench (5 runs), the hit gather's
 #                                            # thread sweep

@@ -645,9 +645,10 @@ class ShmChannel(StageChannel):
         return OmniPrefixCacheChannelError(f"shm channel {self.spec}: {what}: {error}")
 
     def _close(self) -> None:
-        with self._watch_lock:
-            if self._watch is not None and self._watch_pid == os.getpid():
-                self._watch.close()
+        if self._watch_pid == os.getpid():  # else a forked child's copy: its lock may be held
+            with self._watch_lock:
+                if self._watch is not None:
+                    self._watch.close()
         self._finalizer()
 
 
