@@ -186,7 +186,13 @@ class Engine:
         return self.engine.step()
 
     def stats(self) -> dict[str, int | float]:
-        return self.llm.collective_rpc("prefix_cache_stats")[0]
+        """Rank 0's counters: the rank that holds the cache without pipeline parallelism."""
+        return self.rank_stats()[0]
+
+    def rank_stats(self) -> list[dict[str, int | float]]:
+        """Each worker's counters, by rank: a rank that holds no cache reports only its
+        process's resident bytes (`worker_rss_bytes`)."""
+        return self.llm.collective_rpc("prefix_cache_stats")
 
     def close(self) -> None:
         self.engine.engine_core.shutdown()
