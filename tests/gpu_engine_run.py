@@ -17,6 +17,8 @@ Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
 - `mm`: `main` on a runner whose forward also emits a per-token multimodal key, which the
   model's attributes declare deferred (`deferred_prefix_cache_mm_keys`);
 - `graphs`: `main` with CUDA graphs captured for decode (no torch.compile);
+- `tp2`: `main` over two GPUs (`tensor_parallel_size=2`), the engine core and each rank's worker
+  in processes of their own (run it multiprocess); OUT holds every rank's stats;
 - `v2-main`, `v2-preempt`: `main` and `preempt` on Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`).
 """
 
@@ -43,6 +45,13 @@ PREEMPT_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_token
                             dtype="bfloat16")
 MM_KEY = "codes.audio"
 STOP_TOKEN_IDS = tuple(range(0, 1024, 3))
+#: Two ranks, each a worker process (`mp`): the cache refuses such workers under asynchronous
+#: scheduling. The all-reduce goes through NCCL alone: no custom all-reduce (compiled kernels,
+#: which the offline build lacks) and no torch symmetric memory (`TP2_ENV`: vLLM 0.26 sets it up
+#: for two H200 ranks and uses it only with NVLink multicast, which the H200 machines keep off).
+TP2_ARGS: dict[str, Any] = dict(tensor_parallel_size=2, distributed_executor_backend="mp",
+                                disable_custom_all_reduce=True, async_scheduling=False)
+TP2_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 
 def main_workload(seed: int = 0) -> list[StageRequest]:
@@ -117,6 +126,9 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
         args["worker_cls"] = f"{__name__}.MMWorker"
     elif case == "graphs":
         args.update(CUDA_GRAPH_ARGS)
+    elif case == "tp2":
+        os.environ.update(TP2_ENV)
+        args.update(TP2_ARGS)
     with multiprocessing_mode(multiprocessing), open_channel() as channel:
         engine = start_thinker(model_dir, channel, prefix_caching=caching, shape=shape, **args)
         try:
@@ -124,10 +136,11 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
             runner = None if core is None else \
                 type(core.model_executor.driver_worker.worker.model_runner).__mro__[1]
             result = run_pipeline(engine, channel, requests)
-            stats = engine.stats()
+            rank_stats = engine.rank_stats()
         finally:
             engine.close()
-    torch.save({"stats": stats, "runner": None if runner is None else runner.__module__,
+    torch.save({"stats": rank_stats[0], "rank_stats": rank_stats,
+                "runner": None if runner is None else runner.__module__,
                 "cached": {k: r.cached_tokens for k, r in result.results.items()},
                 "generated": {k: r.generated for k, r in result.results.items()},
                 "entries": {k: {"aborted": r.entry.aborted, "meta": dict(r.entry.meta),
