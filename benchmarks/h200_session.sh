@@ -2,9 +2,10 @@
 # One H200 session's measurements, each part one device call of under 10 minutes, from the
 # repository root of the device machine's copy (outputs under $OUT, default ./h200-out):
 #
-#   bash benchmarks/h200_session.sh units    # CUDA unit suites (over 7 minutes: they ran
-#                                            # past 420 s on 2026-12-03; cut at 540 s by
-#                                            # SIGINT, so pytest still names what failed)
+#   bash benchmarks/h200_session.sh units    # CUDA unit suites, three shards side by side
+#                                            # (one suite ran past 420 s on 2026-12-03);
+#                                            # each cut at 540 s by SIGINT, so pytest still
+#                                            # names what failed
 #   bash benchmarks/h200_session.sh bench    # the quick bench (5 runs), the hit gather's
 #                                            # thread sweep
 #   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
@@ -23,6 +24,10 @@
 #                                            # prometheus-fastapi-instrumentator==8.1.0
 #                                            # watchfiles==1.3.0 jmespath==1.1.0 supervisor==4.3.0
 #                                            # model-hosting-container-standards==0.1.16`
+#   bash benchmarks/h200_session.sh tp2      # on the two-GPU machine (nvidia-h200-x2): the
+#                                            # GPU engine's tensor-parallel case and the
+#                                            # reliability suite's second-GPU case; needs
+#                                            # .vllm-gpu/ (carry it)
 #   bash benchmarks/h200_session.sh perf     # issue 30 in about 9 minutes: the GPU engine
 #                                            # tests' CUDA graph case, then pipeline_bench: M5e
 #                                            # on the 7b model eager (with the profile) and with
@@ -37,9 +42,9 @@
 # it leaves 8 files: perf.log, install.log, one JSON per pipeline_bench run and
 # perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
-part=${1:?usage: h200_session.sh units|bench|engine|stream|serve|perf}
-case "$part" in units|bench|engine|stream|serve|perf) ;; *)
-    echo "unknown part $part (units, bench, engine, stream, serve or perf)"; exit 2 ;;
+part=${1:?usage: h200_session.sh units|bench|engine|stream|serve|tp2|perf}
+case "$part" in units|bench|engine|stream|serve|tp2|perf) ;; *)
+    echo "unknown part $part (units, bench, engine, stream, serve, tp2 or perf)"; exit 2 ;;
 esac
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -68,9 +73,24 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log
 
 case "$part" in
 units)
-    run timeout -s INT -k 30 540 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-        --durations=15 -m "not npu and not vllm" \
-        -k "cuda or engine_thread or scatter_bounds or dma" --ignore tests/test_gpu_engine.py tests
+    # three shards side by side (one suite ran past 7 minutes): each cut at 540 s by SIGINT,
+    # so pytest still names what failed; a shard's own log is $out/units-<n>.log
+    shards=("tests/test_backend_conformance.py tests/test_output_buffers.py
+             tests/test_manager_random.py tests/test_cuda_dma.py tests/test_engine_thread.py"
+            "tests/test_reliability.py tests/test_devices.py tests/test_trace_replay.py"
+            "tests/test_manager.py tests/test_dma_issuer.py tests/test_scatter_bounds.py")
+    for i in "${!shards[@]}"; do
+        # shellcheck disable=SC2086  # each shard is a list of files
+        timeout -s INT -k 30 540 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+            --durations=5 -m "not npu and not vllm" \
+            -k "cuda or engine_thread or scatter_bounds or dma" ${shards[$i]} \
+            >"$out/units-$i.log" 2>&1 &
+    done
+    wait
+    for i in "${!shards[@]}"; do
+        echo "+ shard $i: ${shards[$i]//[[:space:]]/ }" | tee -a "$log"
+        tail -30 "$out/units-$i.log" | tee -a "$log"
+    done
     ;;
 bench)
     run timeout 180 python3 -m prefix_cache bench --device cuda --quick --runs 5 \
@@ -95,6 +115,12 @@ serve)
     python3 -m pip install -q --no-index --no-deps --target "$site" .serve-wheels/*.whl \
         >>"$out/install.log" 2>&1 || { echo "serve wheels install failed" | tee -a "$log"; exit 1; }
     run timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_serve.py
+    ;;
+tp2)
+    run timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_engine.py \
+        -k tensor_parallel
+    run timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_reliability.py \
+        -k second_gpu
     ;;
 perf)
     # py-spy from the carried wheel; without it pipeline_bench profiles with torch's profiler only

@@ -243,6 +243,8 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
                 for name, engine in order if i % 2 == 0 else order[::-1]:
                     steps[name] += _cold_pass(engine, requests, channels[name])
             stats = engines["cache"].stats()
+            progress("a pass reading the cache's engine-thread time after each step ...")
+            library_steps = _library_per_step(engines["cache"], requests, channel)
             profiles = {} if profile_dir is None else {
                 name: _profile(name, engine, requests, channels[name], profile_dir,
                                profile_seconds, in_process=not cudagraphs, progress=progress)
@@ -262,8 +264,31 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         "step_ratio": statistics.median(steps["cache"]) / statistics.median(steps["plain"]),
         "total_ratio": sum(steps["cache"]) / sum(steps["plain"]),
         "engine_thread_library_s_per_step": library,
+        "engine_thread_library_s_per_step_spread": spread(library_steps),
         "profile": profiles,
     }
+
+
+def _library_per_step(engine: Engine, requests: list[StageRequest], channel: StageChannel
+                      ) -> list[float]:
+    """The cache's engine-thread seconds (`new_step_starts` + `save_outputs`) in each step of
+    an untimed pass: its median is a median step's, where the mean of the timed passes is
+    weighed by the prefill steps."""
+    def library_s() -> float:
+        stats = engine.stats()
+        return stats.get("time_s.new_step_starts", 0.0) + stats.get("time_s.save_outputs", 0.0)
+
+    per_step: list[float] = []
+    last = library_s()
+
+    def after_step() -> None:
+        nonlocal last
+        now = library_s()
+        per_step.append(now - last)
+        last = now
+
+    _cold_pass(engine, requests, channel, after_step)
+    return per_step
 
 
 def _profile(name: str, engine: Engine, requests: list[StageRequest],
@@ -290,7 +315,9 @@ def m5e_metric(steps: dict[str, Any]) -> Metric:
                   f"vLLM's plain worker, median step {plain * 1e3:.2f} ms (cache's "
                   f"{cache * 1e3:.2f} ms)",
                   f"total time {1 / steps['total_ratio']:.3f}; the cache's engine-thread calls "
-                  f"{steps['engine_thread_library_s_per_step'] * 1e6:.0f} µs a step; "
+                  f"{steps['engine_thread_library_s_per_step'] * 1e6:.0f} µs a step on "
+                  f"average, {steps['engine_thread_library_s_per_step_spread']['median'] * 1e6:.0f}"
+                  f" µs in the median step; "
                   f"{steps['workload']}")
 
 
