@@ -35,9 +35,10 @@ from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import HitSpans, check_hits, hit_slots
+from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import GroupView, StepLayout
-from prefix_cache.core.outputs import OutputChecker
+from prefix_cache.core.outputs import OutputChecker, StepOutputs
 from prefix_cache.core.reads import ReadPlanner
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
@@ -132,14 +133,14 @@ class OmniPrefixCacheManager:
         """Allocate `key`'s pool now (at KV-cache init), so no request pays for it."""
         self._check_usable("preallocate")
         if key not in self.pool.keys:
-            with torch.inference_mode(False):
+            with keeping_tensors():
                 pool_key = self.pool.allocate(key, tuple(feat_shape), dtype)
             with self._lock:  # stats() reads the keys from another thread
                 self.pool.install(pool_key)
 
     def new_step_starts(self, scheduler_output: Any) -> None:
         """Apply a scheduler step: retire finished requests, mirror block copies, note hits."""
-        with self._stats.timed("new_step_starts"), torch.inference_mode(False):
+        with self._stats.timed("new_step_starts"):
             self._check_usable("new_step_starts")
             if self._pending is not None:
                 raise OmniPrefixCacheUnmatchError(
@@ -147,11 +148,13 @@ class OmniPrefixCacheManager:
                     "no tokens included, is saved (then materialized or discarded)")
             events = translate_step(scheduler_output, self.group_id)
             self._started = True
-            for req_id in events.finished:  # first, whatever the rest of the step raises
-                self._progress.pop(req_id, None)
-                self._deferred.retire(req_id)
-            for src, dst in events.block_copies:
-                self._block_copies.mirror(src, dst)
+            if events.finished or events.block_copies:
+                with keeping_tensors():  # a retiring write's launch, a block's host copy
+                    for req_id in events.finished:  # first, whatever the rest raises
+                        self._progress.pop(req_id, None)
+                        self._deferred.retire(req_id)
+                    for src, dst in events.block_copies:
+                        self._block_copies.mirror(src, dst)
             restarts = events.started + events.resumed_starts
             spans = {new.req_id: (new.num_computed_tokens, hit_slots(
                          new.req_id, new.num_computed_tokens, new.block_ids,
@@ -175,38 +178,49 @@ class OmniPrefixCacheManager:
         (the KV-cache write's), lets a zero-copy CUDA write read each row's slot
         on the device instead of uploading the host's.
         """
-        # tensors the cache keeps are written later by its own threads: never inference tensors
-        with self._stats.timed("save_outputs"), torch.inference_mode(False):
+        with self._stats.timed("save_outputs"):
             self._check_usable("save_outputs")
             self._launcher.committer.sweep()  # the earlier steps' writes (complete by now) land
             if self._pending is None:
                 raise OmniPrefixCacheUnmatchError(
                     "save_outputs called without new_step_starts for this step")
-            pending = self._pending
             n, outputs, new_keys = self._checker.step_outputs(
                 hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, self.policy)
-            device_slots = self._writer.device_slots(slot_mapping, n)
-            layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
-                                        self.config.block_size, self.pool.num_slots)
-            try:
-                check_hits(self.pool, self._lock, pending.hit_spans, layout, outputs)
-            except OmniPrefixCacheUnmatchError:
-                self._pending = None  # no retry can serve those positions: the step is lost
-                raise
-            self._writer.install_keys(new_keys)
-            step_id = next(self._step_ids)
-            slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
-                                      lambda: len(self._tasks))
-            try:
-                record = self._writer.save(step_id, slot, outputs, layout, pending.hit_spans,
-                                           device_slots)
-            except BaseException:
-                self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
-                raise
-            with self._lock:
-                self._steps[step_id] = record
-            self._pending = None
-            return step_id
+            # a step of immediate rows in stream order keeps none of the tensors it makes
+            keeps = bool(new_keys or outputs.deferred or outputs.leftover
+                         or not self._writer.in_stream)
+            if not keeps:
+                return self._save(outputs, new_keys, n, slot_mapping)
+            with keeping_tensors():
+                return self._save(outputs, new_keys, n, slot_mapping)
+
+    def _save(self, outputs: StepOutputs, new_keys: Mapping[str, tuple[tuple[int, ...],
+                                                                         torch.dtype]],
+              n: int, slot_mapping: torch.Tensor | None) -> int:
+        """`save_outputs` once its outputs are split and checked."""
+        pending = self._pending
+        device_slots = self._writer.device_slots(slot_mapping, n)
+        layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
+                                    self.config.block_size, self.pool.num_slots)
+        try:
+            check_hits(self.pool, self._lock, pending.hit_spans, layout, outputs)
+        except OmniPrefixCacheUnmatchError:
+            self._pending = None  # no retry can serve those positions: the step is lost
+            raise
+        self._writer.install_keys(new_keys)
+        step_id = next(self._step_ids)
+        slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
+                                  lambda: len(self._tasks))
+        try:
+            record = self._writer.save(step_id, slot, outputs, layout, pending.hit_spans,
+                                       device_slots)
+        except BaseException:
+            self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
+            raise
+        with self._lock:
+            self._steps[step_id] = record
+        self._pending = None
+        return step_id
 
     def materialize(self, step_id: int, req_ids: Iterable[str]) -> StageCacheOutputs:
         """Full-prompt outputs of `req_ids` for a saved step: hit rows, then this step's rows."""

@@ -438,6 +438,31 @@ def test_engine_calls_under_inference_mode_and_materialize_outside_it(backend):
         out.hidden_states["b"].add_(1)  # the caller owns what it is handed
 
 
+def test_what_the_cache_keeps_is_never_an_inference_tensor(backend):
+    """Steps saved under vLLM's inference mode leave it only where the cache makes a tensor it
+    keeps (a key's pool, a staging page): those are normal tensors, which its threads write
+    outside inference mode; a common step (immediate rows, known keys) never leaves it."""
+    manager, d = make(backend)
+    a = list(range(40, 52))
+    b = a[:8] + [5, 6, 7]
+
+    def step(so: SimpleNamespace, req_id: str) -> torch.Tensor:
+        with torch.inference_mode():  # the engine thread's calls, as vLLM makes them
+            sid = run_step(manager, d, so, backend.device, mm_width=None, materialize=False)
+        return manager.materialize(sid, [req_id]).hidden_states[req_id]  # the output thread's
+
+    with manager:  # a's first step allocates the hidden pool; b hits a's first two blocks
+        rows = [step(d.step(new=[("a", a, [1, 2, 3], 0, 8)]), "a")]
+        rows += [step(d.step(cached={"a": 1}), "a") for _ in range(4)]
+        assert torch.equal(torch.cat(rows), token_rows(a, 2))
+        rows = step(d.step(new=[("b", b, [1, 2, 4], 8, 3)], finished=["a"]), "b")
+        assert torch.equal(rows, token_rows(b, 2))
+        rows.add_(1)  # the caller owns what it is handed
+        kept = [key.storage.tensor for key in manager.pool.keys.values()]
+        kept += [buf.tensor for buf in manager.staging._buffers.values()]
+        assert kept and not any(t.is_inference() for t in kept)
+
+
 def test_resumed_request_hitting_past_its_own_rows_gets_the_hit_span(backend):
     """A preempted request may resume on blocks another request computed further than it had;
     it then gets every row up to its hit, as a new request would (its own rows stop short)."""

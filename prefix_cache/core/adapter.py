@@ -8,14 +8,12 @@ on. Fields that moved between releases are read through getattr.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefix_cache.errors import OmniPrefixCacheInputError, OmniPrefixCacheUnmatchError
 
 
-@dataclass(frozen=True)
-class StartedRequest:
+class StartedRequest(NamedTuple):
     """A request (re)starting from `num_computed_tokens` cached tokens on the cached group's blocks."""
 
     req_id: str
@@ -23,9 +21,9 @@ class StartedRequest:
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class StepEvents:
-    """What one scheduler step means to the cache, in the order the manager applies it."""
+class StepEvents(NamedTuple):
+    """What one scheduler step means to the cache, in the order the manager applies it (a
+    tuple: a frozen dataclass's fields cost a step's engine thread several µs to set)."""
 
     finished: tuple[str, ...]
     preempted: frozenset[str]
@@ -89,6 +87,21 @@ def _block_copies(copies: Iterable[Any] | None) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+_NONE: frozenset[str] = frozenset()
+
+
+def _only_running(scheduler_output: Any) -> bool:
+    """Whether the step only schedules running requests (most decode steps): nothing new,
+    resumed, finished, preempted or copied."""
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    return not (getattr(scheduler_output, "scheduled_new_reqs", None)
+                or getattr(scheduler_output, "finished_req_ids", None)
+                or getattr(scheduler_output, "preempted_req_ids", None)
+                or getattr(scheduler_output, "kv_cache_block_copies", None)
+                or (cached is not None and (getattr(cached, "resumed_req_ids", None) or any(
+                    getattr(cached, "resumed_from_preemption", None) or ()))))
+
+
 def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
     """The step's events from a vLLM `SchedulerOutput` (0.23-0.33) or a look-alike."""
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
@@ -96,6 +109,8 @@ def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
         raise OmniPrefixCacheInputError(
             f"new_step_starts: expected a vLLM SchedulerOutput (or an object with its fields, "
             f"num_scheduled_tokens a dict), got {type(scheduler_output).__name__}")
+    if _only_running(scheduler_output):
+        return StepEvents((), _NONE, (), (), _NONE, (), dict(scheduled))
     started = tuple(
         StartedRequest(_req_id(new), int(getattr(new, "num_computed_tokens", 0) or 0),
                        _group_blocks(getattr(new, "block_ids", None), group_id, _req_id(new)))

@@ -10,6 +10,7 @@ leftover, returned unsplit. Nested mm dicts are flattened with dotted keys
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -136,7 +137,7 @@ class OutputChecker:
         (key -> feature shape and dtype)."""
         n, padded_n = self._token_counts(unpadded, padded)
         outputs = split_outputs(hidden_states, mm_outputs, n, padded_n, policy)
-        return n, outputs, self._new_keys(outputs)
+        return n, outputs, self._new_keys(outputs, n)
 
     def check_device(self, what: str, tensor: torch.Tensor, *, host_ok: bool = False) -> None:
         """The backend's device check, refusing as bad input; `host_ok`: a host tensor passes
@@ -166,15 +167,16 @@ class OutputChecker:
                 f"0..num_tokens_padded={padded_n}")
         return n, padded_n
 
-    def _new_keys(self, outputs: StepOutputs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Check every tensor against the device, the capacity and its pool; the keys seen first."""
-        n = next((len(v) for v in outputs.per_token().values()), 0)
-        if n > self._capacity_tokens:
+    def _new_keys(self, outputs: StepOutputs, n: int
+                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Check every tensor against the device, the capacity and its pool; the keys seen first
+        (each per-token tensor has the step's `n` rows)."""
+        if n > self._capacity_tokens and (outputs.immediate or outputs.deferred):
             raise OmniPrefixCacheInputError(
                 f"save_outputs: step of {n} tokens exceeds staging_capacity_tokens="
                 f"{self._capacity_tokens}")
         new_keys = {}
-        for key, rows in outputs.per_token().items():
+        for key, rows in itertools.chain(outputs.immediate.items(), outputs.deferred.items()):
             self.check_device(f"save_outputs: {key!r} rows", rows)
             feat, dtype = tuple(rows.shape[1:]), rows.dtype
             pool_key = self._pool.keys.get(key)

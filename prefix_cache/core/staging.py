@@ -11,6 +11,7 @@ import torch
 from prefix_cache.devices.base import DeviceBackend, HostBuffer
 from prefix_cache.errors import OmniPrefixCacheStagingTimeoutError
 from prefix_cache.core.host_copies import SlotArena
+from prefix_cache.core.kept_tensors import keeping_tensors
 
 
 #: Who holds a staging slot: `("step", step_id)` until the step is consumed, and
@@ -79,8 +80,9 @@ class StagingPool:
     def buffer(self, slot: int, key: str, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Slot `slot`'s `[capacity, width]` host page for `key`."""
         buf = self._buffers.get((slot, key))
-        if buf is None:
-            buf = self._backend.alloc_host((self.capacity, width), dtype)
+        if buf is None:  # made on a step's first staged write, maybe in inference mode
+            with keeping_tensors():
+                buf = self._backend.alloc_host((self.capacity, width), dtype)
             self._buffers[(slot, key)] = buf
         return buf.tensor
 
