@@ -186,9 +186,10 @@ class OmniPrefixCacheManager:
                     "save_outputs called without new_step_starts for this step")
             n, outputs, new_keys = self._checker.step_outputs(
                 hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, self.policy)
-            # a step of immediate rows in stream order keeps none of the tensors it makes
+            # a step of immediate rows in stream order, without hits, keeps none of the tensors
+            # it makes (a hit's deferred rows are flushed; a read resolved early guards itself)
             keeps = bool(new_keys or outputs.deferred or outputs.leftover
-                         or not self._writer.in_stream)
+                         or self._pending.hit_spans or not self._writer.in_stream)
             if not keeps:
                 return self._save(outputs, new_keys, n, slot_mapping)
             with keeping_tensors():

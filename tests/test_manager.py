@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from contextlib import closing
 from types import SimpleNamespace
@@ -263,18 +264,25 @@ def test_delayed_read_keeps_its_rows_when_the_next_step_reuses_the_slots(backend
                            token_rows(c, 2))
 
 
-def test_unread_step_keeps_its_own_rows_when_a_new_tenant_rewrites_its_slots(backend):
+@pytest.mark.parametrize("engine_mode", [contextlib.nullcontext, torch.inference_mode],
+                         ids=["plain", "inference-mode"])
+def test_unread_step_keeps_its_own_rows_when_a_new_tenant_rewrites_its_slots(backend,
+                                                                             engine_mode):
+    """Also with the engine thread's calls under vLLM's inference mode: the read resolved on
+    the engine thread hands its consumer a normal tensor."""
     manager, d = make(backend)
     a, c = list(range(40, 48)), list(range(300, 308))
     with manager:
-        sid_a = run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device,
-                         materialize=False)
-        # a aborted before its step was read: c takes both its blocks and writes them
-        sid_c = run_step(manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]),
-                         backend.device, materialize=False)
+        with engine_mode():
+            sid_a = run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8)]), backend.device,
+                             materialize=False)
+            # a aborted before its step was read: c takes both its blocks and writes them
+            sid_c = run_step(manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]),
+                             backend.device, materialize=False)
         assert manager.stats()["copy_on_write_reads"] >= 1
-        assert torch.equal(manager.materialize(sid_a, ["a"]).hidden_states["a"],
-                           token_rows(a, 2))
+        rows = manager.materialize(sid_a, ["a"]).hidden_states["a"]
+        assert torch.equal(rows, token_rows(a, 2))
+        rows.add_(1)  # the caller owns what it is handed
         assert torch.equal(manager.materialize(sid_c, ["c"]).hidden_states["c"],
                            token_rows(c, 2))
 

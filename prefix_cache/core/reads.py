@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.core.latch import Latch
 from prefix_cache.core.output_buffers import OutputBuffers
@@ -276,11 +277,12 @@ class ReadPlanner:
         if not conflicts:
             return
         self.copy_on_write_reads += len(conflicts)
-        for read in conflicts:
-            try:
-                self.resolve(read)
-            except OmniPrefixCacheError:
-                pass  # the read keeps its error for its consumer
+        with keeping_tensors():  # the outputs go to the read's consumer, then back to reuse
+            for read in conflicts:
+                try:
+                    self.resolve(read)
+                except OmniPrefixCacheError:
+                    pass  # the read keeps its error for its consumer
 
     def close(self) -> None:
         """Stop the prefetch thread, cancel every read still planned, drop the free outputs."""
