@@ -3,8 +3,9 @@
 vLLM runs a step under `torch.inference_mode()`; a tensor made there is an inference tensor,
 which the cache's threads, outside inference mode, could not write in place. So every tensor
 the cache keeps past a call is made under `keeping_tensors()`. It is entered only where one is
-made: after a forward has evicted torch's code from the caches, leaving inference mode costs
-the engine thread 35-70 µs (2-core CPU machine).
+made: after a forward has evicted torch's code from the caches, leaving and re-entering
+inference mode cost the engine thread 77 µs (2-core CPU machine, after a 64 MiB matrix
+product).
 """
 
 from __future__ import annotations
