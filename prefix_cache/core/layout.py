@@ -41,7 +41,6 @@ class StepLayout:
         self.runs = runs
         self._slots = slots  # None: not built yet
         self._index: dict[str, int] | None = None
-        self._counts: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -86,16 +85,6 @@ class StepLayout:
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._lookup()
-
-    def index(self, req_id: str) -> int:
-        """`req_id`'s place in `order`; KeyError if it has no rows in the step."""
-        return self._lookup()[req_id]
-
-    def counts(self) -> list[int]:
-        """Each request's row count, in `order`."""
-        if self._counts is None:
-            self._counts = np.diff(self.ends, prepend=0).tolist()
-        return self._counts
 
     def rows(self, req_id: str) -> tuple[int, int]:
         """`req_id`'s row range in the step; KeyError if it has no rows there."""

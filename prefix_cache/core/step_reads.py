@@ -112,11 +112,7 @@ class StepReads:
             if req_id not in wanted:
                 for read in per_key.values():
                     self._reads.cancel(read)
-        layout = record.layout
-        # each request's rows of each key, split in one call per key (a slice per request
-        # costs a step's output thread a torch call per request and key)
-        step_rows = {key: rows.split(layout.counts())
-                     for key, rows in self._step_rows(record).items()}
+        step_rows = self._step_rows(record)
         leftover = map_tensors(record.leftover, lambda copy: copy.result(
             self._timeout_s, f"step {record.step_id} leftover"))
         hidden: dict[str, torch.Tensor] = {}
@@ -124,11 +120,11 @@ class StepReads:
                                                    if k != HIDDEN_KEY}
         hit_bytes = 0
         for req_id in req_ids:
-            i = layout.index(req_id)
+            start, end = record.layout.rows(req_id)
             hits = record.hit_reads.get(req_id, {})
             for key in (*record.per_token, *(k for k in hits if k not in record.per_token)):
                 read = hits.get(key)
-                mine = step_rows[key][i] if key in step_rows else None
+                mine = step_rows[key][start:end] if key in step_rows else None
                 if read is not None:
                     self._reads.resolve(read)
                     h = len(read.slots)
@@ -139,7 +135,7 @@ class StepReads:
                     mine = read.out
                     hit_bytes += h * mine.shape[1] * mine.element_size()
                 feat = record.per_token.get(key) or self._pool.keys[key].feat_shape
-                value = mine if len(feat) == 1 else mine.view(mine.shape[0], *feat)
+                value = mine.view(mine.shape[0], *feat)
                 if key == HIDDEN_KEY:
                     hidden[req_id] = value
                 else:
