@@ -93,13 +93,11 @@ _NONE: frozenset[str] = frozenset()
 def _only_running(scheduler_output: Any) -> bool:
     """Whether the step only schedules running requests (most decode steps): nothing new,
     resumed, finished, preempted or copied."""
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     return not (getattr(scheduler_output, "scheduled_new_reqs", None)
                 or getattr(scheduler_output, "finished_req_ids", None)
                 or getattr(scheduler_output, "preempted_req_ids", None)
                 or getattr(scheduler_output, "kv_cache_block_copies", None)
-                or (cached is not None and (getattr(cached, "resumed_req_ids", None) or any(
-                    getattr(cached, "resumed_from_preemption", None) or ()))))
+                or _resumed(getattr(scheduler_output, "scheduled_cached_reqs", None)))
 
 
 def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:

@@ -252,8 +252,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         finally:
             for engine in engines.values():
                 engine.close()
-    calls = stats["calls.save_outputs"]
-    library = (stats["time_s.new_step_starts"] + stats["time_s.save_outputs"]) / calls
+    library = _library_s(stats) / stats["calls.save_outputs"]
     return {
         "device": device,
         "workload": f"M8 stage 1 ({stage_model.describe(shape)} on {device}, {mode}), "
@@ -269,21 +268,21 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
     }
 
 
+def _library_s(stats: dict[str, int | float]) -> float:
+    """The cache's engine-thread seconds so far: `new_step_starts` + `save_outputs`."""
+    return stats.get("time_s.new_step_starts", 0.0) + stats.get("time_s.save_outputs", 0.0)
+
+
 def _library_per_step(engine: Engine, requests: list[StageRequest], channel: StageChannel
                       ) -> list[float]:
-    """The cache's engine-thread seconds (`new_step_starts` + `save_outputs`) in each step of
-    an untimed pass: its median is a median step's, where the mean of the timed passes is
-    weighed by the prefill steps."""
-    def library_s() -> float:
-        stats = engine.stats()
-        return stats.get("time_s.new_step_starts", 0.0) + stats.get("time_s.save_outputs", 0.0)
-
+    """The cache's engine-thread seconds in each step of an untimed pass: its median is a
+    median step's, where the mean of the timed passes is weighed by the prefill steps."""
     per_step: list[float] = []
-    last = library_s()
+    last = _library_s(engine.stats())
 
     def after_step() -> None:
         nonlocal last
-        now = library_s()
+        now = _library_s(engine.stats())
         per_step.append(now - last)
         last = now
 

@@ -74,7 +74,8 @@ class _ForwardStandIn:
 
 def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int, dtype: torch.dtype,
                      steps: int, *, num_blocks: int | None = None,
-                     write_stream: str = "compute", forward_us: float = 0.0) -> EngineTiming:
+                     write_stream: str = "compute", forward_us: float = 0.0,
+                     host_sweep_bytes: int = 0) -> EngineTiming:
     """µs per step in new_step_starts + save_outputs (the median after the first), and host
     bytes.
 
@@ -83,6 +84,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
     of `forward_us` (0: none, an idle device) is running when the step's calls are made; and
     the host waits for the step's writes (untimed) with a device synchronize, as an engine
     waits for its sampled tokens. On the host backend there is no device to run a forward.
+    `host_sweep_bytes` of host memory are written before each step's calls (untimed), as a
+    forward evicts the host's caches between an engine's steps (0: the calls run warm).
     """
     batch = RunnerBatch(num_reqs, tokens_per_req)
     view = FullAttentionGroupView(batch, BLOCK, backend=backend)
@@ -102,6 +105,7 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                                  .to(backend.device))
     slot_buffer = torch.empty_like(slot_mappings[0]) if slot_mappings else None
     forward = _ForwardStandIn(backend, forward_us) if forward_us and backend.name != "cpu" else None
+    sweep = torch.zeros(host_sweep_bytes // 4) if host_sweep_bytes else None  # float32 words
     times = []
     with OmniPrefixCacheManager(config, view, backend=backend) as cache:
         cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
@@ -111,6 +115,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                 slot_buffer.copy_(slot_mappings[step % len(positions)])
             if forward is not None:
                 forward()
+            if sweep is not None:
+                sweep.add_(1.0)
             start = time.perf_counter()
             cache.new_step_starts(so)
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
