@@ -19,7 +19,7 @@ from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError
 from prefix_cache.integration.gate import stage_prefix_cache_config
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.core.block_pool import PrefixBlockPool
-from prefix_cache.manager import OmniPrefixCacheManager, StageCacheOutputs
+from prefix_cache.manager import OmniPrefixCacheManager, StageCacheOutputs, StepRows
 from prefix_cache.core.tasks import TaskState, WriteTask
 
 
@@ -39,6 +39,7 @@ __all__ = [
     "HIDDEN_KEY", "FullAttentionGroupView", "ModelCachePolicy", "OmniPrefixCacheError",
     "OmniPrefixCacheInputError",
     "OmniPrefixCacheManager", "OmniPrefixCacheStagingTimeoutError", "OmniPrefixCacheUnmatchError",
-    "PrefixBlockPool", "PrefixCacheConfig", "StageCacheOutputs", "TaskState", "WriteTask",
+    "PrefixBlockPool", "PrefixCacheConfig", "StageCacheOutputs", "StepRows", "TaskState",
+    "WriteTask",
     "stage_prefix_cache_config",
 ]

@@ -1,8 +1,9 @@
 """OmniPrefixCacheManager: the public facade that turns engine steps into pool writes and hit reads.
 
 Engine thread: `new_step_starts(so)` → forward → `save_outputs(...)` → step id;
-then exactly one `materialize(sid, req_ids)` or `discard_step(sid)`, possibly on
-the output-builder thread while the engine runs the next step.
+then exactly one `materialize(sid, req_ids)` (or `materialize_step`, the same rows in the
+step's row order) or `discard_step(sid)`, possibly on the output-builder thread while the
+engine runs the next step.
 
 The facade owns the step protocol (the pending step, the saved steps, the call
 checks); each concern below it has one owner: `OutputChecker` (what a step is
@@ -42,14 +43,14 @@ from prefix_cache.core.outputs import OutputChecker, StepOutputs
 from prefix_cache.core.reads import ReadPlanner
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
-from prefix_cache.core.step_reads import StageCacheOutputs, StepReads, StepRecord
+from prefix_cache.core.step_reads import StageCacheOutputs, StepReads, StepRecord, StepRows
 from prefix_cache.core.tasks import TaskTable
 from prefix_cache.core.writes import StepWriter
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import (OmniPrefixCacheError, OmniPrefixCacheInputError,
                                  OmniPrefixCacheUnmatchError)
 
-__all__ = ["OmniPrefixCacheManager", "StageCacheOutputs"]
+__all__ = ["OmniPrefixCacheManager", "StageCacheOutputs", "StepRows"]
 
 #: Pools and staging of managers whose shutdown timed out: a device copy may still write into
 #: them, so neither they nor their registrations are released while this process lives.
@@ -226,17 +227,32 @@ class OmniPrefixCacheManager:
     def materialize(self, step_id: int, req_ids: Iterable[str]) -> StageCacheOutputs:
         """Full-prompt outputs of `req_ids` for a saved step: hit rows, then this step's rows."""
         with self._stats.timed("materialize"):
-            if isinstance(req_ids, str) or not isinstance(req_ids, Iterable):
-                raise OmniPrefixCacheInputError(
-                    f"materialize(step {step_id}): req_ids must be an iterable of request ids, "
-                    f"got {req_ids!r}")
-            req_ids = list(req_ids)
-            record = self._consume(step_id, req_ids)
-            try:
-                return self._step_reads.assemble(record, req_ids,
-                                                 self.policy.needs_full_hidden_states)
-            finally:
-                self._step_reads.release(record)
+            req_ids = self._req_id_list("materialize", step_id, req_ids)
+            return self._assemble(step_id, req_ids).per_request(
+                req_ids, self.policy.needs_full_hidden_states)
+
+    def materialize_step(self, step_id: int, req_ids: Iterable[str]) -> StepRows:
+        """`materialize` in the step's row order: the step's rows per key, and each of
+        `req_ids`' hits' rows from position 0, without a tensor per request."""
+        with self._stats.timed("materialize"):
+            return self._assemble(step_id, self._req_id_list("materialize_step", step_id,
+                                                             req_ids))
+
+    @staticmethod
+    def _req_id_list(call: str, step_id: int, req_ids: Iterable[str]) -> list[str]:
+        if isinstance(req_ids, str) or not isinstance(req_ids, Iterable):
+            raise OmniPrefixCacheInputError(
+                f"{call}(step {step_id}): req_ids must be an iterable of request ids, "
+                f"got {req_ids!r}")
+        return list(req_ids)
+
+    def _assemble(self, step_id: int, req_ids: list[str]) -> StepRows:
+        record = self._consume(step_id, req_ids)
+        try:
+            return self._step_reads.assemble(record, req_ids,
+                                             self.policy.needs_full_hidden_states)
+        finally:
+            self._step_reads.release(record)
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""
@@ -324,7 +340,7 @@ class OmniPrefixCacheManager:
             if record is None:
                 raise OmniPrefixCacheUnmatchError(
                     f"step {step_id} is unknown or was already consumed")
-            unknown = [r for r in req_ids if r not in record.layout]
+            unknown = record.layout.unknown(req_ids)
             if unknown:
                 raise OmniPrefixCacheUnmatchError(
                     f"materialize(step {step_id}): requests {unknown} have no rows in that step "

@@ -37,6 +37,32 @@ def test_rows_recomputed_after_preemption_replace_the_delivered_ones() -> None:
     assert torch.equal(hidden[4:], rows(4, 12)["hidden"] + 100)
 
 
+def test_a_step_hands_its_requests_views_of_its_rows_by_span() -> None:
+    """`add_step`: one tensor per key for the step, each request a span of it; a running
+    request's later steps join its earlier rows, and nothing is copied until its finish."""
+    delivery = StageDelivery()
+    delivery.add_step([("a", 0, 0, 3), ("b", 0, 3, 5)], rows(0, 5))
+    step = rows(10, 12)
+    delivery.add_step([("b", 2, 0, 1), ("a", 3, 1, 2)], step)
+    step["hidden"].zero_()  # views, not copies: what the step tensor holds is what goes out
+    a, a_positions = delivery.pop("a")
+    b, b_positions = delivery.pop("b")
+    assert (a_positions, b_positions) == (4, 3)
+    assert torch.equal(a["hidden"], torch.cat([rows(0, 3)["hidden"], torch.zeros(1, 2)]))
+    assert torch.equal(a["mm.audio"], torch.tensor([[0.0], [1.0], [2.0], [11.0]]))
+    assert torch.equal(b["mm.audio"], torch.tensor([[3.0], [4.0], [10.0]]))
+
+
+def test_a_gap_in_a_step_fails_that_request_and_not_the_others_of_the_step() -> None:
+    sink = Recording()
+    delivery = StageDelivery(sink)
+    delivery.add_step([("a", 0, 0, 2), ("b", 0, 2, 4)], rows(0, 4))
+    delivery.add_step([("a", 5, 0, 1), ("b", 2, 1, 2)], rows(0, 2))  # a: positions 2..4 missing
+    delivery.finish(FinishedRequest("a", "a", 2))
+    delivery.finish(FinishedRequest("b", "b", 2))
+    assert sink.put_ids == ["b"] and "positions 2..4 would be missing" in sink.failures["a"]
+
+
 class Recording:
     """A stage sink that keeps what it was given."""
 

@@ -64,6 +64,34 @@ def test_every_save_hands_the_backend_its_host_slots(backend, monkeypatch):
     assert torch.equal(out.hidden_states["a"], token_rows(tokens, 2))
 
 
+def test_materialize_step_hands_the_step_rows_once_and_each_hit_from_position_0(backend):
+    """The output thread's form of `materialize`: the step's rows in its row order, one tensor
+    per key, and a hit's rows from position 0; the same rows `materialize` gives per request."""
+    manager, d = make(backend, num_blocks=16)
+    first = list(range(100, 112))
+    hit = first[:8] + [900, 901]             # blocks 1 and 2 cached, then its own block 6
+    other = list(range(300, 306))
+    with manager:
+        run_step(manager, d, d.step(new=[("a", first, [1, 2, 3], 0, 12)]), backend.device)
+        saved = []
+        for as_step in (True, False):
+            so = d.step(new=[(f"b{as_step}", hit, [1, 2, 6 + as_step], 8, 2),
+                             (f"c{as_step}", other, [8 + 2 * as_step, 9 + 2 * as_step], 0, 6)])
+            saved.append(run_step(manager, d, so, backend.device, materialize=False))
+        step = manager.materialize_step(saved[0], ["bTrue", "cTrue"])
+        per_request = manager.materialize(saved[1], ["bFalse", "cFalse"])
+    assert step.order == ["bTrue", "cTrue"] and step.ends == [2, 8]
+    assert set(step.hits) == {"bTrue"} and step.rows[HIDDEN_KEY].shape == (8, 2)
+    assert torch.equal(step.rows[HIDDEN_KEY][:2], token_rows(hit, 2)[8:])
+    assert torch.equal(step.rows[HIDDEN_KEY][2:], token_rows(other, 2))
+    assert torch.equal(step.rows["mm_feature"][2:], token_rows(other, 16, salt=1))
+    for key, rows in step.hits["bTrue"].items():
+        want = token_rows(hit, 2 if key == HIDDEN_KEY else 16, salt=0 if key == HIDDEN_KEY else 1)
+        assert torch.equal(rows, want), key
+    assert torch.equal(per_request.hidden_states["bFalse"], step.hits["bTrue"][HIDDEN_KEY])
+    assert torch.equal(per_request.hidden_states["cFalse"], step.rows[HIDDEN_KEY][2:])
+
+
 # --------------------------------------------------------------------------- the seed's examples
 
 def test_seed_example_second_request_gets_cached_block_rows_then_its_own(backend):

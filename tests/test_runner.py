@@ -52,7 +52,7 @@ def test_steps_return_before_their_rows_are_materialized(
         try:
             runner = engine_runner(engine)
             manager = runner.omni_prefix_cache
-            save, materialize, sample = (manager.save_outputs, manager.materialize,
+            save, materialize, sample = (manager.save_outputs, manager.materialize_step,
                                          runner.sample_tokens)
 
             def timed_save(*args: Any, **kwargs: Any) -> int:
@@ -72,7 +72,7 @@ def test_steps_return_before_their_rows_are_materialized(
                 return out
 
             monkeypatch.setattr(manager, "save_outputs", timed_save)
-            monkeypatch.setattr(manager, "materialize", slow_materialize)
+            monkeypatch.setattr(manager, "materialize_step", slow_materialize)
             monkeypatch.setattr(runner, "sample_tokens", timed_sample)
             run = run_pipeline(engine, channel, requests)
         finally:

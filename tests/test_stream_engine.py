@@ -124,13 +124,15 @@ def test_requests_preempted_while_streaming_stream_each_position_once(
     recomputes them from position 0 while their chunks are out; each stream's positions still
     come once, in order, prompt + generated - 1 of them."""
     starts: dict[str, list[int]] = {}
-    add = StageDelivery.add
+    add_step = StageDelivery.add_step
 
-    def recording_add(self: StageDelivery, req_id: str, start: int, *args: Any) -> None:
-        starts.setdefault(req_id, []).append(start)
-        add(self, req_id, start, *args)
+    def recording_add_step(self: StageDelivery, spans: Any, rows: Any) -> None:
+        spans = list(spans)
+        for req_id, start, _, _ in spans:
+            starts.setdefault(req_id, []).append(start)
+        add_step(self, spans, rows)
 
-    monkeypatch.setattr(StageDelivery, "add", recording_add)
+    monkeypatch.setattr(StageDelivery, "add_step", recording_add_step)
     shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
                         max_model_len=192, long_prefill_token_threshold=32)
     prompts = {f"p{i}": PREFIX[:32] + [7 + i] * 16 for i in range(4)}

@@ -9,7 +9,7 @@ host-side write, `materialize`), off the per-step fast path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -85,6 +85,11 @@ class StepLayout:
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._lookup()
+
+    def unknown(self, req_ids: Iterable[str]) -> list[str]:
+        """Those of `req_ids` without rows in the step."""
+        index = self._lookup()
+        return [r for r in req_ids if r not in index]
 
     def rows(self, req_id: str) -> tuple[int, int]:
         """`req_id`'s row range in the step; KeyError if it has no rows there."""

@@ -37,6 +37,40 @@ class StageCacheOutputs(NamedTuple):
     leftover: dict[str, Any]
 
 
+class StepRows(NamedTuple):
+    """A saved step's rows on the host, each tensor the caller's: per key, `[rows, *feat]` in
+    the step's row order (request `order[i]` has rows `ends[i-1]:ends[i]`); per request with
+    a prefix hit, its rows from position 0 per key (its hit rows, then its step rows)."""
+
+    order: list[str]
+    ends: list[int]
+    rows: dict[str, torch.Tensor]
+    hits: dict[str, dict[str, torch.Tensor]]
+    leftover: dict[str, Any]
+
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Each request's row range in the step."""
+        return dict(zip(self.order, zip([0, *self.ends[:-1]], self.ends)))
+
+    def per_request(self, req_ids: Iterable[str], with_hidden: bool) -> StageCacheOutputs:
+        """Each of `req_ids`' rows from position 0 per key (a hit's keys are its own); the
+        hidden states None unless `with_hidden`."""
+        spans = self.spans()
+        hidden: dict[str, torch.Tensor] = {}
+        mm: dict[str, dict[str, torch.Tensor]] = {k: {} for k in self.rows if k != HIDDEN_KEY}
+        for req_id in req_ids:
+            rows = self.hits.get(req_id)
+            if rows is None:
+                start, end = spans[req_id]
+                rows = {key: value[start:end] for key, value in self.rows.items()}
+            for key, value in rows.items():
+                if key == HIDDEN_KEY:
+                    hidden[req_id] = value
+                else:
+                    mm.setdefault(key, {})[req_id] = value
+        return StageCacheOutputs(hidden if with_hidden else None, mm, self.leftover)
+
+
 @dataclass
 class StepRecord:
     """A saved step until it is materialized or discarded (consumed exactly once)."""
@@ -105,43 +139,53 @@ class StepReads:
                 for key in (*record.per_token, *others)}
 
     def assemble(self, record: StepRecord, req_ids: Sequence[str],
-                 needs_full_hidden_states: bool) -> StageCacheOutputs:
-        """Each of `req_ids`' rows from position 0, per key: hit rows, then the step's."""
+                 needs_full_hidden_states: bool) -> StepRows:
+        """The step's rows of every key it emits, and each of `req_ids`' hits' rows from
+        position 0 (hit rows, then the step's); the hidden states only if the next stage
+        needs them. Other requests' hit reads are cancelled."""
         wanted = set(req_ids)
         for req_id, per_key in record.hit_reads.items():
             if req_id not in wanted:
                 for read in per_key.values():
                     self._reads.cancel(read)
-        step_rows = self._step_rows(record)
+        flat = self._step_rows(record)
         leftover = map_tensors(record.leftover, lambda copy: copy.result(
             self._timeout_s, f"step {record.step_id} leftover"))
-        hidden: dict[str, torch.Tensor] = {}
-        mm: dict[str, dict[str, torch.Tensor]] = {k: {} for k in record.per_token
-                                                   if k != HIDDEN_KEY}
+        hits: dict[str, dict[str, torch.Tensor]] = {}
         hit_bytes = 0
-        for req_id in req_ids:
+        for req_id, per_key in record.hit_reads.items():
+            if req_id not in wanted:
+                continue
             start, end = record.layout.rows(req_id)
-            hits = record.hit_reads.get(req_id, {})
-            for key in (*record.per_token, *(k for k in hits if k not in record.per_token)):
-                read = hits.get(key)
-                mine = step_rows[key][start:end] if key in step_rows else None
-                if read is not None:
-                    self._reads.resolve(read)
-                    h = len(read.slots)
-                    if mine is None:  # a key this step does not emit: no rows of its own
-                        read.out[h:].zero_()
-                    else:
-                        read.out[h:].copy_(mine)
-                    mine = read.out
-                    hit_bytes += h * mine.shape[1] * mine.element_size()
-                feat = record.per_token.get(key) or self._pool.keys[key].feat_shape
-                value = mine.view(mine.shape[0], *feat)
-                if key == HIDDEN_KEY:
-                    hidden[req_id] = value
-                else:
-                    mm.setdefault(key, {})[req_id] = value
+            rows = hits[req_id] = {}
+            for key in (*record.per_token, *(k for k in per_key if k not in record.per_token)):
+                read = per_key.get(key)
+                if read is None:  # no hit read planned for it: the step's rows alone
+                    rows[key] = flat[key][start:end]
+                    continue
+                self._reads.resolve(read)
+                h = len(read.slots)
+                if key in flat:
+                    read.out[h:].copy_(flat[key][start:end])
+                else:  # a key this step does not emit: no rows of its own
+                    read.out[h:].zero_()
+                rows[key] = read.out
+                hit_bytes += h * read.out.shape[1] * read.out.element_size()
         self._stats.add(hit_bytes_gathered=hit_bytes)
-        return StageCacheOutputs(hidden if needs_full_hidden_states else None, mm, leftover)
+        shaped = {key: self._shaped(record, key, rows) for key, rows in flat.items()}
+        hits = {req_id: {key: self._shaped(record, key, rows) for key, rows in per_key.items()}
+                for req_id, per_key in hits.items()}
+        if not needs_full_hidden_states:
+            shaped.pop(HIDDEN_KEY, None)
+            for per_key in hits.values():
+                per_key.pop(HIDDEN_KEY, None)
+        return StepRows(record.layout.order, record.layout.ends.tolist(), shaped, hits,
+                        leftover)
+
+    def _shaped(self, record: StepRecord, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """`[rows, features]` viewed as `[rows, *feat]`, the key's feature shape."""
+        feat = record.per_token.get(key) or self._pool.keys[key].feat_shape
+        return rows.view(rows.shape[0], *feat)
 
     def _step_rows(self, record: StepRecord) -> dict[str, torch.Tensor]:
         """The step's own rows of every key it emits, `[rows, features]` on the host."""

@@ -46,6 +46,7 @@ the requests it holds and, as they finish, for every later one.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -82,26 +83,40 @@ class FinishedRequest:
     rows_standing: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Part:
-    """Positions `start..end - 1`: per key, their rows (none: a step that emitted no key)."""
+    """Positions `start..end - 1`, whose rows per key are rows `first..first + end - start - 1`
+    of `source[key]` (no key: a step that emitted none). A step's requests share its source."""
 
     start: int
     end: int
-    rows: dict[str, torch.Tensor]  # key -> [end - start, *feat]
+    source: Mapping[str, torch.Tensor]  # key -> [rows, *feat]
+    first: int = 0
+
+    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """This part's rows of positions `lo..hi - 1` (within it) of `key`."""
+        return self.source[key][self.first + lo - self.start: self.first + hi - self.start]
+
+    def trimmed(self, start: int, end: int) -> _Part:
+        """The same rows, of positions `start..end - 1` only (within it)."""
+        return _Part(start, end, self.source, self.first + start - self.start)
+
+    def nbytes(self) -> int:
+        return sum((self.end - self.start) * math.prod(t.shape[1:]) * t.element_size()
+                   for t in self.source.values())
 
 
 def _rows(parts: list[_Part], start: int, end: int) -> dict[str, torch.Tensor]:
     """The rows of positions `start..end - 1` per key, which `parts` cover; a key missing from
     a part reads zeros there, as absent mm rows do on a prefix hit."""
-    like = {key: rows for p in reversed(parts) for key, rows in p.rows.items()}
+    like = {key: rows for p in reversed(parts) for key, rows in p.source.items()}
     out = {}
     for key, ref in like.items():
         pieces = []
         for p in parts:
             lo, hi = max(p.start, start), min(p.end, end)
             if lo < hi:
-                pieces.append(p.rows[key][lo - p.start: hi - p.start] if key in p.rows else
+                pieces.append(p.rows(key, lo, hi) if key in p.source else
                               ref.new_zeros((hi - lo, *ref.shape[1:])))
         out[key] = torch.cat(pieces) if pieces else ref.new_zeros((0, *ref.shape[1:]))
     return out
@@ -142,8 +157,7 @@ class StageDelivery:
         the chunks streamed before their final ones, requests whose entry failed (published as failures), and rows cut from entries (fed
         by steps whose tokens the scheduler discarded)."""
         with self._lock:
-            held = sum(t.numel() * t.element_size() for parts in self._parts.values()
-                       for p in parts for t in p.rows.values())
+            held = sum(p.nbytes() for parts in self._parts.values() for p in parts)
             return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
                     "delivery_published": self._published, "delivery_chunks": self._chunks,
                     "delivery_failed": self._failed, "delivery_rows_cut": self._rows_cut}
@@ -162,30 +176,48 @@ class StageDelivery:
         with self._lock:
             self._prompt_lens.update(prompt_lens)
 
-    def add(self, req_id: str, start: int, rows: dict[str, torch.Tensor], num_rows: int) -> None:
+    def add(self, req_id: str, start: int, rows: Mapping[str, torch.Tensor],
+            num_rows: int) -> None:
         """`num_rows` positions `start, start + 1, ...`, and `rows` of them per key (each
-        `num_rows` long; none for a step that emitted no key).
+        `num_rows` long; none for a step that emitted no key): `add_step` for one request."""
+        self.add_step([(req_id, start, 0, num_rows)], rows)
+
+    def add_step(self, spans: Iterable[tuple[str, int, int, int]],
+                 rows: Mapping[str, torch.Tensor]) -> None:
+        """A step's rows: per span `(req_id, start, first, end)`, request `req_id`'s positions
+        `start, start + 1, ...` are rows `first..end - 1` of `rows` per key (none for a step
+        that emitted no key). The requests keep views of `rows`, not copies.
 
         Rows that would leave a gap break the request: its entry becomes a failure naming
         the gap, and the stage goes on. Positions without any key leave none: nothing can be
         missing before them, so they cover what came before too.
         """
-        if num_rows == 0:
-            return
+        added, first_seen = [], []
         with self._lock:
-            if req_id in self._published_early or req_id in self._broken or self._stopped:
+            if self._stopped:
                 return
-            first = req_id not in self._parts
-            try:
-                self._add(req_id, _Part(start, start + num_rows, rows))
-            except OmniPrefixCacheUnmatchError as exc:
-                logger.error("%s", exc)
-                self._broken[req_id] = str(exc)
-                self._parts.pop(req_id, None)
-        if first:
+            for req_id, start, first, end in spans:
+                if end == first or req_id in self._published_early or req_id in self._broken:
+                    continue
+                part = _Part(start, start + end - first, rows, first)
+                parts = self._parts.get(req_id)
+                added.append(req_id)
+                if parts is None:
+                    first_seen.append(req_id)
+                elif parts[-1].start < start == parts[-1].end:  # a running request's next rows
+                    parts.append(part)
+                    continue
+                try:
+                    self._add(req_id, part)
+                except OmniPrefixCacheUnmatchError as exc:
+                    logger.error("%s", exc)
+                    self._broken[req_id] = str(exc)
+                    self._parts.pop(req_id, None)
+        for req_id in first_seen:
             self._expect(req_id)
         if self.streaming:
-            self._stream(req_id)
+            for req_id in added:
+                self._stream(req_id)
 
     def _stream(self, req_id: str) -> None:
         """Publish `req_id`'s positions that stand since its last chunk, once there are
@@ -207,9 +239,7 @@ class StageDelivery:
             self._streamed[req_id] = stands
             # what is left from `stands` on; at least the last part, emptied: the next rows
             # join it, and a final chunk without rows still has its keys
-            self._parts[req_id] = [_Part(stands, p.end, {k: v[stands - p.start:]
-                                                         for k, v in p.rows.items()})
-                                   if p.start < stands else p
+            self._parts[req_id] = [p.trimmed(stands, p.end) if p.start < stands else p
                                    for p in parts if p.end > stands or p is parts[-1]]
         external_id = self._external_id(req_id)
         try:
@@ -236,7 +266,7 @@ class StageDelivery:
         parts = self._parts.get(req_id, [])
         delivered = parts[-1].end if parts else 0
         if part.start > delivered:
-            if part.rows:
+            if part.source:
                 raise OmniPrefixCacheUnmatchError(
                     f"request {req_id}: rows from position {part.start} but only {delivered} "
                     f"rows were delivered; positions {delivered}..{part.start - 1} would be "
@@ -246,8 +276,7 @@ class StageDelivery:
         while parts and parts[-1].start >= part.start:  # recomputed rows replace delivered ones
             parts.pop()
         if parts and parts[-1].end > part.start:
-            last, kept = parts[-1], part.start - parts[-1].start
-            parts[-1] = _Part(last.start, part.start, {k: v[:kept] for k, v in last.rows.items()})
+            parts[-1] = parts[-1].trimmed(parts[-1].start, part.start)
         parts.append(part)
 
     def pop(self, req_id: str, start: int = 0) -> tuple[dict[str, torch.Tensor], int]:

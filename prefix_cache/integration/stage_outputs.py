@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.config import ModelCachePolicy
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
 from prefix_cache.errors import OmniPrefixCacheError
@@ -262,17 +262,20 @@ class StageOutputDriver:
             self.cache.discard_step(step.step_id)
 
     def _deliver(self, step: _SavedStep) -> None:
-        spans = step.batch.spans()
+        """Hand the step's rows to the delivery: views of the step's host rows, a span per
+        request, so the Python per request stays a tuple (see `StageDelivery.add_step`)."""
+        batch = step.batch
         if step.step_id is not None:
-            outs = self.cache.materialize(step.step_id, step.batch.req_ids)
-            for req_id, first, end, start in spans:
-                rows = {key: by_req[req_id] for key, by_req in outs.mm_outputs.items()
-                        if req_id in by_req}  # a hit's keys: its own, not the step's others
-                if outs.hidden_states is not None:
-                    rows[HIDDEN_KEY] = outs.hidden_states[req_id]
-                # a hit's rows start at 0, the others where the step's tokens do
+            out = self.cache.materialize_step(step.step_id, batch.req_ids)
+            rows_of = out.spans()
+            positions = dict(zip(batch.req_ids, batch.starts))
+            self.delivery.add_step([(r, positions[r], *rows_of[r]) for r in batch.req_ids
+                                    if r not in out.hits], out.rows)
+            for req_id, rows in out.hits.items():  # a hit's keys: its own, not the step's others
+                first, end = rows_of[req_id]
+                # from position 0: its hit rows, then the step's
                 count = next(iter(rows.values())).shape[0] if rows else end - first
-                self.delivery.add(req_id, start + end - first - count, rows, count)
+                self.delivery.add(req_id, positions[req_id] + end - first - count, rows, count)
             return
         host: dict[str, torch.Tensor] = {}
         for key, (rows, transfer) in step.host_rows.items():
@@ -280,9 +283,8 @@ class StageOutputDriver:
             if transfer.finish is not None:
                 transfer.finish()
             host[key] = rows
-        for req_id, first, end, start in spans:
-            self.delivery.add(req_id, start, {k: v[first:end] for k, v in host.items()},
-                              end - first)
+        self.delivery.add_step([(r, start, first, end) for r, first, end, start in batch.spans()],
+                               host)
 
     @staticmethod
     def _publish(requests: list[FinishedRequest],
