@@ -144,6 +144,26 @@ def test_a_hit_keeps_its_cached_mm_rows_when_its_step_emits_no_such_key(backend)
         assert "c" not in out.mm_outputs.get("mm_feature", {})
 
 
+def test_hits_planned_together_each_get_the_cached_keys_of_their_own_blocks(backend):
+    """Two hits in one step, planned in one pass: b's block has cached mm rows and c's never
+    had any, so b gets them (then zeros) and c gets no such key; each its own hidden rows."""
+    manager, d = make(backend)
+    first = list(range(100, 108))                    # blocks 1, 2, with mm rows
+    other = list(range(200, 204))                    # block 3, hidden rows only
+    b, c = first[:4] + [900], other + [901]
+    with manager:
+        run_step(manager, d, d.step(new=[("a", first, [1, 2], 0, 8)]), backend.device)
+        run_step(manager, d, d.step(new=[("o", other, [3], 0, 4)]), backend.device,
+                 mm_width=None)
+        out = run_step(manager, d, d.step(new=[("b", b, [1, 4], 4, 1), ("c", c, [3, 5], 4, 1)]),
+                       backend.device, mm_width=None)
+    rows = out.mm_outputs["mm_feature"]
+    assert torch.equal(rows["b"][:4], token_rows(first[:4], 16, salt=1)) and not rows["b"][4:].any()
+    assert "c" not in rows
+    assert torch.equal(out.hidden_states["b"], token_rows(b, 2))
+    assert torch.equal(out.hidden_states["c"], token_rows(c, 2))
+
+
 # --------------------------------------------------------------------------- step rules
 
 def test_finished_request_blocks_handed_to_new_tenant_in_same_step(backend):

@@ -182,13 +182,18 @@ class PrefixBlockPool:
 
     def present_and_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, set[int]]:
         """`present(name, slots)`, and the write tasks that produce those rows."""
+        present, producers = self.row_producers(name, slots)
+        return present, set(np.unique(producers).tolist())
+
+    def row_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`present(name, slots)`, and the write task that produces each present row (in the
+        order of `slots[present]`)."""
         blocks = slots // self.block_size
         present, from_block = self._matches(name, slots, blocks, 1)
         if not present.any():
-            return present, set()
-        producers = self.keys[name].producer.pick(slots[present], blocks[present],
-                                                  from_block[present])
-        return present, set(np.unique(producers).tolist())
+            return present, np.zeros(0, dtype=np.int64)
+        return present, self.keys[name].producer.pick(slots[present], blocks[present],
+                                                      from_block[present])
 
     def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""

@@ -30,37 +30,61 @@ def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], b
         raise OmniPrefixCacheUnmatchError(
             f"request {req_id}: prefix hit of {h} tokens is not aligned to "
             f"block_size {bs}; vLLM never caches partial blocks")
-    blocks = np.asarray(block_ids[: h // bs], dtype=np.int64)
+    blocks = list(block_ids[: h // bs])
     if len(blocks) < h // bs:
         raise OmniPrefixCacheUnmatchError(
             f"request {req_id}: prefix hit of {h} tokens but only "
             f"{len(block_ids)} block ids")
-    if (blocks <= 0).any() or (blocks >= num_blocks).any():
+    if blocks and (min(blocks) <= 0 or max(blocks) >= num_blocks):
         raise OmniPrefixCacheUnmatchError(
-            f"request {req_id}: hit block ids {blocks.tolist()} outside "
-            f"1..{num_blocks - 1}")
-    return (blocks[:, None] * bs + np.arange(bs)).ravel()
+            f"request {req_id}: hit block ids {blocks} outside 1..{num_blocks - 1}")
+    return (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
 
 
 def check_hits(pool: PrefixBlockPool, lock: threading.Lock, spans: HitSpans, layout: StepLayout,
                outputs: StepOutputs) -> None:
     """A hit on hidden rows nobody wrote, or on rows of any key a failed write lost (and this
     step does not write again; a key the step omits included), is fatal; checked before any
-    claim."""
-    for req_id, (h, slots) in spans.items():
-        rewritten = np.isin(slots, layout.slots)
-        with lock:
-            for key in pool.keys:
-                lost = pool.lost(key, slots) & ~rewritten
-                if lost.any():
-                    raise OmniPrefixCacheUnmatchError(
-                        f"request {req_id}: prefix hit of {h} tokens, but the {key!r} rows "
-                        f"of {int(lost.sum())} hit slots (first {int(slots[lost][0])}) "
-                        f"were lost to a failed write; those positions cannot be served")
-            present = pool.present(HIDDEN_KEY, slots)
-        missing = ~present & ~rewritten
-        if outputs.hidden is not None and missing.any():
-            raise OmniPrefixCacheUnmatchError(
-                f"request {req_id}: prefix hit of {h} tokens but hidden rows of "
-                f"{int(missing.sum())} hit slots were never written (first slot "
-                f"{int(slots[missing][0])}); the cache does not match vLLM's KV cache")
+    claim, for all the step's hits at once (the request is named from its own slots)."""
+    if not spans:
+        return
+    slots = np.concatenate([s for _, s in spans.values()])
+    if not _refused(pool, lock, slots, layout, outputs).any():
+        return
+    for req_id, (h, slots) in spans.items():  # the first refused request, named
+        _check_request(pool, lock, req_id, h, slots, layout, outputs)
+
+
+def _refused(pool: PrefixBlockPool, lock: threading.Lock, slots: np.ndarray, layout: StepLayout,
+             outputs: StepOutputs) -> np.ndarray:
+    """Mask of hit `slots` that cannot be served: lost (any key) or, with hidden rows in the
+    step, never written; either unless this step writes them again."""
+    rewritten = np.isin(slots, layout.slots)
+    with lock:
+        refused = np.zeros(len(slots), dtype=bool)
+        for key in pool.keys:
+            refused |= pool.lost(key, slots)
+        if outputs.hidden is not None:
+            refused |= ~pool.present(HIDDEN_KEY, slots)
+    return refused & ~rewritten
+
+
+def _check_request(pool: PrefixBlockPool, lock: threading.Lock, req_id: str, h: int,
+                   slots: np.ndarray, layout: StepLayout, outputs: StepOutputs) -> None:
+    """`check_hits` for one request, raising its refusal by name."""
+    rewritten = np.isin(slots, layout.slots)
+    with lock:
+        for key in pool.keys:
+            lost = pool.lost(key, slots) & ~rewritten
+            if lost.any():
+                raise OmniPrefixCacheUnmatchError(
+                    f"request {req_id}: prefix hit of {h} tokens, but the {key!r} rows "
+                    f"of {int(lost.sum())} hit slots (first {int(slots[lost][0])}) "
+                    f"were lost to a failed write; those positions cannot be served")
+        present = pool.present(HIDDEN_KEY, slots)
+    missing = ~present & ~rewritten
+    if outputs.hidden is not None and missing.any():
+        raise OmniPrefixCacheUnmatchError(
+            f"request {req_id}: prefix hit of {h} tokens but hidden rows of "
+            f"{int(missing.sum())} hit slots were never written (first slot "
+            f"{int(slots[missing][0])}); the cache does not match vLLM's KV cache")

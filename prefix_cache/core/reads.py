@@ -12,7 +12,7 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -220,23 +220,41 @@ class ReadPlanner:
             self._by_claim[claim] = list(reads.values())
         return reads
 
-    def plan_hit(self, what: str, key: str, hit_slots: np.ndarray, more_rows: int) -> RowRead:
-        """A read of `key`'s rows at `hit_slots` into a tensor with `more_rows` rows after them
-        (the step's own), bound to the writes producing them (caller holds the lock)."""
+    def plan_hits(self, key: str, hits: Sequence[tuple[str, np.ndarray, int]]) -> list[RowRead]:
+        """Per hit `(what, hit_slots, more_rows)`, a read of `key`'s rows at `hit_slots` into a
+        tensor with `more_rows` rows after them (the step's own), bound to the writes producing
+        them; the pool is looked up once for all of them (caller holds the lock)."""
         pool_key = self._pool.keys[key]
-        # absent mm rows read zeros; lost rows (a write that failed since the step's hits were
-        # checked) are no absence: the read fails, as one of a producer failing later does
-        present, producer_ids = self._pool.present_and_producers(key, hit_slots)
-        read = RowRead(what, key, hit_slots, present, [], len(hit_slots) + more_rows,
-                       pool_key.row_width, pool_key.dtype)
-        lost = self._pool.lost(key, hit_slots)
-        if lost.any():
-            read.fail(OmniPrefixCacheError(
-                f"{int(lost.sum())} of its hit rows (first slot {int(hit_slots[lost][0])}) were "
-                f"lost to a failed write"))
-            return read
-        read.producers = self._tasks.live(producer_ids)
-        return self._pin(read)
+        bounds = np.cumsum([0, *(len(slots) for _, slots, _ in hits)])
+        all_slots = np.concatenate([slots for _, slots, _ in hits])
+        present, producers = self._pool.row_producers(key, all_slots)
+        lost = self._pool.lost(key, all_slots)
+        any_lost = bool(lost.any())
+        # each hit's producers: the distinct (hit, producer) pairs of its present rows
+        hit_of_row = np.repeat(np.arange(len(hits)), np.diff(bounds))[present]
+        producer_ids: list[set[int]] = [set() for _ in hits]
+        if len(producers):
+            span = int(producers.max()) + 1
+            for pair in np.unique(hit_of_row * span + producers).tolist():
+                producer_ids[pair // span].add(pair % span)
+        reads = []
+        for (what, slots, more_rows), lo, hi, ids in zip(hits, bounds[:-1].tolist(),
+                                                          bounds[1:].tolist(), producer_ids):
+            read = RowRead(what, key, slots, present[lo:hi], [], len(slots) + more_rows,
+                           pool_key.row_width, pool_key.dtype)
+            # absent mm rows read zeros; lost rows (a write that failed since the step's hits
+            # were checked) are no absence: the read fails, as one of a producer failing later
+            # does
+            lost_here = lost[lo:hi] if any_lost else None
+            if lost_here is not None and lost_here.any():
+                read.fail(OmniPrefixCacheError(
+                    f"{int(lost_here.sum())} of its hit rows (first slot "
+                    f"{int(slots[lost_here][0])}) were lost to a failed write"))
+            else:
+                read.producers = self._tasks.live(ids)
+                self._pin(read)
+            reads.append(read)
+        return reads
 
     def prefetch(self, reads: Iterable[RowRead]) -> None:
         """Resolve the large ones ahead of their consumer, on the prefetch thread."""

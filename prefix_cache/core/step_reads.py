@@ -112,13 +112,8 @@ class StepReads:
         with self._lock:
             record.step_reads = self._reads.plan_step(
                 record.step_id, immediate, lambda: layout.slots, layout.num_rows, claim, task)
-            for req_id, (h, hit_slots) in spans.items():
-                if req_id not in record.layout:
-                    continue
-                start, end = record.layout.rows(req_id)
-                record.hit_reads[req_id] = self._plan_hit_keys(
-                    f"request {req_id} step {record.step_id}", record, hit_slots, end - start)
-                self._stats.add(hit_tokens=h, hit_requests=1)
+            self._plan_hits(record, [(req_id, h, slots) for req_id, (h, slots) in spans.items()
+                                     if req_id in layout])
         hit_reads = [read for per_key in record.hit_reads.values() for read in per_key.values()]
         if hit_reads:
             # a hit on rows still held on the device: their deferred writes go out now (a
@@ -128,15 +123,34 @@ class StepReads:
             # step's own rows are gathered by their consumer, off the engine thread either way
             self._reads.prefetch(hit_reads)
 
-    def _plan_hit_keys(self, what: str, record: StepRecord, hit_slots: np.ndarray,
-                       step_rows: int) -> dict[str, RowRead]:
-        """A hit's reads: every key this step emits, and every other per-token key the pool
-        has rows of at `hit_slots` (a cached image's rows when the new tokens are text); the
-        step's rows of a key it does not emit read zeros (caller holds the lock)."""
-        others = [k for k in self._pool.keys  # no rows of it here: the request never had any
-                  if k not in record.per_token and self._pool.present(k, hit_slots).any()]
-        return {key: self._reads.plan_hit(what, key, hit_slots, step_rows)
-                for key in (*record.per_token, *others)}
+    def _plan_hits(self, record: StepRecord, hits: list[tuple[str, int, np.ndarray]]) -> None:
+        """Each hit's reads: every key this step emits, and every other per-token key the pool
+        has rows of at its hit slots (a cached image's rows when the new tokens are text); the
+        step's rows of a key it does not emit read zeros. One pool lookup per key for the
+        whole step (caller holds the lock)."""
+        if not hits:
+            return
+        planned = []
+        for req_id, _, slots in hits:
+            start, end = record.layout.rows(req_id)
+            planned.append((f"request {req_id} step {record.step_id}", slots, end - start))
+        # key -> hit index -> its read
+        reads_of = {key: dict(enumerate(self._reads.plan_hits(key, planned)))
+                    for key in record.per_token}
+        bounds = np.cumsum([0, *(len(slots) for _, _, slots in hits)])[:-1]
+        all_slots = np.concatenate([slots for _, _, slots in hits])
+        for key in self._pool.keys:  # no rows of it here: the request never had any
+            if key in record.per_token:
+                continue
+            has_rows = np.logical_or.reduceat(self._pool.present(key, all_slots), bounds)
+            chosen = np.flatnonzero(has_rows).tolist()
+            if chosen:
+                reads_of[key] = dict(zip(chosen, self._reads.plan_hits(
+                    key, [planned[i] for i in chosen])))
+        for i, (req_id, _, _) in enumerate(hits):
+            record.hit_reads[req_id] = {key: reads[i] for key, reads in reads_of.items()
+                                        if i in reads}
+        self._stats.add(hit_tokens=sum(h for _, h, _ in hits), hit_requests=len(hits))
 
     def assemble(self, record: StepRecord, req_ids: Sequence[str],
                  needs_full_hidden_states: bool) -> StepRows:
