@@ -9,7 +9,7 @@ host-side write, `materialize`), off the per-step fast path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -86,8 +86,10 @@ class StepLayout:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._lookup()
 
-    def unknown(self, req_ids: Iterable[str]) -> list[str]:
+    def unknown(self, req_ids: Sequence[str]) -> list[str]:
         """Those of `req_ids` without rows in the step."""
+        if not req_ids:  # a discarded step: no lookup table to build
+            return []
         index = self._lookup()
         return [r for r in req_ids if r not in index]
 
