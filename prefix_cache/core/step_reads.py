@@ -165,18 +165,14 @@ class StepReads:
         flat = self._step_rows(record)
         leftover = map_tensors(record.leftover, lambda copy: copy.result(
             self._timeout_s, f"step {record.step_id} leftover"))
-        hits: dict[str, dict[str, torch.Tensor]] = {}
+        hit_rows: dict[str, dict[str, torch.Tensor]] = {}
         hit_bytes = 0
-        for req_id, per_key in record.hit_reads.items():
+        for req_id, per_key in record.hit_reads.items():  # a read per key it has rows of
             if req_id not in wanted:
                 continue
             start, end = record.layout.rows(req_id)
-            rows = hits[req_id] = {}
-            for key in (*record.per_token, *(k for k in per_key if k not in record.per_token)):
-                read = per_key.get(key)
-                if read is None:  # no hit read planned for it: the step's rows alone
-                    rows[key] = flat[key][start:end]
-                    continue
+            rows = hit_rows[req_id] = {}
+            for key, read in per_key.items():
                 self._reads.resolve(read)
                 h = len(read.slots)
                 if key in flat:
@@ -188,7 +184,7 @@ class StepReads:
         self._stats.add(hit_bytes_gathered=hit_bytes)
         shaped = {key: self._shaped(record, key, rows) for key, rows in flat.items()}
         hits = {req_id: {key: self._shaped(record, key, rows) for key, rows in per_key.items()}
-                for req_id, per_key in hits.items()}
+                for req_id, per_key in hit_rows.items()}
         if not needs_full_hidden_states:
             shaped.pop(HIDDEN_KEY, None)
             for per_key in hits.values():
