@@ -137,16 +137,16 @@ class StepReads:
         # key -> hit index -> its read
         reads_of = {key: dict(enumerate(self._reads.plan_hits(key, planned)))
                     for key in record.per_token}
-        bounds = np.cumsum([0, *(len(slots) for _, _, slots in hits)])[:-1]
-        all_slots = np.concatenate([slots for _, _, slots in hits])
-        for key in self._pool.keys:  # no rows of it here: the request never had any
-            if key in record.per_token:
-                continue
-            has_rows = np.logical_or.reduceat(self._pool.present(key, all_slots), bounds)
-            chosen = np.flatnonzero(has_rows).tolist()
-            if chosen:
-                reads_of[key] = dict(zip(chosen, self._reads.plan_hits(
-                    key, [planned[i] for i in chosen])))
+        others = [key for key in self._pool.keys if key not in record.per_token]
+        if others:  # keys the step does not emit: read only by hits on rows of them
+            bounds = np.cumsum([0, *(len(slots) for _, _, slots in hits)])[:-1]
+            all_slots = np.concatenate([slots for _, _, slots in hits])
+            for key in others:
+                has_rows = np.logical_or.reduceat(self._pool.present(key, all_slots), bounds)
+                chosen = np.flatnonzero(has_rows).tolist()
+                if chosen:
+                    reads_of[key] = dict(zip(chosen, self._reads.plan_hits(
+                        key, [planned[i] for i in chosen])))
         for i, (req_id, _, _) in enumerate(hits):
             record.hit_reads[req_id] = {key: reads[i] for key, reads in reads_of.items()
                                         if i in reads}
