@@ -185,6 +185,16 @@ class Engine:
         """One engine step; only call it with work pending (a multiprocess engine blocks)."""
         return self.engine.step()
 
+    @contextmanager
+    def traced(self) -> Iterator[None]:
+        """vLLM's worker profiler over the block; the engine was built with
+        `vllm_trace_config`, and its trace is written when the block ends."""
+        self.llm.start_profile()
+        try:
+            yield
+        finally:
+            self.llm.stop_profile()
+
     def stats(self) -> dict[str, int | float]:
         """Rank 0's counters: the rank that holds the cache without pipeline parallelism."""
         return self.rank_stats()[0]
@@ -216,6 +226,15 @@ def start_talker(model_dir: Path, shape: EngineShape = EngineShape(), **engine_a
                  ) -> Engine:
     """Stage 2: an engine fed the thinker's rows as `prompt_embeds`."""
     return Engine(model_dir, shape, enable_prompt_embeds=True, **engine_args)
+
+
+def vllm_trace_config(trace_dir: Path) -> dict[str, Any]:
+    """`profiler_config` for an engine whose worker traces itself into `trace_dir` within
+    `Engine.traced` (torch's profiler with Python stacks): the way to trace an engine core that
+    runs in a process of its own. The profiler is built at the first trace, so an engine
+    never traced runs as without it."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()),
+            "torch_profiler_with_stack": True, "ignore_frontend": True}
 
 
 def engine_core_pid(engine: Engine) -> int:

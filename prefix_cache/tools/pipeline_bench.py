@@ -8,7 +8,9 @@ Each figure is the median of `runs` runs made back to back, on and off interleav
 smallest and largest beside it. Engines are started once and warmed up; between runs their
 prefix caches are emptied, so every run starts cold. It prints its progress and a table like the
 bench's; vLLM's logs go to a file it names. `--profile DIR` then profiles both engines of the
-step comparison (`profile_capture`) and prints where their threads spent the window (`profile`).
+step comparison (`profile_capture`) and prints where their threads spent the window (`profile`);
+with `--cudagraphs`, vLLM's worker profiler also traces a pass of each engine, and their decode
+steps are compared function by function (`step_trace`).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from prefix_cache.tools.harness import (REPORT_WIDTH, machine, source_commit, sp
 from prefix_cache.tools.targets import PIPELINE_METRICS
 from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape, engine_core_pid,
                                         multiprocessing_mode, start_talker, start_thinker,
-                                        write_dummy_qwen2, write_random_qwen2)
+                                        vllm_trace_config, write_dummy_qwen2, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
 from prefix_cache.tools.profile import ProfileSummary, format_table
 from prefix_cache.tools.profile_capture import profile_engine
+from prefix_cache.tools.step_trace import StepTrace, compare_table, read_trace, step_trace
 
 
 @dataclass(frozen=True)
@@ -225,11 +228,16 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         thinker_dir = stage_model.write(Path(tmp) / "thinker")
         progress(f"starting vLLM's plain {device} worker and the cache's worker ({mode}; "
                  f"{stage_model.describe(shape)}) ...")
+        # an engine-core process traces itself: vLLM's worker profiler, configured at start
+        trace_dirs = {name: profile_dir / f"{name}-trace" for name in ("plain", "cache")
+                      } if profile_dir is not None and cudagraphs else {}
+        trace_args = {name: {"profiler_config": vllm_trace_config(trace_dirs[name])}
+                      if trace_dirs else {} for name in ("plain", "cache")}
         engines = {"plain": start_thinker(thinker_dir, channel, prefix_caching=True,
                                           shape=shape, worker_cls=PLAIN_WORKER[device],
-                                          **engine_args),
+                                          **engine_args, **trace_args["plain"]),
                    "cache": start_thinker(thinker_dir, channel, prefix_caching=True,
-                                          shape=shape, **engine_args)}
+                                          shape=shape, **engine_args, **trace_args["cache"])}
         channels = {"plain": None, "cache": channel}
         try:
             # on the workload itself: kernels compile on first use of each batch shape, once
@@ -249,6 +257,9 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
                 name: _profile(name, engine, requests, channels[name], profile_dir,
                                profile_seconds, in_process=not cudagraphs, progress=progress)
                 for name, engine in engines.items()}
+            traces = {name: _vllm_trace(name, engine, requests, channels[name],
+                                        trace_dirs[name], progress=progress)
+                      for name, engine in engines.items() if trace_dirs}
         finally:
             for engine in engines.values():
                 engine.close()
@@ -265,6 +276,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         "engine_thread_library_s_per_step": library,
         "engine_thread_library_s_per_step_spread": spread(library_steps),
         "profile": profiles,
+        "trace": traces,
     }
 
 
@@ -288,6 +300,20 @@ def _library_per_step(engine: Engine, requests: list[StageRequest], channel: Sta
 
     _cold_pass(engine, requests, channel, after_step)
     return per_step
+
+
+def _vllm_trace(name: str, engine: Engine, requests: list[StageRequest],
+                channel: StageChannel | None, trace_dir: Path,
+                progress: Callable[[str], None]) -> StepTrace:
+    """One pass of `engine` under vLLM's worker profiler, read back (`step_trace`)."""
+    progress(f"tracing a pass of the {name} engine (vLLM's worker profiler, torch with Python "
+             f"stacks) ...")
+    with engine.traced():
+        _cold_pass(engine, requests, channel)
+    written = sorted(trace_dir.glob("*.pt.trace.json*"), key=lambda path: path.stat().st_mtime)
+    if not written:
+        raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
+    return step_trace(read_trace(written[-1]))
 
 
 def _profile(name: str, engine: Engine, requests: list[StageRequest],
@@ -371,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                              "in an engine-core process of its own)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after M5e's runs, profile both engines into DIR: py-spy per "
-                             "thread (where installed) and, in-process, torch's profiler as a "
-                             "Chrome trace; prints where the engine's threads spent the window")
+                             "thread (where installed), and torch's profiler as a Chrome trace "
+                             "(in-process; with --cudagraphs, vLLM's worker profiler over a "
+                             "pass, whose decode steps it compares); prints where the engine's "
+                             "threads spent the window")
     parser.add_argument("--profile-seconds", type=float, default=10.0, metavar="S",
                         help="seconds of passes each engine runs under py-spy (default 10)")
     args = parser.parse_args(argv)
@@ -407,13 +435,22 @@ def main(argv: list[str] | None = None) -> int:
                            for name, figure in figures.items()},
                "m8": figures.get("M8"), "step_time": figures.get("M5e")}
     profiles = results["step_time"] and results["step_time"].pop("profile")
+    traces = results["step_time"] and results["step_time"].pop("trace")
     if profiles:
         results["profile"] = {name: summary and dataclasses.asdict(summary)
                               for name, summary in profiles.items()}
+    if traces:
+        results["trace"] = {name: dataclasses.asdict(trace) for name, trace in traces.items()}
     print(report(results, specs), flush=True)
     if profiles:
         print(profile_report(profiles, Path(args.profile), in_process=not args.cudagraphs),
               flush=True)
+    if traces:
+        print(textwrap.fill("each engine's decode steps in one traced pass (vLLM's worker "
+                            "profiler; self time, GIL waits included: see "
+                            "prefix_cache/tools/step_trace.py):", REPORT_WIDTH,
+                            initial_indent="\n"), compare_table(traces["plain"], traces["cache"]),
+              f"traces: {args.profile}/{{plain,cache}}-trace", sep="\n", flush=True)
     print(f"\nvLLM's logs and warnings: {log_path}")
     if args.json:
         write_json(args.json, results)
