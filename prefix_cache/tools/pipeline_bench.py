@@ -16,6 +16,7 @@ steps are compared function by function (`step_trace`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import statistics
@@ -87,6 +88,8 @@ PLAIN_WORKER = {"cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
                 "cuda": "vllm.v1.worker.gpu_worker.Worker"}
 #: The no-recompute limit: stage 1's time with caching on / off <= SLACK x (1 - hit fraction).
 SLACK = 1.15
+#: Passes of each engine under vLLM's worker profiler (`--profile` with `--cudagraphs`).
+TRACE_PASSES = 3
 TALKER_TOKENS = 8
 
 
@@ -257,9 +260,8 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
                 name: _profile(name, engine, requests, channels[name], profile_dir,
                                profile_seconds, in_process=not cudagraphs, progress=progress)
                 for name, engine in engines.items()}
-            traces = {name: _vllm_trace(name, engine, requests, channels[name],
-                                        trace_dirs[name], progress=progress)
-                      for name, engine in engines.items() if trace_dirs}
+            traces = _vllm_traces(engines, requests, channels, trace_dirs,
+                                  progress) if trace_dirs else {}
         finally:
             for engine in engines.values():
                 engine.close()
@@ -302,18 +304,30 @@ def _library_per_step(engine: Engine, requests: list[StageRequest], channel: Sta
     return per_step
 
 
-def _vllm_trace(name: str, engine: Engine, requests: list[StageRequest],
-                channel: StageChannel | None, trace_dir: Path,
-                progress: Callable[[str], None]) -> StepTrace:
-    """One pass of `engine` under vLLM's worker profiler, read back (`step_trace`)."""
-    progress(f"tracing a pass of the {name} engine (vLLM's worker profiler, torch with Python "
-             f"stacks) ...")
-    with engine.traced():
-        _cold_pass(engine, requests, channel)
-    written = sorted(trace_dir.glob("*.pt.trace.json*"), key=lambda path: path.stat().st_mtime)
-    if not written:
-        raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
-    return step_trace(read_trace(written[-1]))
+def _vllm_traces(engines: dict[str, Engine], requests: list[StageRequest],
+                 channels: dict[str, StageChannel | None], trace_dirs: dict[str, Path],
+                 progress: Callable[[str], None]) -> dict[str, StepTrace]:
+    """`TRACE_PASSES` passes of each engine, alternating, all under vLLM's worker profiler
+    (each engine's one trace, started once: a profiler restarted may not trace), read back."""
+    progress(f"{TRACE_PASSES} traced passes of each engine (vLLM's worker profiler, torch with "
+             f"Python stacks) ...")
+    before = {name: set(trace_dir.glob("*.pt.trace.json*"))
+              for name, trace_dir in trace_dirs.items()}
+    with contextlib.ExitStack() as tracing:
+        for engine in engines.values():
+            tracing.enter_context(engine.traced())
+        for i in range(TRACE_PASSES):
+            order = list(engines.items())
+            for name, engine in order if i % 2 == 0 else order[::-1]:
+                _cold_pass(engine, requests, channels[name])
+    traces = {}
+    for name, trace_dir in trace_dirs.items():
+        written = set(trace_dir.glob("*.pt.trace.json*")) - before[name]
+        if len(written) != 1:
+            raise RuntimeError(f"vLLM's profiler wrote {len(written)} new traces into "
+                               f"{trace_dir}, not one")
+        traces[name] = step_trace([read_trace(written.pop())])
+    return traces
 
 
 def _profile(name: str, engine: Engine, requests: list[StageRequest],
