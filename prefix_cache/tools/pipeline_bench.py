@@ -9,8 +9,8 @@ smallest and largest beside it. Engines are started once and warmed up; between 
 prefix caches are emptied, so every run starts cold. It prints its progress and a table like the
 bench's; vLLM's logs go to a file it names. `--profile DIR` then profiles both engines of the
 step comparison (`profile_capture`) and prints where their threads spent the window (`profile`);
-with `--cudagraphs`, vLLM's worker profiler also traces a pass of each engine, and their decode
-steps are compared function by function (`step_trace`).
+with `--cudagraphs`, vLLM's worker profiler also traces `TRACE_PASSES` alternating passes of each
+engine, and their decode steps are compared function by function (`step_trace`).
 """
 
 from __future__ import annotations
@@ -307,8 +307,9 @@ def _library_per_step(engine: Engine, requests: list[StageRequest], channel: Sta
 def _vllm_traces(engines: dict[str, Engine], requests: list[StageRequest],
                  channels: dict[str, StageChannel | None], trace_dirs: dict[str, Path],
                  progress: Callable[[str], None]) -> dict[str, StepTrace]:
-    """`TRACE_PASSES` passes of each engine, alternating, all under vLLM's worker profiler
-    (each engine's one trace, started once: a profiler restarted may not trace), read back."""
+    """`TRACE_PASSES` passes of each engine, alternating, under vLLM's worker profiler, which
+    runs over all of them (one trace an engine; a single traced pass varies too much to compare
+    two engines by), read back."""
     progress(f"{TRACE_PASSES} traced passes of each engine (vLLM's worker profiler, torch with "
              f"Python stacks) ...")
     before = {name: set(trace_dir.glob("*.pt.trace.json*"))
@@ -412,9 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="DIR",
                         help="after M5e's runs, profile both engines into DIR: py-spy per "
                              "thread (where installed), and torch's profiler as a Chrome trace "
-                             "(in-process; with --cudagraphs, vLLM's worker profiler over a "
-                             "pass, whose decode steps it compares); prints where the engine's "
-                             "threads spent the window")
+                             "(in-process; with --cudagraphs, vLLM's worker profiler over "
+                             f"{TRACE_PASSES} alternating passes, whose decode steps it "
+                             "compares); prints where the engine's threads spent the window")
     parser.add_argument("--profile-seconds", type=float, default=10.0, metavar="S",
                         help="seconds of passes each engine runs under py-spy (default 10)")
     args = parser.parse_args(argv)
@@ -460,9 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_report(profiles, Path(args.profile), in_process=not args.cudagraphs),
               flush=True)
     if traces:
-        print(textwrap.fill("each engine's decode steps in one traced pass (vLLM's worker "
-                            "profiler; self time, GIL waits included: see "
-                            "prefix_cache/tools/step_trace.py):", REPORT_WIDTH,
+        print(textwrap.fill(f"each engine's decode steps in {TRACE_PASSES} alternating traced "
+                            "passes (vLLM's worker profiler; self time, GIL waits included: "
+                            "see prefix_cache/tools/step_trace.py):", REPORT_WIDTH,
                             initial_indent="\n"), compare_table(traces["plain"], traces["cache"]),
               f"traces: {args.profile}/{{plain,cache}}-trace", sep="\n", flush=True)
     print(f"\nvLLM's logs and warnings: {log_path}")
