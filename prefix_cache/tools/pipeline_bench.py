@@ -248,11 +248,16 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
             warm_up(engines["cache"], channel, requests=requests)
             _timed_steps(engines["plain"], requests)
             steps: dict[str, list[float]] = {"plain": [], "cache": []}
+            run_ratios = []  # each run's median steps, cache ÷ plain: side by side, drift apart
             for i in range(runs):
                 progress(f"run {i + 1}/{runs} ...")
                 order = list(engines.items())
-                for name, engine in order if i % 2 == 0 else order[::-1]:
-                    steps[name] += _cold_pass(engine, requests, channels[name])
+                run = {name: _cold_pass(engine, requests, channels[name])
+                       for name, engine in (order if i % 2 == 0 else order[::-1])}
+                for name, run_steps in run.items():
+                    steps[name] += run_steps
+                run_ratios.append(statistics.median(run["plain"])
+                                  / statistics.median(run["cache"]))
             stats = engines["cache"].stats()
             progress("a pass reading the cache's engine-thread time after each step ...")
             library_steps = _library_per_step(engines["cache"], requests, channel)
@@ -274,6 +279,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         "runs": runs, "steps_per_run": len(steps["cache"]) // runs,
         "step_s_plain": spread(steps["plain"]), "step_s_cache": spread(steps["cache"]),
         "step_ratio": statistics.median(steps["cache"]) / statistics.median(steps["plain"]),
+        "m5e_per_run": spread(run_ratios),
         "total_ratio": sum(steps["cache"]) / sum(steps["plain"]),
         "engine_thread_library_s_per_step": library,
         "engine_thread_library_s_per_step_spread": spread(library_steps),
@@ -354,6 +360,8 @@ def m5e_metric(steps: dict[str, Any]) -> Metric:
     return Metric(1 / steps["step_ratio"],
                   f"vLLM's plain worker, median step {plain * 1e3:.2f} ms (cache's "
                   f"{cache * 1e3:.2f} ms)",
+                  f"per run {steps['m5e_per_run']['min']:.3f}-{steps['m5e_per_run']['max']:.3f}"
+                  f" (median {steps['m5e_per_run']['median']:.3f}); "
                   f"total time {1 / steps['total_ratio']:.3f}; the cache's engine-thread calls "
                   f"{steps['engine_thread_library_s_per_step'] * 1e6:.0f} µs a step on "
                   f"average, {steps['engine_thread_library_s_per_step_spread']['median'] * 1e6:.0f}"
