@@ -35,7 +35,7 @@ from prefix_cache.core.adapter import translate_step
 from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
-from prefix_cache.core.hits import HitSpans, check_hits, hit_slots
+from prefix_cache.core.hits import NO_HITS, StepHits, check_hits, hit_slots
 from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import GroupView, StepLayout
@@ -62,7 +62,7 @@ class _PendingStep:
     """What `new_step_starts` learned, waiting for this step's `save_outputs`."""
 
     num_scheduled_tokens: Mapping[str, int]
-    hit_spans: HitSpans
+    hits: StepHits
 
 
 class OmniPrefixCacheManager:
@@ -157,16 +157,17 @@ class OmniPrefixCacheManager:
                     for src, dst in events.block_copies:
                         self._block_copies.mirror(src, dst)
             restarts = events.started + events.resumed_starts
-            spans = {new.req_id: (new.num_computed_tokens, hit_slots(
-                         new.req_id, new.num_computed_tokens, new.block_ids,
-                         self.config.block_size, self.config.num_blocks))
-                     for new in restarts
-                     # a miss; or a live request whose rows up to h were handed over
-                     if new.num_computed_tokens > self._progress.get(new.req_id, 0)}
+            hits = [(new.req_id, new.num_computed_tokens, hit_slots(
+                        new.req_id, new.num_computed_tokens, new.block_ids,
+                        self.config.block_size, self.config.num_blocks))
+                    for new in restarts
+                    # a miss; or a live request whose rows up to h were handed over
+                    if new.num_computed_tokens > self._progress.get(new.req_id, 0)]
             for new in restarts:
                 self._progress[new.req_id] = new.num_computed_tokens
             _core.add_counts(self._progress, events.num_scheduled_tokens)
-            self._pending = _PendingStep(events.num_scheduled_tokens, spans)
+            self._pending = _PendingStep(events.num_scheduled_tokens,
+                                         StepHits.join(hits) if hits else NO_HITS)
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                      *, num_tokens_unpadded: int, num_tokens_padded: int,
@@ -190,7 +191,7 @@ class OmniPrefixCacheManager:
             # a step of immediate rows in stream order, without hits, keeps none of the tensors
             # it makes (a hit's deferred rows are flushed; a read resolved early guards itself)
             keeps = bool(new_keys or outputs.deferred or outputs.leftover
-                         or self._pending.hit_spans or not self._writer.in_stream)
+                         or self._pending.hits or not self._writer.in_stream)
             if not keeps:
                 return self._save(outputs, new_keys, n, slot_mapping)
             with keeping_tensors():
@@ -205,7 +206,7 @@ class OmniPrefixCacheManager:
         layout = StepLayout.of_step(self.view, pending.num_scheduled_tokens, n,
                                     self.config.block_size, self.pool.num_slots)
         try:
-            check_hits(self.pool, self._lock, pending.hit_spans, layout, outputs)
+            check_hits(self.pool, self._lock, pending.hits, layout, outputs)
         except OmniPrefixCacheUnmatchError:
             self._pending = None  # no retry can serve those positions: the step is lost
             raise
@@ -214,7 +215,7 @@ class OmniPrefixCacheManager:
         slot = self.staging.claim(step_id, self.config.staging_claim_timeout_s,
                                   lambda: len(self._tasks))
         try:
-            record = self._writer.save(step_id, slot, outputs, layout, pending.hit_spans,
+            record = self._writer.save(step_id, slot, outputs, layout, pending.hits,
                                        device_slots)
         except BaseException:
             self.staging.release(slot, ("step", step_id))  # a launched write keeps its own

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,8 +19,42 @@ from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.outputs import StepOutputs
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
-#: A step's hits: request -> (hit tokens, the slots of positions [0, hit tokens)).
-HitSpans = dict[str, tuple[int, np.ndarray]]
+
+@dataclass(frozen=True)
+class StepHits:
+    """A step's prefix hits, their slots joined once for every check and plan of the step:
+    hit `i` is request `req_ids[i]`'s first `tokens[i]` positions, at slots
+    `slots[bounds[i]:bounds[i + 1]]`."""
+
+    req_ids: tuple[str, ...]
+    tokens: tuple[int, ...]
+    slots: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def join(cls, hits: Sequence[tuple[str, int, np.ndarray]]) -> StepHits:
+        """From `(request, hit tokens, the slots of positions [0, hit tokens))` per hit."""
+        return cls(tuple(req_id for req_id, _, _ in hits), tuple(h for _, h, _ in hits),
+                   np.concatenate([slots for _, _, slots in hits]) if hits
+                   else np.empty(0, dtype=np.int64),
+                   np.cumsum([0, *(len(slots) for _, _, slots in hits)]))
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def slots_of(self, i: int) -> np.ndarray:
+        return self.slots[self.bounds[i]:self.bounds[i + 1]]
+
+    def select(self, indices: Sequence[int]) -> StepHits:
+        """The hits at `indices`, in that order (itself when that is all of them)."""
+        if list(indices) == list(range(len(self))):
+            return self
+        return StepHits.join([(self.req_ids[i], self.tokens[i], self.slots_of(i))
+                              for i in indices])
+
+
+#: The hits of a step without any (most steps): built once, not per step.
+NO_HITS = StepHits.join([])
 
 
 def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], block_size: int,
@@ -41,18 +76,15 @@ def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], b
     return (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
 
 
-def check_hits(pool: PrefixBlockPool, lock: threading.Lock, spans: HitSpans, layout: StepLayout,
+def check_hits(pool: PrefixBlockPool, lock: threading.Lock, hits: StepHits, layout: StepLayout,
                outputs: StepOutputs) -> None:
     """A hit on hidden rows nobody wrote, or on rows of any key a failed write lost (and this
     step does not write again; a key the step omits included), is fatal; checked before any
     claim, for all the step's hits at once (the request is named from its own slots)."""
-    if not spans:
+    if not hits or not _refused(pool, lock, hits.slots, layout, outputs).any():
         return
-    slots = np.concatenate([s for _, s in spans.values()])
-    if not _refused(pool, lock, slots, layout, outputs).any():
-        return
-    for req_id, (h, slots) in spans.items():  # the first refused request, named
-        _check_request(pool, lock, req_id, h, slots, layout, outputs)
+    for i, req_id in enumerate(hits.req_ids):  # the first refused request, named
+        _check_request(pool, lock, req_id, hits.tokens[i], hits.slots_of(i), layout, outputs)
 
 
 def _refused(pool: PrefixBlockPool, lock: threading.Lock, slots: np.ndarray, layout: StepLayout,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.hits import StepHits
 from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.core.latch import Latch
@@ -220,26 +221,28 @@ class ReadPlanner:
             self._by_claim[claim] = list(reads.values())
         return reads
 
-    def plan_hits(self, key: str, hits: Sequence[tuple[str, np.ndarray, int]]) -> list[RowRead]:
-        """Per hit `(what, hit_slots, more_rows)`, a read of `key`'s rows at `hit_slots` into a
-        tensor with `more_rows` rows after them (the step's own), bound to the writes producing
-        them; the pool is looked up once for all of them (caller holds the lock)."""
+    def plan_hits(self, key: str, hits: StepHits, planned: Sequence[tuple[str, int]]
+                  ) -> list[RowRead]:
+        """Per hit, with its `(what, more_rows)` in `planned`, a read of `key`'s rows at its hit
+        slots into a tensor with `more_rows` rows after them (the step's own), bound to the
+        writes producing them; the pool is looked up once for all of them (caller holds the
+        lock)."""
         pool_key = self._pool.keys[key]
-        bounds = np.cumsum([0, *(len(slots) for _, slots, _ in hits)])
-        all_slots = np.concatenate([slots for _, slots, _ in hits])
-        present, producers = self._pool.row_producers(key, all_slots)
-        lost = self._pool.lost(key, all_slots)
+        bounds = hits.bounds
+        present, producers = self._pool.row_producers(key, hits.slots)
+        lost = self._pool.lost(key, hits.slots)
         any_lost = bool(lost.any())
         # each hit's producers: the distinct (hit, producer) pairs of its present rows
         hit_of_row = np.repeat(np.arange(len(hits)), np.diff(bounds))[present]
-        producer_ids: list[set[int]] = [set() for _ in hits]
+        producer_ids: list[set[int]] = [set() for _ in planned]
         if len(producers):
             span = int(producers.max()) + 1
             for pair in np.unique(hit_of_row * span + producers).tolist():
                 producer_ids[pair // span].add(pair % span)
         reads = []
-        for (what, slots, more_rows), lo, hi, ids in zip(hits, bounds[:-1].tolist(),
-                                                          bounds[1:].tolist(), producer_ids):
+        for (what, more_rows), lo, hi, ids in zip(planned, bounds[:-1].tolist(),
+                                                  bounds[1:].tolist(), producer_ids):
+            slots = hits.slots[lo:hi]
             read = RowRead(what, key, slots, present[lo:hi], [], len(slots) + more_rows,
                            pool_key.row_width, pool_key.dtype)
             # absent mm rows read zeros; lost rows (a write that failed since the step's hits

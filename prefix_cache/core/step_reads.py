@@ -19,7 +19,7 @@ import torch
 from prefix_cache.config import HIDDEN_KEY
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
-from prefix_cache.core.hits import HitSpans
+from prefix_cache.core.hits import StepHits
 from prefix_cache.core.host_copies import HostCopy
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.outputs import map_tensors
@@ -105,15 +105,16 @@ class StepReads:
         self._timeout_s = timeout_s
 
     def plan(self, record: StepRecord, immediate: Iterable[str], claim: int,
-             task: WriteTask | None, spans: HitSpans) -> None:
+             task: WriteTask | None, hits: StepHits) -> None:
         """Bind this step's and its hits' reads to the writes producing them; they hold their
         rows until resolved (see ReadPlanner)."""
         layout = record.layout
         with self._lock:
             record.step_reads = self._reads.plan_step(
                 record.step_id, immediate, lambda: layout.slots, layout.num_rows, claim, task)
-            self._plan_hits(record, [(req_id, h, slots) for req_id, (h, slots) in spans.items()
-                                     if req_id in layout])
+            if hits:
+                self._plan_hits(record, hits.select(
+                    [i for i, req_id in enumerate(hits.req_ids) if req_id in layout]))
         hit_reads = [read for per_key in record.hit_reads.values() for read in per_key.values()]
         if hit_reads:
             # a hit on rows still held on the device: their deferred writes go out now (a
@@ -123,7 +124,7 @@ class StepReads:
             # step's own rows are gathered by their consumer, off the engine thread either way
             self._reads.prefetch(hit_reads)
 
-    def _plan_hits(self, record: StepRecord, hits: list[tuple[str, int, np.ndarray]]) -> None:
+    def _plan_hits(self, record: StepRecord, hits: StepHits) -> None:
         """Each hit's reads: every key this step emits, and every other per-token key the pool
         has rows of at its hit slots (a cached image's rows when the new tokens are text); the
         step's rows of a key it does not emit read zeros. One pool lookup per key for the
@@ -131,26 +132,26 @@ class StepReads:
         if not hits:
             return
         planned = []
-        for req_id, _, slots in hits:
+        for req_id in hits.req_ids:
             start, end = record.layout.rows(req_id)
-            planned.append((f"request {req_id} step {record.step_id}", slots, end - start))
+            planned.append((f"request {req_id} step {record.step_id}", end - start))
         # key -> hit index -> its read
-        reads_of = {key: dict(enumerate(self._reads.plan_hits(key, planned)))
+        reads_of = {key: dict(enumerate(self._reads.plan_hits(key, hits, planned)))
                     for key in record.per_token}
-        others = [key for key in self._pool.keys if key not in record.per_token]
-        if others:  # keys the step does not emit: read only by hits on rows of them
-            bounds = np.cumsum([0, *(len(slots) for _, _, slots in hits)])[:-1]
-            all_slots = np.concatenate([slots for _, _, slots in hits])
-            for key in others:
-                has_rows = np.logical_or.reduceat(self._pool.present(key, all_slots), bounds)
-                chosen = np.flatnonzero(has_rows).tolist()
-                if chosen:
-                    reads_of[key] = dict(zip(chosen, self._reads.plan_hits(
-                        key, [planned[i] for i in chosen])))
-        for i, (req_id, _, _) in enumerate(hits):
+        for key in self._pool.keys:
+            if key in record.per_token:
+                continue
+            # a key the step does not emit: read only by hits on rows of it
+            has_rows = np.logical_or.reduceat(self._pool.present(key, hits.slots),
+                                              hits.bounds[:-1])
+            chosen = np.flatnonzero(has_rows).tolist()
+            if chosen:
+                reads_of[key] = dict(zip(chosen, self._reads.plan_hits(
+                    key, hits.select(chosen), [planned[i] for i in chosen])))
+        for i, req_id in enumerate(hits.req_ids):
             record.hit_reads[req_id] = {key: reads[i] for key, reads in reads_of.items()
                                         if i in reads}
-        self._stats.add(hit_tokens=sum(h for _, h, _ in hits), hit_requests=len(hits))
+        self._stats.add(hit_tokens=sum(hits.tokens), hit_requests=len(hits))
 
     def assemble(self, record: StepRecord, req_ids: Sequence[str],
                  needs_full_hidden_states: bool) -> StepRows:

@@ -13,7 +13,7 @@ import torch
 from prefix_cache.config import PrefixCacheConfig
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
-from prefix_cache.core.hits import HitSpans
+from prefix_cache.core.hits import StepHits
 from prefix_cache.core.host_copies import HostCopy
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import StepLayout
@@ -88,8 +88,7 @@ class StepWriter:
                 self._pool.install(pool_key)
 
     def save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
-             spans: HitSpans,
-             device_slots: torch.Tensor | None) -> StepRecord:
+             hits: StepHits, device_slots: torch.Tensor | None) -> StepRecord:
         """Copy what outlives the call, then claim the step's slots and launch its write.
 
         Everything that can fail for want of memory runs before the claim, so a
@@ -141,7 +140,7 @@ class StepWriter:
             self._deferred.append(chunks, layout.slots, claim)
         record = StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                             {}, host_rows, {}, leftover)
-        self._step_reads.plan(record, immediate.keys(), claim, task, spans)
+        self._step_reads.plan(record, immediate.keys(), claim, task, hits)
         self._stats.add(rows_saved=n, miss_tokens=n, bytes_saved=sum(
             v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
