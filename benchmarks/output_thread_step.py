@@ -7,6 +7,13 @@ requests: a prefill of `--prompt` tokens each, `--decode` decode steps, then the
 output thread's two jobs are timed where they run: a step's delivery (`materialize_step` and
 `add_step`) and a request's publish (its rows joined, encoded and written). Medians over the
 rounds after the first.
+
+What that work costs the engine thread: with `--forward-ops N` (default 300), each decode step
+also runs a stand-in forward of N small torch ops on the main thread (each releases and retakes
+the GIL, as an eager vLLM step's do), and the main thread's whole step is timed in rounds that
+alternate between the output thread delivering and the output thread only consuming each step
+(`discard_step`): the difference is the time the engine thread waited for the output thread's
+GIL (on the H200 a traced decode step showed the same: BENCHMARKS.md, 2026-12-03 evening).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--forward-ops", type=int, default=300)
     args = parser.parse_args()
     dtype, width = torch.bfloat16, args.hidden
     sim = StepDriver(BLOCK_SIZE)
@@ -58,35 +66,65 @@ def main() -> None:
     cache.preallocate(HIDDEN_KEY, (width,), dtype)
     steps: list[float] = []
     finishes: list[float] = []
+    engine_steps: dict[bool, list[float]] = {True: [], False: []}  # delivering -> step times
+    x = torch.zeros(64)
+
+    def forward() -> None:
+        for _ in range(args.forward_ops):
+            x.add_(1.0)
+
     with open_channel() as channel:
         driver = StageOutputDriver(StageDelivery(channel), cache.backend, cache=cache,
                                    policy=ModelCachePolicy(),
                                    empty_hidden=lambda: torch.empty(0, width, dtype=dtype))
-        driver._deliver = timed(driver._deliver, steps)
+        deliver = timed(driver._deliver, steps)
+        delivering = True
+
+        def deliver_or_consume(step: Any) -> None:
+            if delivering:
+                deliver(step)
+            elif step.step_id is not None:
+                cache.discard_step(step.step_id)
+
+        driver._deliver = deliver_or_consume
         driver.delivery.finish = timed(driver.delivery.finish, finishes)
+
+        step_rows: dict[int, torch.Tensor] = {}
 
         def step(scheduler_output: Any) -> None:
             driver.begin_step(scheduler_output, [])
-            rows = sim.outputs(width, dtype)
+            # the step's rows: any will do, and the test driver's per-token rows would cost
+            # more than the rest of the step together
+            n = sum(sim.scheduled[r] for r in sim.batch)
+            rows = step_rows.get(n)
+            if rows is None:
+                rows = step_rows[n] = torch.randn(n, width).to(dtype)
             batch = StepBatch(list(sim.batch), [sim.reqs[r].computed for r in sim.batch],
                               list(itertools.accumulate(sim.scheduled[r] for r in sim.batch)))
             driver.save_step(rows, None, batch, rows.shape[0])
             driver.end_step()
             sim.advance()
 
-        for round_ in range(args.rounds):
-            if round_ == 1:  # the first round's allocations and first calls are not timed
+        for round_ in range(2 * args.rounds):
+            if round_ == 2:  # the first rounds' allocations and first calls are not timed
                 steps.clear()
                 finishes.clear()
+                engine_steps[True].clear()
+                engine_steps[False].clear()
+            delivering = round_ % 2 == 0
             ids = [f"r{round_}-{i}" for i in range(args.requests)]
             step(sim.step(new=[(
                 r, list(range(1000 * i, 1000 * i + args.prompt + args.decode)),
                 list(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request)),
                 0, args.prompt) for i, r in enumerate(ids)]))
             for _ in range(args.decode - 1):
+                start = time.perf_counter()
+                forward()
                 step(sim.step(cached={r: 1 for r in ids}))
+                engine_steps[delivering].append(time.perf_counter() - start)
             driver.begin_step(sim.step(finished=ids),
-                              [FinishedRequest(r, r, args.prompt) for r in ids])
+                              [FinishedRequest(r, r, args.prompt) for r in ids]
+                              if delivering else [])
             driver.end_step()
             driver._thread.drain()
         driver.close()
@@ -96,6 +134,16 @@ def main() -> None:
           f"{statistics.median(steps) * 1e6:.0f}", str(len(steps))],
          [f"a finished request's publish ({args.prompt + args.decode - 1} rows)",
           f"{statistics.median(finishes) * 1e6:.0f}", str(len(finishes))]]))
+    on, off = (statistics.median(engine_steps[d]) for d in (True, False))
+    print()
+    print(format_table(
+        [f"engine thread: a decode step ({args.forward_ops} torch ops + the cache's calls)",
+         "median µs", "count"],
+        [["the output thread delivering each step", f"{on * 1e6:.0f}",
+          str(len(engine_steps[True]))],
+         ["the output thread only consuming each step", f"{off * 1e6:.0f}",
+          str(len(engine_steps[False]))],
+         ["what delivery costs the engine thread", f"{(on - off) * 1e6:.0f}", ""]]))
 
 
 if __name__ == "__main__":
