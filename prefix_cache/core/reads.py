@@ -248,8 +248,7 @@ class ReadPlanner:
             # absent mm rows read zeros; lost rows (a write that failed since the step's hits
             # were checked) are no absence: the read fails, as one of a producer failing later
             # does
-            lost_here = lost[lo:hi] if any_lost else None
-            if lost_here is not None and lost_here.any():
+            if any_lost and (lost_here := lost[lo:hi]).any():
                 read.fail(OmniPrefixCacheError(
                     f"{int(lost_here.sum())} of its hit rows (first slot "
                     f"{int(slots[lost_here][0])}) were lost to a failed write"))
