@@ -1,0 +1,151 @@
+"""M5e for copies of this tree with one part of the cache's step work taken out, to find which
+part the engine step pays for.
+
+    python3 benchmarks/m5e_variants.py [--variants full,discard,inline,nodev,off] [--runs 3]
+        [--model small] [--eager] [--out DIR]
+
+Each variant is a copy of the committed tree (`git archive HEAD`) with its C extensions built
+and one change, run by `pipeline_bench --only M5e` beside vLLM's plain worker:
+
+- `full`: the tree as it is;
+- `discard`: the output thread only consumes each step (`discard_step`), delivering nothing;
+- `inline`: the engine thread consumes each step itself at `end_step`: no output-thread job;
+- `nodev`: `discard`, and the CUDA backend's save issues no device work (a Transfer complete
+  at launch): the save's bookkeeping without its kernel, event and slot page;
+- `off`: no step reaches the stage (`_omni_stepping` is None): the cache's worker class alone.
+
+A variant without delivery publishes no rows, so its runs take no entries off the channel
+and warm up without it. These copies are experiments, never the product: the changes live
+here only. Each run's ratios move with the lent machine (`off` read 1.17 and 0.87 in two
+calls of 2026-12-03), so compare variants within a call and read the decode steps' medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from prefix_cache.tools.harness import format_table
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPELINE_BENCH = "prefix_cache/tools/pipeline_bench.py"
+STAGE_OUTPUTS = "prefix_cache/integration/stage_outputs.py"
+
+#: (file, text, replacement) of a run without delivery: no channel entry is waited for.
+_NO_ENTRIES = (
+    (PIPELINE_BENCH, 'warm_up(engines["cache"], channel, requests=requests)',
+     '_timed_steps(engines["cache"], requests)'),
+    (PIPELINE_BENCH, "for request in requests if channel is not None else ():",
+     "for request in ():"),
+    (PIPELINE_BENCH, 'library = _library_s(stats) / stats["calls.save_outputs"]',
+     'library = _library_s(stats) / stats.get("calls.save_outputs", 1)'),
+)
+_DISCARD = (
+    (STAGE_OUTPUTS,
+     "        if self._stopped_by_faults is None:\n            self._deliver(step)\n"
+     "        elif step.step_id is not None:",
+     "        if step.step_id is not None:  # variant: the output thread only consumes"),
+)
+VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "full": (),
+    "discard": _NO_ENTRIES + _DISCARD,
+    "inline": _NO_ENTRIES + (
+        (STAGE_OUTPUTS,
+         "            if step is not None:\n                self._submit(",
+         "            if step is not None and step.step_id is not None:  # variant: inline\n"
+         "                self.cache.discard_step(step.step_id)\n"
+         "            elif step is not None:\n                self._submit("),),
+    "nodev": _NO_ENTRIES + _DISCARD + (
+        ("prefix_cache/devices/cuda/__init__.py",
+         '        if slots.device.type == "cpu":\n            host_slots = slots.numpy()\n',
+         "        return Transfer()  # variant: no device work\n"
+         '        if slots.device.type == "cpu":\n            host_slots = slots.numpy()\n'),),
+    "off": _NO_ENTRIES + (
+        ("prefix_cache/integration/runner_mixin.py",
+         "        stage = self._omni_stage\n        if stage is None or self._omni_paused",
+         "        stage = None  # variant: no step reaches the stage\n"
+         "        if stage is None or self._omni_paused"),),
+}
+
+
+def make_tree(name: str, into: Path) -> Path:
+    """HEAD's tree under `into/name`, the variant's changes made (each must match once), its C
+    extensions built in place."""
+    tree = into / name
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    for path, old, new in VARIANTS[name]:
+        text = (tree / path).read_text()
+        if text.count(old) != 1:
+            raise SystemExit(f"variant {name}: {path} has {text.count(old)} matches of "
+                             f"{old.splitlines()[0]!r}, not 1: update this script")
+        (tree / path).write_text(text.replace(old, new))
+    subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, check=True,
+                   capture_output=True)
+    return tree
+
+
+def decode_median(steps: dict, engine: str) -> float:
+    """The median decode step in ms over all runs: the steps within half and twice the median
+    step (the prompt steps and each run's empty last step left out; runs differ in their
+    number of prompt steps, so the JSON's step list is not cut into runs)."""
+    times = steps[f"step_s_{engine}"]["runs"]
+    median = statistics.median(times)
+    return statistics.median(t * 1e3 for t in times if 0.5 < t / median < 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default="full,discard,inline,nodev,off")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--eager", action="store_true", help="without CUDA graphs")
+    parser.add_argument("--timeout", type=int, default=150, help="seconds a variant")
+    parser.add_argument("--out", type=Path, default=None, help="keep each variant's JSON here")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="m5e-variants-") as tmp:
+        out = args.out or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        trees = {name: make_tree(name, Path(tmp)) for name in names}
+        for name, tree in trees.items():
+            result = out / f"m5e-{name}.json"
+            command = [sys.executable, "-m", "prefix_cache.tools.pipeline_bench", "--only", "M5e",
+                       "--model", args.model, "--runs", str(args.runs), "--json", str(result)]
+            if not args.eager:
+                command.append("--cudagraphs")
+            try:
+                run = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                                     capture_output=True, text=True, timeout=args.timeout)
+                failed = None if run.returncode == 0 and result.exists() else \
+                    f"failed ({run.returncode}): {run.stdout.strip()[-200:]}"
+            except subprocess.TimeoutExpired:
+                failed = f"over {args.timeout} s"
+            if failed is not None:
+                rows.append([name, failed, "", "", "", ""])
+                continue
+            data = json.loads(result.read_text())
+            steps = data["step_time"]
+            plain, cache = decode_median(steps, "plain"), decode_median(steps, "cache")
+            rows.append([name, f"{data['metrics']['M5e']['value']:.3f}", f"{plain:.2f}",
+                         f"{cache:.2f}", f"{plain / cache:.3f}",
+                         f"{steps['engine_thread_library_s_per_step_spread']['median'] * 1e6:.0f}"])
+            print(f"{name}: M5e {rows[-1][1]}", flush=True)
+    print(format_table(["variant", "M5e", "plain decode step ms", "cache decode step ms",
+                        "decode ratio", "cache calls µs, median step"], rows))
+
+
+if __name__ == "__main__":
+    main()
