@@ -10,6 +10,13 @@ and one change, run by `pipeline_bench --only M5e` beside vLLM's plain worker:
 - `full`: the tree as it is;
 - `discard`: the output thread only consumes each step (`discard_step`), delivering nothing;
 - `inline`: the engine thread consumes each step itself at `end_step`: no output-thread job;
+- `inline_late`: `inline`, each step consumed at the next step's `end_step` (a step's record
+  lives as long as the output thread kept it, with no other thread involved);
+- `noop_job`: `inline`, and a job that does nothing queued for the output thread each step
+  (the thread wakes every step, with no work and no record to drop);
+- `batch4`: `full`, but the output thread is handed a decode step's delivery only with three
+  more (one wake in four decode steps; a prompt step, a finish or shutdown hands what is held
+  at once), with eight staging slots in place of four for the steps held;
 - `nodev`: `discard`, and the CUDA backend's save issues no device work (a Transfer complete
   at launch): the save's bookkeeping without its kernel, event and slot page;
 - `off`: no step reaches the stage (`_omni_stepping` is None): the cache's worker class alone.
@@ -61,6 +68,61 @@ VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
          "            if step is not None and step.step_id is not None:  # variant: inline\n"
          "                self.cache.discard_step(step.step_id)\n"
          "            elif step is not None:\n                self._submit("),),
+    "inline_late": _NO_ENTRIES + (
+        (STAGE_OUTPUTS,
+         "            if step is not None:\n                self._submit(",
+         "            if step is not None and step.step_id is not None:  # variant: a step late\n"
+         "                late, self._late_step = getattr(self, '_late_step', None), step.step_id\n"
+         "                if late is not None:\n"
+         "                    self.cache.discard_step(late)\n"
+         "            elif step is not None:\n                self._submit("),),
+    "noop_job": _NO_ENTRIES + (
+        (STAGE_OUTPUTS,
+         "            if step is not None:\n                self._submit(",
+         "            if step is not None and step.step_id is not None:  # variant: inline + no-op\n"
+         "                self.cache.discard_step(step.step_id)\n"
+         "                self._submit('nothing', (), lambda: None)\n"
+         "            elif step is not None:\n                self._submit("),),
+    "batch4": (  # delivers: no _NO_ENTRIES
+        ("prefix_cache/config.py", "    staging_depth: int = 4",
+         "    staging_depth: int = 8  # variant: room for four held steps"),
+        (STAGE_OUTPUTS,
+         "        self._faulted_steps = 0  # steps in a row whose rows faulted (output thread)\n",
+         "        self._faulted_steps = 0  # steps in a row whose rows faulted (output thread)\n"
+         "        self._held_steps: list[_SavedStep] = []  # variant: batch4\n"),
+        (STAGE_OUTPUTS,
+         "        if finished:\n            requests = list(finished)\n            self._submit(",
+         "        if finished:\n            self._flush_steps()\n            requests = list(finished)"
+         "\n            self._submit("),
+        (STAGE_OUTPUTS,
+         "        requests = list(finished)\n        self._submit(f\"publishing {len(requests)} "
+         "requests the scheduler retired\",",
+         "        self._flush_steps()\n        requests = list(finished)\n        self._submit("
+         "f\"publishing {len(requests)} requests the scheduler retired\","),
+        (STAGE_OUTPUTS,
+         "            if step is not None:\n                self._submit(f\"delivering the rows "
+         "of a {step.batch.num_rows}-row step\",\n                             step.batch.req_ids,"
+         " lambda: self._deliver_unless_stopped(step),\n                             "
+         "step_rows=True)\n",
+         "            if step is not None:\n                self._held_steps.append(step)\n"
+         "                if step.batch.num_rows == len(step.batch.req_ids) and \\\n"
+         "                        len(self._held_steps) < 4:\n                    return\n"
+         "                self._flush_steps()\n"),
+        (STAGE_OUTPUTS,
+         "    def _engine_fault(self, what: str, exc: Exception) -> None:",
+         "    def _flush_steps(self) -> None:\n"
+         "        steps, self._held_steps = self._held_steps, []\n"
+         "        if steps:\n"
+         "            self._submit(f\"delivering the rows of {len(steps)} steps\",\n"
+         "                         [r for s in steps for r in s.batch.req_ids],\n"
+         "                         lambda: [self._deliver_unless_stopped(s) for s in steps],\n"
+         "                         step_rows=True)\n\n"
+         "    def _engine_fault(self, what: str, exc: Exception) -> None:"),
+        (STAGE_OUTPUTS,
+         "        self._closed = True\n        try:\n            self._thread.close()",
+         "        self._closed = True\n        try:\n            self._flush_steps()\n"
+         "            self._thread.close()"),
+    ),
     "nodev": _NO_ENTRIES + _DISCARD + (
         ("prefix_cache/devices/cuda/__init__.py",
          '        if slots.device.type == "cpu":\n            host_slots = slots.numpy()\n',
@@ -104,7 +166,7 @@ def decode_median(steps: dict, engine: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="full,discard,inline,nodev,off")
+    parser.add_argument("--variants", default="full,discard,inline,off")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", default="small")
     parser.add_argument("--eager", action="store_true", help="without CUDA graphs")
