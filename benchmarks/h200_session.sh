@@ -35,6 +35,11 @@
 #                                            # eager and with graphs; needs .vllm-gpu/ and, for
 #                                            # py-spy, .profilers/ (a copy of
 #                                            # ../shared/tools/profilers; carry both)
+#   bash benchmarks/h200_session.sh variants # M5e for copies of the tree with one part of
+#                                            # the step work taken out
+#                                            # (benchmarks/m5e_variants.py; $VARIANTS, default
+#                                            # discard,inline,inline_late,noop_job), small
+#                                            # model with graphs; needs .vllm-gpu/ (carry it)
 #
 # Each part installs the package (editable, no build isolation: the machine has no registry)
 # and writes what it ran and printed to $OUT/<part>.log. perf gives each step a timeout of its
@@ -42,9 +47,9 @@
 # it leaves 8 files: perf.log, install.log, one JSON per pipeline_bench run and
 # perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
-part=${1:?usage: h200_session.sh units|bench|engine|stream|serve|tp2|perf}
-case "$part" in units|bench|engine|stream|serve|tp2|perf) ;; *)
-    echo "unknown part $part (units, bench, engine, stream, serve, tp2 or perf)"; exit 2 ;;
+part=${1:?usage: h200_session.sh units|bench|engine|stream|serve|tp2|perf|variants}
+case "$part" in units|bench|engine|stream|serve|tp2|perf|variants) ;; *)
+    echo "unknown part $part (units, bench, engine, stream, serve, tp2, perf or variants)"; exit 2 ;;
 esac
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -151,5 +156,9 @@ perf)
             -C "$(dirname "$profiles")" "$(basename "$profiles")"
     fi
     ls -l "$out" | tee -a "$log"
+    ;;
+variants)
+    step 540 python3 benchmarks/m5e_variants.py --out "$out" \
+        --variants "${VARIANTS:-discard,inline,inline_late,noop_job}"
     ;;
 esac

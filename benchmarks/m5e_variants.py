@@ -1,11 +1,11 @@
 """M5e for copies of this tree with one part of the cache's step work taken out, to find which
 part the engine step pays for.
 
-    python3 benchmarks/m5e_variants.py [--variants full,discard,inline,nodev,off] [--runs 3]
+    python3 benchmarks/m5e_variants.py [--variants full,discard,inline,off] [--runs 3]
         [--model small] [--eager] [--out DIR]
 
-Each variant is a copy of the committed tree (`git archive HEAD`) with its C extensions built
-and one change, run by `pipeline_bench --only M5e` beside vLLM's plain worker:
+Each variant is a copy of this tree's package with its C extensions built and one change, run
+by `pipeline_bench --only M5e` beside vLLM's plain worker:
 
 - `full`: the tree as it is;
 - `discard`: the output thread only consumes each step (`discard_step`), delivering nothing;
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -136,14 +137,23 @@ VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
 }
 
 
+#: What a variant's copy takes of this tree: the package and what builds it. From the working
+#: tree, not from git: the device machine's copy carries a stale git HEAD.
+TREE_FILES = ("prefix_cache", "setup.py", "pyproject.toml", "README.md")
+
+
 def make_tree(name: str, into: Path) -> Path:
-    """HEAD's tree under `into/name`, the variant's changes made (each must match once), its C
-    extensions built in place."""
+    """This tree's package under `into/name`, the variant's changes made (each must match
+    once), its C extensions built in place."""
     tree = into / name
     tree.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    for entry in TREE_FILES:
+        source = ROOT / entry
+        if source.is_dir():
+            shutil.copytree(source, tree / entry,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            shutil.copy2(source, tree / entry)
     for path, old, new in VARIANTS[name]:
         text = (tree / path).read_text()
         if text.count(old) != 1:
@@ -179,7 +189,7 @@ def main() -> None:
         raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="m5e-variants-") as tmp:
-        out = args.out or Path(tmp)
+        out = (args.out or Path(tmp)).resolve()  # the runs start in their trees
         out.mkdir(parents=True, exist_ok=True)
         trees = {name: make_tree(name, Path(tmp)) for name in names}
         for name, tree in trees.items():
