@@ -64,8 +64,8 @@ def main() -> None:
     steps = args.steps
     top = sorted(stats.items(), key=lambda item: -item[1][2])[: args.top]
     print(f"{args.device}: {args.requests} requests x {args.tokens} tokens, forward "
-          f"{args.forward_us:.0f} µs, host sweep {args.sweep_mib} MiB: median step {plain:.1f} µs unprofiled, {profiled:.1f} "
-          f"profiled ({steps} steps)")
+          f"{args.forward_us:.0f} µs, host sweep {args.sweep_mib} MiB: median step "
+          f"{plain:.1f} µs unprofiled, {profiled:.1f} profiled ({steps} steps)")
     print(format_table(["function", "calls a step", "self µs a step", "with callees µs"],
                        [[_where(key), f"{nc / steps:.1f}", f"{tt / steps * 1e6:.1f}",
                          f"{ct / steps * 1e6:.1f}"] for key, (_, nc, tt, ct, _) in top]))

@@ -199,10 +199,11 @@ def main() -> None:
             if not args.eager:
                 command.append("--cudagraphs")
             try:
-                run = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                                     capture_output=True, text=True, timeout=args.timeout)
+                run = subprocess.run(command, cwd=tree, capture_output=True, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(tree)},
+                                     timeout=args.timeout)
                 failed = None if run.returncode == 0 and result.exists() else \
-                    f"failed ({run.returncode}): {run.stdout.strip()[-200:]}"
+                    f"failed ({run.returncode}): {(run.stdout + run.stderr).strip()[-200:]}"
             except subprocess.TimeoutExpired:
                 failed = f"over {args.timeout} s"
             if failed is not None:
