@@ -80,7 +80,7 @@ VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "noop_job": _NO_ENTRIES + (
         (STAGE_OUTPUTS,
          "            if step is not None:\n                self._submit(",
-         "            if step is not None and step.step_id is not None:  # variant: inline + no-op\n"
+         "            if step is not None and step.step_id is not None:  # variant: noop_job\n"
          "                self.cache.discard_step(step.step_id)\n"
          "                self._submit('nothing', (), lambda: None)\n"
          "            elif step is not None:\n                self._submit("),),
@@ -93,8 +93,8 @@ VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
          "        self._held_steps: list[_SavedStep] = []  # variant: batch4\n"),
         (STAGE_OUTPUTS,
          "        if finished:\n            requests = list(finished)\n            self._submit(",
-         "        if finished:\n            self._flush_steps()\n            requests = list(finished)"
-         "\n            self._submit("),
+         "        if finished:\n            self._flush_steps()\n"
+         "            requests = list(finished)\n            self._submit("),
         (STAGE_OUTPUTS,
          "        requests = list(finished)\n        self._submit(f\"publishing {len(requests)} "
          "requests the scheduler retired\",",
