@@ -50,3 +50,23 @@ def test_the_7b_model_is_7b_class_and_written_as_a_config_alone(tmp_path) -> Non
         + 3 * config.hidden_size * config.intermediate_size) \
         + 2 * config.vocab_size * config.hidden_size
     assert 5e9 < params < 8e9 and config.hidden_size == 4096 and config.num_hidden_layers == 32
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny model is CPU only")
+def test_m5e_on_the_tiny_model_measures_python_bound_steps_of_both_workers(tmp_path) -> None:
+    """`--model tiny` is the CPU's stand-in for a GPU step under CUDA graphs: the real CPU
+    engine, steps of a few ms bound by the engine's own Python, both workers measured."""
+    pytest.importorskip("vllm")
+    import json
+    out = tmp_path / "m5e.json"
+    assert pipeline_bench.main(["--only", "M5e", "--model", "tiny", "--runs", "1",
+                                "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    steps = data["step_time"]
+    plain, cache = steps["step_s_plain"]["median"], steps["step_s_cache"]["median"]
+    assert 0 < plain < 0.02 and 0 < cache < 0.02, (plain, cache)  # not a forward's 100 ms
+    assert data["metrics"]["M5e"]["value"] == pytest.approx(plain / cache, rel=0.05)
+    assert steps["engine_thread_library_s_per_step"] > 0
+    assert "hidden 64 x 1 layers" in steps["workload"]

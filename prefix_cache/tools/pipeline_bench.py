@@ -2,7 +2,7 @@
 two-stage end to end) and the engine step time with the cache against vLLM's plain worker.
 
     python -m prefix_cache.tools.pipeline_bench [--runs N] [--json PATH] [--only M8|M5e]
-        [--model small|7b] [--cudagraphs] [--profile DIR]
+        [--model small|7b|tiny] [--cudagraphs] [--profile DIR]
 
 Each figure is the median of `runs` runs made back to back, on and off interleaved, with the
 smallest and largest beside it. Engines are started once and warmed up; between runs their
@@ -76,10 +76,13 @@ class StageModel:
 
 #: Stage-1 models by name and vLLM platform. small: prefill-dominated on a CPU (about 100 M
 #: parameters; on a GPU hidden 2048, about 400 M, bf16); 7b: a 7B-class Qwen2 (about 5.9 B
-#: parameters, 12 GB in bf16), GPU only. Stage 2 is 2 layers of stage 1's width.
+#: parameters, 12 GB in bf16), GPU only; tiny: CPU only, a forward of a few hundred µs, so a
+#: step is bound by the engine's own Python as a GPU decode step under CUDA graphs is (plain
+#: steps of about 1.6 ms on 2 cores). Stage 2 is 2 layers of stage 1's width.
 MODELS: dict[str, dict[str, StageModel]] = {
     "small": {"cpu": StageModel(1024, 8, 2816, 16, 4), "cuda": StageModel(2048, 8, 5632, 16, 4)},
     "7b": {"cuda": StageModel(4096, 32, 11008, 32, 8, dummy=True)},
+    "tiny": {"cpu": StageModel(64, 1, 128, 2, 1)},
 }
 M8_SHAPE = EngineShape(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
                        long_prefill_token_threshold=0, num_blocks=129)
@@ -378,7 +381,9 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
                                          ("--cudagraphs", args.cudagraphs)) if asked]
     if gpu_only and not torch.cuda.is_available():
         return (f"{' and '.join(gpu_only)}: NVIDIA GPU only, and this torch sees no GPU "
-                f"(here: the small model, eager)")
+                f"(here: the small or tiny model, eager)")
+    if args.model == "tiny" and torch.cuda.is_available():
+        return "--model tiny: CPU only (on a GPU, --cudagraphs makes steps as Python-bound)"
     if args.cudagraphs and args.only == "M8":
         return "--cudagraphs applies to M5e's step comparison: not with --only M8"
     if args.profile and args.only == "M8":
@@ -413,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure this figure only (default: both)")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="stage 1's model: small (default; hidden 1024 x 8 layers on a CPU, "
-                             "2048 x 8 on a GPU) or 7b (hidden 4096 x 32 layers, vLLM's dummy "
-                             "weights; GPU only)")
+                             "2048 x 8 on a GPU), 7b (hidden 4096 x 32 layers, vLLM's dummy "
+                             "weights; GPU only) or tiny (hidden 64 x 1 layer, CPU only: steps "
+                             "bound by the engine's Python, as under CUDA graphs)")
     parser.add_argument("--cudagraphs", action="store_true",
                         help="M5e with full CUDA graphs for decode steps (GPU only; each engine "
                              "in an engine-core process of its own)")
