@@ -2,7 +2,7 @@
 part the engine step pays for.
 
     python3 benchmarks/m5e_variants.py [--variants full,discard,inline,off] [--runs 3]
-        [--model small|tiny] [--eager] [--out DIR]
+        [--model small|tiny] [--eager] [--rounds R] [--out DIR]
 
 Each variant is a copy of this tree's package with its C extensions built and one change, run
 by `pipeline_bench --only M5e` beside vLLM's plain worker:
@@ -10,6 +10,11 @@ by `pipeline_bench --only M5e` beside vLLM's plain worker:
 - `full`: the tree as it is;
 - `discard`: the output thread only consumes each step (`discard_step`), delivering nothing;
 - `inline`: the engine thread consumes each step itself at `end_step`: no output-thread job;
+- `inline_full`: `full`, with each step's rows delivered on the engine thread at its `end_step`
+  (where a synchronous backend has them landed: CPU only; finishes stay on the output thread);
+- `ops20`: `full`, and 20 torch calls that do nothing (`view`) per step on the output thread:
+  each releases and takes back the GIL;
+- `py20`: `full`, and 20 µs of Python per step on the output thread, holding the GIL;
 - `inline_late`: `inline`, each step consumed at the next step's `end_step` (a step's record
   lives as long as the output thread kept it, with no other thread involved);
 - `noop_job`: `inline`, and a job that does nothing queued for the output thread each step
@@ -72,6 +77,26 @@ VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
          "            if step is not None and step.step_id is not None:  # variant: inline\n"
          "                self.cache.discard_step(step.step_id)\n"
          "            elif step is not None:\n                self._submit("),),
+    "inline_full": (  # delivers: no _NO_ENTRIES
+        (STAGE_OUTPUTS,
+         "            if step is not None:\n                self._submit(",
+         "            if step is not None:  # variant: inline_full\n"
+         "                self._contained('delivering', list(step.batch.req_ids),\n"
+         "                                lambda: self._deliver_unless_stopped(step), True)\n"
+         "                (lambda *_, **__: None)("),),  # the submit's arguments, unused
+    "ops20": (  # delivers: no _NO_ENTRIES
+        (STAGE_OUTPUTS,
+         "        batch = step.batch\n        if step.step_id is not None:\n",
+         "        batch = step.batch\n        _t = torch.zeros(1)  # variant: ops20\n"
+         "        for _ in range(20):\n            _t.view(-1)\n"
+         "        if step.step_id is not None:\n"),),
+    "py20": (  # delivers: no _NO_ENTRIES
+        (STAGE_OUTPUTS,
+         "        batch = step.batch\n        if step.step_id is not None:\n",
+         "        batch = step.batch\n        import time as _time  # variant: py20\n"
+         "        _end = _time.perf_counter() + 20e-6\n"
+         "        while _time.perf_counter() < _end:\n            pass\n"
+         "        if step.step_id is not None:\n"),),
     "inline_late": _NO_ENTRIES + (
         (STAGE_OUTPUTS,
          "            if step is not None:\n                self._submit(",
@@ -168,13 +193,26 @@ def make_tree(name: str, into: Path) -> Path:
     return tree
 
 
-def decode_median(steps: dict, engine: str) -> float:
-    """The median decode step in ms over all runs: the steps within half and twice the median
-    step (the prompt steps and each run's empty last step left out; runs differ in their
-    number of prompt steps, so the JSON's step list is not cut into runs)."""
+def decode_steps(steps: dict, engine: str) -> list[float]:
+    """The decode steps in ms over all runs: the steps within half and twice the median step
+    (the prompt steps and each run's empty last step left out; runs differ in their number of
+    prompt steps, so the JSON's step list is not cut into runs)."""
     times = steps[f"step_s_{engine}"]["runs"]
     median = statistics.median(times)
-    return statistics.median(t * 1e3 for t in times if 0.5 < t / median < 2)
+    return [t * 1e3 for t in times if 0.5 < t / median < 2]
+
+
+def variant_row(name: str, data: dict) -> list[str]:
+    """A variant's table row. The decode steps' mean is the figure to compare: a variant that
+    moves work onto some steps only (`batch4`) lowers their median and not their cost."""
+    steps = data["step_time"]
+    plain, cache = decode_steps(steps, "plain"), decode_steps(steps, "cache")
+    return [name, f"{data['metrics']['M5e']['value']:.3f}", f"{statistics.mean(plain):.2f}",
+            f"{statistics.mean(cache):.2f}",
+            f"{statistics.mean(cache) - statistics.mean(plain):+.3f}",
+            f"{statistics.median(cache) - statistics.median(plain):+.3f}",
+            f"{steps['total_ratio']:.3f}",
+            f"{steps['engine_thread_library_s_per_step_spread']['median'] * 1e6:.0f}"]
 
 
 def main() -> None:
@@ -184,6 +222,8 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--eager", action="store_true", help="without CUDA graphs")
     parser.add_argument("--timeout", type=int, default=150, help="seconds a variant")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variants in turn this many times (a row each)")
     parser.add_argument("--out", type=Path, default=None, help="keep each variant's JSON here")
     args = parser.parse_args()
     names = args.variants.split(",")
@@ -195,33 +235,37 @@ def main() -> None:
         out = (args.out or Path(tmp)).resolve()  # the runs start in their trees
         out.mkdir(parents=True, exist_ok=True)
         trees = {name: make_tree(name, Path(tmp)) for name in names}
-        for name, tree in trees.items():
-            result = out / f"m5e-{name}.json"
-            command = [sys.executable, "-m", "prefix_cache.tools.pipeline_bench", "--only", "M5e",
-                       "--model", args.model, "--runs", str(args.runs), "--json", str(result)]
-            if not args.eager:
-                command.append("--cudagraphs")
-            try:
-                run = subprocess.run(command, cwd=tree, capture_output=True, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(tree)},
-                                     timeout=args.timeout)
-                failed = None if run.returncode == 0 and result.exists() else \
-                    f"failed ({run.returncode}): {(run.stdout + run.stderr).strip()[-200:]}"
-            except subprocess.TimeoutExpired:
-                failed = f"over {args.timeout} s"
-            if failed is not None:
-                rows.append([name, failed, "", "", "", ""])
-                continue
-            data = json.loads(result.read_text())
-            steps = data["step_time"]
-            plain, cache = decode_median(steps, "plain"), decode_median(steps, "cache")
-            rows.append([name, f"{data['metrics']['M5e']['value']:.3f}", f"{plain:.2f}",
-                         f"{cache:.2f}", f"{plain / cache:.3f}",
-                         f"{steps['engine_thread_library_s_per_step_spread']['median'] * 1e6:.0f}"])
-            print(f"{name}: M5e {rows[-1][1]}", flush=True)
-    print(format_table(["variant", "M5e", "plain decode step ms", "cache decode step ms",
-                        "decode ratio", "cache calls µs, median step"], rows))
+        for round_ in range(1, args.rounds + 1):  # variants in turn: the machine drifts
+            for name, tree in trees.items():
+                label = name if args.rounds == 1 else f"{name} ({round_})"
+                result = out / (f"m5e-{name}.json" if args.rounds == 1
+                                else f"m5e-{name}-{round_}.json")
+                failed = run_variant(tree, result, args)
+                if failed:
+                    print(f"{label}: {failed}", flush=True)
+                    rows.append([label, "failed", "", "", "", "", "", ""])
+                    continue
+                rows.append(variant_row(label, json.loads(result.read_text())))
+                print(f"{label}: M5e {rows[-1][1]}", flush=True)
+    print(format_table(["variant", "M5e", "plain decode ms, mean", "cache decode ms, mean",
+                        "cache - plain, mean", "cache - plain, median", "total cache / plain",
+                        "cache calls µs, median step"], rows))
 
+
+def run_variant(tree: Path, result: Path, args: argparse.Namespace) -> str | None:
+    """M5e for the variant in `tree` into `result`; why it failed, or None."""
+    command = [sys.executable, "-m", "prefix_cache.tools.pipeline_bench", "--only", "M5e",
+               "--model", args.model, "--runs", str(args.runs), "--json", str(result)]
+    if not args.eager:
+        command.append("--cudagraphs")
+    try:
+        run = subprocess.run(command, cwd=tree, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(tree)}, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"over {args.timeout} s"
+    if run.returncode == 0 and result.exists():
+        return None
+    return f"failed ({run.returncode}): {(run.stdout + run.stderr).strip()[-200:]}"
 
 if __name__ == "__main__":
     main()
