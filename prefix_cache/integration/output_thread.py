@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefix_cache.devices.base import check_timeout
+from prefix_cache.devices.base import check_timeout, poll_until
 from prefix_cache.errors import OmniPrefixCacheError
 
 logger = logging.getLogger(__name__)
@@ -29,12 +29,22 @@ class _Job:
 
 
 class OutputThread:
-    """Runs submitted jobs one at a time in submission order; the first failure is sticky."""
+    """Runs submitted jobs one at a time in submission order; the first failure is sticky.
+
+    Invariant: `_submitted - _finished` jobs are queued or running. Submitters count
+    `_submitted` under `_submit_lock`, this thread alone counts `_finished`, and each reads the
+    other's count without a lock: a count read stale only makes a wait poll once more.
+    """
 
     def __init__(self, name: str, *, max_pending: int, timeout_s: float) -> None:
         self.name = name
         self._timeout_s = check_timeout(timeout_s, name)
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self._max_pending = max_pending
+        # a hand-over in C: the engine thread pays for one call and the wake, not a Condition
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()
+        self._submitted = 0
+        self._finished = 0
         self._error: OmniPrefixCacheError | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -45,12 +55,15 @@ class OutputThread:
         self.check()
         if self._closed:
             raise OmniPrefixCacheError(f"{self.name}: {what} submitted after close")
-        try:
-            self._queue.put(_Job(what, run), timeout=self._timeout_s)
-        except queue.Full:
-            raise OmniPrefixCacheError(
-                f"{self.name}: no room for {what} after {self._timeout_s:.1f}s; "
-                f"{self._queue.qsize()} jobs are waiting behind a stuck one") from None
+        with self._submit_lock:
+            if self._pending() > self._max_pending:  # the running job and max_pending more
+                poll_until(lambda: self._pending() <= self._max_pending, self._timeout_s,
+                           lambda: OmniPrefixCacheError(
+                               f"{self.name}: no room for {what} after {self._timeout_s:.1f}s; "
+                               f"{self._pending() - 1} jobs are waiting behind a stuck one"),
+                           max_pause_s=1e-3)
+            self._submitted += 1
+            self._jobs.put(_Job(what, run))
 
     def check(self) -> None:
         """Raise the failure of an earlier job, if one failed."""
@@ -60,30 +73,28 @@ class OutputThread:
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait (bounded) until every job submitted so far has run; raise a job's failure."""
         timeout_s = self._timeout_s if timeout_s is None else check_timeout(timeout_s, self.name)
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and self._error is None:
-            if time.monotonic() > deadline:
-                raise OmniPrefixCacheError(
-                    f"{self.name}: {self._queue.unfinished_tasks} jobs still pending after "
-                    f"{timeout_s:.1f}s")
-            time.sleep(1e-3)
+        poll_until(lambda: self._pending() == 0 or self._error is not None, timeout_s,
+                   lambda: OmniPrefixCacheError(
+                       f"{self.name}: {self._pending()} jobs still pending after "
+                       f"{timeout_s:.1f}s"), max_pause_s=1e-3)
         self.check()
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Run what is queued (bounded), then stop the thread; idempotent."""
+        """Run what is queued (bounded), then stop the thread; idempotent (a stuck job's
+        thread, a daemon, is abandoned)."""
         if self._closed:
             return
         try:
             self.drain(timeout_s)
         finally:
             self._closed = True
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:  # a stuck job: the daemon thread is abandoned
-                pass
+            self._jobs.put(None)
+
+    def _pending(self) -> int:
+        return self._submitted - self._finished
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while (job := self._jobs.get()) is not None:
             try:
                 if self._error is None:
                     job.run()
@@ -95,5 +106,4 @@ class OutputThread:
                     error.__cause__ = exc
                 self._error = error
             finally:
-                self._queue.task_done()
-        self._queue.task_done()
+                self._finished += 1
