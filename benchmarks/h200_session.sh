@@ -38,8 +38,10 @@
 #   bash benchmarks/h200_session.sh variants # M5e for copies of the tree with one part of
 #                                            # the step work taken out
 #                                            # (benchmarks/m5e_variants.py; $VARIANTS, default
-#                                            # discard,inline,inline_late,noop_job), small
-#                                            # model with graphs; needs .vllm-gpu/ (carry it)
+#                                            # discard,inline,inline_late,noop_job, each
+#                                            # $ROUNDS times in turn, default 1; a variant
+#                                            # takes about 100 s), small model with graphs;
+#                                            # needs .vllm-gpu/ (carry it)
 #
 # Each part installs the package (editable, no build isolation: the machine has no registry)
 # and writes what it ran and printed to $OUT/<part>.log. perf gives each step a timeout of its
@@ -158,7 +160,7 @@ perf)
     ls -l "$out" | tee -a "$log"
     ;;
 variants)
-    step 540 python3 benchmarks/m5e_variants.py --out "$out" \
+    step 540 python3 benchmarks/m5e_variants.py --out "$out" --rounds "${ROUNDS:-1}" \
         --variants "${VARIANTS:-discard,inline,inline_late,noop_job}"
     ;;
 esac

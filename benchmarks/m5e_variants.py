@@ -48,6 +48,7 @@ import tempfile
 from pathlib import Path
 
 from prefix_cache.tools.harness import format_table
+from prefix_cache.tools.pipeline_bench import decode_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_BENCH = "prefix_cache/tools/pipeline_bench.py"
@@ -193,20 +194,12 @@ def make_tree(name: str, into: Path) -> Path:
     return tree
 
 
-def decode_steps(steps: dict, engine: str) -> list[float]:
-    """The decode steps in ms over all runs: the steps within half and twice the median step
-    (the prompt steps and each run's empty last step left out; runs differ in their number of
-    prompt steps, so the JSON's step list is not cut into runs)."""
-    times = steps[f"step_s_{engine}"]["runs"]
-    median = statistics.median(times)
-    return [t * 1e3 for t in times if 0.5 < t / median < 2]
-
-
 def variant_row(name: str, data: dict) -> list[str]:
     """A variant's table row. The decode steps' mean is the figure to compare: a variant that
     moves work onto some steps only (`batch4`) lowers their median and not their cost."""
     steps = data["step_time"]
-    plain, cache = decode_steps(steps, "plain"), decode_steps(steps, "cache")
+    plain, cache = ([t * 1e3 for t in decode_steps(steps[f"step_s_{engine}"]["runs"])]
+                    for engine in ("plain", "cache"))
     return [name, f"{data['metrics']['M5e']['value']:.3f}", f"{statistics.mean(plain):.2f}",
             f"{statistics.mean(cache):.2f}",
             f"{statistics.mean(cache) - statistics.mean(plain):+.3f}",

@@ -69,4 +69,6 @@ def test_m5e_on_the_tiny_model_measures_python_bound_steps_of_both_workers(tmp_p
     assert 0 < plain < 0.02 and 0 < cache < 0.02, (plain, cache)  # not a forward's 100 ms
     assert data["metrics"]["M5e"]["value"] == pytest.approx(plain / cache, rel=0.05)
     assert steps["engine_thread_library_s_per_step"] > 0
+    decode = steps["decode_step_s_mean"]  # the prompt steps, several times longer, left out
+    assert 0 < decode["plain"] < 2 * plain and 0 < decode["cache"] < 2 * cache
     assert "hidden 64 x 1 layers" in steps["workload"]
