@@ -375,7 +375,8 @@ def m5e_metric(steps: dict[str, Any]) -> Metric:
                   f"vLLM's plain worker, median step {plain * 1e3:.2f} ms (cache's "
                   f"{cache * 1e3:.2f} ms)",
                   f"decode steps' mean {decode['plain'] * 1e3:.2f} ms (cache's "
-                  f"{decode['cache'] * 1e3:.2f} ms); per run {steps['m5e_per_run']['min']:.3f}-{steps['m5e_per_run']['max']:.3f}"
+                  f"{decode['cache'] * 1e3:.2f} ms); "
+                  f"per run {steps['m5e_per_run']['min']:.3f}-{steps['m5e_per_run']['max']:.3f}"
                   f" (median {steps['m5e_per_run']['median']:.3f}); "
                   f"total time {1 / steps['total_ratio']:.3f}; the cache's engine-thread calls "
                   f"{steps['engine_thread_library_s_per_step'] * 1e6:.0f} µs a step on "
