@@ -15,6 +15,12 @@ by `pipeline_bench --only M5e` beside vLLM's plain worker:
 - `ops20`: `full`, and 20 torch calls that do nothing (`view`) per step on the output thread:
   each releases and takes back the GIL;
 - `py20`: `full`, and 20 µs of Python per step on the output thread, holding the GIL;
+- `finish_reads`: issue 30's third direction, sketched for a V1 runner, a non-streaming stage
+  and keys written at once (no deferred keys): the engine thread discards each step at
+  `end_step` (and queues one `expect` at a request's first step); at a finish it plans a
+  pinned read of the request's positions `[0, rows standing)` from its block table, which the
+  output thread gathers from the pool and publishes. Not the product: no V2 runner, no
+  deferred keys, no early finish followed by an in-flight step's rows, no failure paths;
 - `inline_late`: `inline`, each step consumed at the next step's `end_step` (a step's record
   lives as long as the output thread kept it, with no other thread involved);
 - `noop_job`: `inline`, and a job that does nothing queued for the output thread each step
@@ -53,6 +59,8 @@ from prefix_cache.tools.pipeline_bench import decode_steps
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_BENCH = "prefix_cache/tools/pipeline_bench.py"
 STAGE_OUTPUTS = "prefix_cache/integration/stage_outputs.py"
+GROUP_VIEW = "prefix_cache/integration/group_view.py"
+MANAGER = "prefix_cache/manager.py"
 
 #: (file, text, replacement) of a run without delivery: no channel entry is waited for.
 _NO_ENTRIES = (
@@ -98,6 +106,92 @@ VARIANTS: dict[str, tuple[tuple[str, str, str], ...]] = {
          "        _end = _time.perf_counter() + 20e-6\n"
          "        while _time.perf_counter() < _end:\n            pass\n"
          "        if step.step_id is not None:\n"),),
+    "finish_reads": (  # delivers: no _NO_ENTRIES
+        (GROUP_VIEW, "def request_slot_runs(",
+         "def _variant_request_runs(self, req_id, n):  # variant: finish_reads\n"
+         "    table = self._table()\n"
+         "    ids = table.get_numpy_array() if hasattr(table, 'get_numpy_array') \\\n"
+         "        else table.get_cpu_tensor().numpy()\n"
+         "    computed = np.zeros_like(np.asarray(self.input_batch.num_computed_tokens_cpu))\n"
+         "    return request_slot_runs([req_id], {req_id: n}, self.input_batch.req_id_to_index,\n"
+         "                             computed, ids, int(table.block_size), 'the batch')\n\n\n"
+         "FullAttentionGroupView.request_runs = _variant_request_runs\n\n\n"
+         "def request_slot_runs("),
+        (MANAGER, "    def discard_step(self, step_id: int) -> None:",
+         "    def variant_plan_request_read(self, req_id, n):  # variant: finish_reads\n"
+         "        from prefix_cache.core.runs import runs_slots\n"
+         "        slots = runs_slots(self.view.request_runs(req_id, n))\n"
+         "        hits = StepHits.join([(req_id, n, slots)])\n"
+         "        with self._lock:\n"
+         "            return {key: self._reads.plan_hits(key, hits, [(req_id, 0)])[0]\n"
+         "                    for key in list(self.pool.keys)\n"
+         "                    if self.pool.present(key, slots).any()}\n\n"
+         "    def variant_resolve(self, reads):\n"
+         "        for read in reads.values():\n"
+         "            self._reads.resolve(read)\n"
+         "        return {key: read.out.view(read.out.shape[0], *self.pool.keys[key].feat_shape)\n"
+         "                for key, read in reads.items()}\n\n"
+         "    def discard_step(self, step_id: int) -> None:"),
+        (STAGE_OUTPUTS,
+         "        self._stopped_by_faults: str | None = None  # set by the output thread: why it "
+         "stopped\n",
+         "        self._stopped_by_faults: str | None = None  # set by the output thread: why it "
+         "stopped\n"
+         "        self._by_finish = cache is not None and not delivery.streaming  # variant\n"
+         "        self._ends: dict[str, int] = {}\n"
+         "        self._announced: set[str] = set()\n"),
+        (STAGE_OUTPUTS,
+         "        if not self._off:\n            try:\n                self._thread.check()\n",
+         "        if self._by_finish and finished and not self._off:  # variant: finish_reads\n"
+         "            self._finish_reads(list(finished))\n"
+         "            finished = ()\n"
+         "        if not self._off:\n            try:\n                self._thread.check()\n"),
+        (STAGE_OUTPUTS,
+         "        after every step queued so far (their last rows); `begin_step` will skip them."
+         "\"\"\"\n        requests = list(finished)\n",
+         "        after every step queued so far (their last rows); `begin_step` will skip them."
+         "\"\"\"\n        if self._by_finish:  # variant: finish_reads\n"
+         "            self._finish_reads(list(finished))\n"
+         "            return\n"
+         "        requests = list(finished)\n"),
+        (STAGE_OUTPUTS,
+         "    def save_step(",
+         "    def _finish_reads(self, requests):  # variant: finish_reads\n"
+         "        jobs = []\n"
+         "        for request in requests:\n"
+         "            if request.req_id not in self._announced:\n"
+         "                continue\n"
+         "            self._announced.discard(request.req_id)\n"
+         "            n = self._ends.pop(request.req_id, 0)\n"
+         "            if request.rows_standing is not None:\n"
+         "                n = min(n, request.rows_standing)\n"
+         "            jobs.append((request, n, self.cache.variant_plan_request_read(\n"
+         "                request.req_id, n)))\n"
+         "        def publish():\n"
+         "            for request, n, reads in jobs:\n"
+         "                self.delivery._sink.put(\n"
+         "                    request.external_id, self.cache.variant_resolve(reads), start=0,\n"
+         "                    final=True, aborted=request.prompt_len is None\n"
+         "                    or n < request.prompt_len,\n"
+         "                    meta={'prompt_len': request.prompt_len, 'num_rows': n})\n"
+         "        if jobs:\n"
+         "            self._submit('publishing', [j[0].req_id for j in jobs], publish)\n\n"
+         "    def save_step("),
+        (STAGE_OUTPUTS,
+         "            if step is not None:\n                self._submit(",
+         "            if step is not None and self._by_finish:  # variant: finish_reads\n"
+         "                b = step.batch\n"
+         "                self._ends.update(zip(b.req_ids, (s + e - f for s, f, e in zip(\n"
+         "                    b.starts, [0, *b.ends[:-1]], b.ends))))\n"
+         "                new = [r for r in b.req_ids if r not in self._announced]\n"
+         "                self.cache.discard_step(step.step_id)\n"
+         "                if new:\n"
+         "                    self._announced.update(new)\n"
+         "                    self._submit('announcing', new, lambda: [\n"
+         "                        self.delivery._sink.expect(self.delivery._external_id(r))\n"
+         "                        for r in new])\n"
+         "            elif step is not None:\n                self._submit("),
+    ),
     "inline_late": _NO_ENTRIES + (
         (STAGE_OUTPUTS,
          "            if step is not None:\n                self._submit(",
