@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 from prefix_cache import devices  # noqa: E402
 import prefix_cache.devices.cuda  # noqa: E402
 from prefix_cache import FullAttentionGroupView, OmniPrefixCacheUnmatchError  # noqa: E402
+from prefix_cache.core.runs import runs_slots  # noqa: E402
 from tests.vllm_fixtures import ensure_cpu_slot_mapping_kernel  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -142,6 +143,21 @@ def test_step_slots_follow_the_requested_order_not_the_batch_order(block_size: i
     expected = torch.cat([reference[offsets[r]:offsets[r] + scheduled[r]] for r in order])
 
     assert torch.equal(view.step_slots_cpu(order, scheduled), expected)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_requests_positions_from_0_are_its_step_slots_from_0(block_size: int) -> None:
+    """What a finish reads: every position a request computed, whatever it computes now."""
+    computed, scheduled, blocks = workload(block_size, seed=3)
+    batch = make_input_batch(block_size)
+    fill_batch(batch, computed, blocks)
+    view = FullAttentionGroupView(batch, block_size, backend=devices.get_backend("cpu"))
+    for req_id in batch.req_ids:
+        n = computed[req_id] + scheduled[req_id]
+        assert torch.equal(torch.from_numpy(runs_slots(view.request_positions_runs(req_id, n))),
+                           formula_slots(blocks, {req_id: 0}, {req_id: n}, [req_id],
+                                         block_size))
+    assert view.request_positions_runs("never-added", 4) is None
 
 
 def test_step_slots_read_num_computed_tokens_updated_in_place() -> None:

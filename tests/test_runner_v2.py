@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from prefix_cache import OmniPrefixCacheUnmatchError
+from prefix_cache.core.runs import runs_slots
 from prefix_cache.integration.runner_v2 import BlockIdMirror, StepBatchGroupView
 
 BLOCK = 16
@@ -65,7 +66,8 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
     for req_id in req_ids:
         computed[req_id] = rng.randrange(0, 100)
         scheduled[req_id] = rng.randrange(1, 60)
-    view = StepBatchGroupView(mirror, BLOCK)
+    view = StepBatchGroupView(mirror, BLOCK,
+                              lambda req_id: int(req_id[1:]) if req_id != "gone" else None)
     slot_mapping = torch.arange(10)
     view.bind(req_ids, np.array([computed[r] for r in req_ids], dtype=np.int32),
               np.array(batch, dtype=np.int32), slot_mapping)
@@ -73,3 +75,8 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
     want = [s for req_id, row in zip(req_ids, batch, strict=True)
             for s in expected_slots(blocks[row], computed[req_id], scheduled[req_id])]
     assert view.step_slots_cpu(req_ids, scheduled).tolist() == want
+    # a request's positions from 0, whether or not the bound step schedules it
+    for row in (5, 7):
+        assert runs_slots(view.request_positions_runs(f"r{row}", 150)).tolist() == \
+            expected_slots(blocks[row], 0, 150)
+    assert view.request_positions_runs("gone", 10) is None

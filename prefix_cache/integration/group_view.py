@@ -78,11 +78,37 @@ class FullAttentionGroupView:
         if not self._checked:
             self.check()
         table = self._table()
-        ids = table.get_numpy_array() if hasattr(table, "get_numpy_array") \
-            else table.get_cpu_tensor().numpy()
         return request_slot_runs(req_ids, num_scheduled_tokens, self.input_batch.req_id_to_index,
-                                 np.asarray(self.input_batch.num_computed_tokens_cpu), ids,
-                                 int(table.block_size), "the runner's batch")
+                                 np.asarray(self.input_batch.num_computed_tokens_cpu),
+                                 self._block_ids(table), int(table.block_size),
+                                 "the runner's batch")
+
+    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
+        """The slots of `req_id`'s positions `[0, num_positions)` as runs, from its row of the
+        block table; None where the batch no longer holds the request."""
+        row = self.input_batch.req_id_to_index.get(req_id)
+        if row is None:
+            return None
+        table = self._table()
+        return positions_slot_runs(req_id, num_positions, self._block_ids(table)[row],
+                                   int(table.block_size), "the runner's batch")
+
+    @staticmethod
+    def _block_ids(table: Any) -> np.ndarray:
+        return table.get_numpy_array() if hasattr(table, "get_numpy_array") \
+            else table.get_cpu_tensor().numpy()
+
+
+#: `positions_slot_runs`' computed-token count: its positions start at 0.
+_FROM_ZERO = np.zeros(1, dtype=np.int64)
+
+
+def positions_slot_runs(req_id: str, num_positions: int, block_ids: np.ndarray, unit: int,
+                        batch: str) -> np.ndarray:
+    """The slots of a request's positions `[0, num_positions)` given its row of block ids,
+    as `[k, 2]` runs (see `request_slot_runs`)."""
+    return request_slot_runs([req_id], {req_id: num_positions}, {req_id: 0}, _FROM_ZERO,
+                             block_ids[None, :], unit, batch)
 
 
 def request_slot_runs(req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int],

@@ -19,14 +19,14 @@ V2 has no `_model_forward` to wrap, no persistent batch and no host block table:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.integration.group_view import request_slot_runs
+from prefix_cache.integration.group_view import positions_slot_runs, request_slot_runs
 from prefix_cache.integration.runner_mixin import StageRunnerBase
 from prefix_cache.core.runs import runs_slots
 from prefix_cache.integration.stage_outputs import StepBatch
@@ -65,9 +65,11 @@ class StepBatchGroupView:
     """Slots of one full-attention group for the V2 step bound last:
     `slot = ids[row, pos // block_size] * block_size + pos % block_size`."""
 
-    def __init__(self, mirror: BlockIdMirror, block_size: int) -> None:
+    def __init__(self, mirror: BlockIdMirror, block_size: int,
+                 row_of: Callable[[str], int | None]) -> None:
         self.mirror = mirror
         self.block_size = block_size
+        self._row_of = row_of  # a live request's row in the block tables (None: none)
         self._req_ids: list[str] = []
         self._index: dict[str, int] = {}
         self._computed = np.zeros(0, dtype=np.int32)
@@ -100,6 +102,15 @@ class StepBatchGroupView:
         return request_slot_runs(req_ids, num_scheduled_tokens, self._index, self._computed,
                                  self._ids, self.block_size, "the V2 step's batch")
 
+    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
+        """The slots of `req_id`'s positions `[0, num_positions)` as runs, from its row of the
+        mirrored block ids; None where the runner no longer holds the request."""
+        row = self._row_of(req_id)
+        if row is None:
+            return None
+        return positions_slot_runs(req_id, num_positions, self.mirror.ids[row], self.block_size,
+                                   "the V2 runner's block tables")
+
 
 class PrefixCacheV2RunnerMixin(StageRunnerBase):
     """vLLM's Model Runner V2 with the stage-output cache: put it first in the bases."""
@@ -110,7 +121,8 @@ class PrefixCacheV2RunnerMixin(StageRunnerBase):
         max_blocks = -(-self.max_model_len // config.block_size)
         mirror = BlockIdMirror(self.block_tables, self._omni_group_id, self.max_num_reqs,
                                max_blocks)
-        return StepBatchGroupView(mirror, config.block_size)
+        return StepBatchGroupView(mirror, config.block_size,
+                                  lambda req_id: self.req_states.req_id_to_index.get(req_id))
 
     def _omni_prompt_len(self, req_id: str) -> int | None:
         index = self.req_states.req_id_to_index.get(req_id)
