@@ -41,6 +41,8 @@ from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import GroupView, StepLayout
 from prefix_cache.core.outputs import OutputChecker, StepOutputs
 from prefix_cache.core.reads import ReadPlanner
+from prefix_cache.core.request_reads import RequestRows, plan_request_rows
+from prefix_cache.core.runs import runs_slots
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
 from prefix_cache.core.step_reads import StageCacheOutputs, StepReads, StepRecord, StepRows
@@ -254,6 +256,29 @@ class OmniPrefixCacheManager:
                                              self.policy.needs_full_hidden_states)
         finally:
             self._step_reads.release(record)
+
+    def plan_request_rows(self, requests: Mapping[str, int | None]) -> dict[str, RequestRows]:
+        """Pin the rows of each request's positions `[0, n)`, `n` the positions its saved steps
+        reached, cut to the count it maps to (None: all), of every key it has rows of; another
+        thread reads them back (`RequestRows.resolve`). For the engine thread at a request's
+        finish, while the view still holds its blocks; its deferred rows are launched first. A
+        request the view no longer holds gets no entry."""
+        self._check_usable("plan_request_rows")
+        positions_runs = getattr(self.view, "request_positions_runs", None)
+        if positions_runs is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"plan_request_rows: view {type(self.view).__name__} cannot give a request's "
+                f"positions (it lacks request_positions_runs)")
+        with keeping_tensors():  # a retiring deferred write's launch
+            for req_id in requests:
+                self._deferred.retire(req_id)
+        planned = []
+        for req_id, standing in requests.items():
+            n = self._progress.get(req_id, 0)
+            runs = positions_runs(req_id, n if standing is None else min(n, standing))
+            if runs is not None:
+                planned.append((req_id, runs_slots(runs)))
+        return plan_request_rows(self.pool, self._reads, self._lock, planned)
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from prefix_cache.core.runs import slot_runs
+
 
 def token_rows(tokens: Sequence[int], width: int, dtype: torch.dtype = torch.float32,
                salt: int = 0) -> torch.Tensor:
@@ -81,6 +83,15 @@ class StepDriver:
     # the view protocol
     def batch_req_ids(self) -> list[str]:
         return list(self.batch)
+
+    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
+        """The slots of a live request's positions `[0, num_positions)` as runs."""
+        req = self.reqs.get(req_id)
+        if req is None:
+            return None
+        slots = np.array([req.blocks[p // self.block_size] * self.block_size
+                          + p % self.block_size for p in range(num_positions)], dtype=np.int64)
+        return slot_runs(slots)[0]
 
     def step_slots_cpu(self, req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int]
                        ) -> torch.Tensor:

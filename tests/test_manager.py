@@ -249,6 +249,40 @@ def test_deferred_key_written_on_finish_and_served_to_a_later_hit(backend):
         assert manager.pool.present("mm_feature", np.arange(4, 8)).all()
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred-mm"])
+def test_a_finished_requests_rows_read_back_whole_after_its_blocks_go_to_a_new_tenant(
+        backend, deferred):
+    """What a finish-time delivery relies on: planned at the finish, while the view holds the
+    request, the read keeps its rows though the next step's new tenant rewrites its blocks;
+    deferred rows (held on the device until the finish) are launched and read too."""
+    manager, d = make(backend)
+    if deferred:
+        manager.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feature"})))
+    a, c = list(range(40, 50)), list(range(300, 308))
+    with manager:
+        sids = [run_step(manager, d, d.step(new=[("a", a, [1, 2, 3], 0, 8)]), backend.device,
+                         materialize=False)]
+        for _ in range(2):  # two decode steps
+            sids.append(run_step(manager, d, d.step(cached={"a": 1}), backend.device,
+                                 materialize=False))
+        for sid in sids:
+            manager.discard_step(sid)  # what the runner does with a step it reads at the finish
+        whole, standing = manager.plan_request_rows({"a": None})["a"], None
+        assert whole.num_rows == 10 and sorted(whole.keys) == [HIDDEN_KEY, "mm_feature"]
+        standing = manager.plan_request_rows({"a": 9})["a"]  # the last row's token discarded
+        assert manager.plan_request_rows({"never-scheduled": None}) == {}
+        sid_c = run_step(manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]),
+                         backend.device, materialize=False)
+        assert manager.stats()["copy_on_write_reads"] >= 1
+        rows = whole.resolve()
+        assert torch.equal(rows[HIDDEN_KEY], token_rows(a, 2))
+        assert torch.equal(rows["mm_feature"], token_rows(a, 16, salt=1))
+        assert standing.num_rows == 9 and torch.equal(standing.resolve()[HIDDEN_KEY],
+                                                      token_rows(a, 2)[:9])
+        assert torch.equal(manager.materialize(sid_c, ["c"]).hidden_states["c"],
+                           token_rows(c, 2))
+
+
 def test_deferred_budget_flush_splits_writes_and_a_hit_reads_both(backend):
     # each chunk of 4 rows x 16 floats is 256 bytes: a 300-byte budget flushes every step
     manager, d = make(backend, num_blocks=8, gpu_budget_bytes=300)

@@ -1,0 +1,77 @@
+"""A request's rows read back from the pool at its finish: every position it computed, hits too.
+
+Planned on the engine thread while the view still holds the request's blocks: the reads pin
+their slots, so a block the scheduler hands to a new tenant is not overwritten before they
+are gathered (the writer resolves a pinned read first, see `ReadPlanner`). Gathered by the
+thread that delivers the rows, one read per key the request has rows of.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.hits import StepHits
+from prefix_cache.core.reads import ReadPlanner, RowRead
+
+
+class RequestRows:
+    """Positions `[0, num_rows)` of `req_id`, per key it has rows of: a read of them (absent
+    rows read zeros). Invariant: until resolved or cancelled, each read pins its slots."""
+
+    def __init__(self, req_id: str, num_rows: int, reads: dict[str, RowRead],
+                 feat_shapes: dict[str, tuple[int, ...]], planner: ReadPlanner) -> None:
+        self.req_id = req_id
+        self.num_rows = num_rows
+        self._reads = reads
+        self._feat_shapes = feat_shapes
+        self._planner = planner
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._reads)
+
+    def resolve(self) -> dict[str, torch.Tensor]:
+        """The rows per key, `[num_rows, *feat]` tensors the caller owns; raises naming the
+        request if a row was lost (its write failed). Either way every read is let go."""
+        out = {}
+        try:
+            for key, read in self._reads.items():
+                self._planner.resolve(read)
+                out[key] = read.out.view(self.num_rows, *self._feat_shapes[key])
+        finally:
+            self.cancel()
+        return out
+
+    def cancel(self) -> None:
+        """Let go of the reads not resolved yet (nobody will gather them)."""
+        for read in self._reads.values():
+            self._planner.cancel(read)
+
+
+def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, lock: threading.Lock,
+                      requests: Sequence[tuple[str, np.ndarray]]) -> dict[str, RequestRows]:
+    """Per `(request, slots of its positions from 0)`, its rows of every key it has rows of
+    (present, or lost to a failed write: those fail its read), the pool looked up once per key
+    for all of them."""
+    hits = StepHits.join([(req_id, len(slots), slots) for req_id, slots in requests if len(slots)])
+    reads: dict[str, dict[str, RowRead]] = {req_id: {} for req_id, _ in requests}
+    if len(hits):
+        starts = hits.bounds[:-1]
+        with lock:
+            for key in pool.keys:
+                has_rows = np.logical_or.reduceat(
+                    pool.present(key, hits.slots) | pool.lost(key, hits.slots), starts)
+                chosen = np.flatnonzero(has_rows).tolist()
+                planned = planner.plan_hits(key, hits.select(chosen), [
+                    (f"the finish of request {hits.req_ids[i]}", 0) for i in chosen]) \
+                    if chosen else []
+                for i, read in zip(chosen, planned):
+                    reads[hits.req_ids[i]][key] = read
+    feat_shapes = {key: pool_key.feat_shape for key, pool_key in pool.keys.items()}
+    return {req_id: RequestRows(req_id, len(slots), reads[req_id], feat_shapes, planner)
+            for req_id, slots in requests}
