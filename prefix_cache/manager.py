@@ -275,9 +275,10 @@ class OmniPrefixCacheManager:
         planned = []
         for req_id, standing in requests.items():
             n = self._progress.get(req_id, 0)
-            runs = positions_runs(req_id, n if standing is None else min(n, standing))
+            stands = n if standing is None else min(n, standing)
+            runs = positions_runs(req_id, stands)
             if runs is not None:
-                planned.append((req_id, runs_slots(runs)))
+                planned.append((req_id, runs_slots(runs), n - stands))
         return plan_request_rows(self.pool, self._reads, self._lock, planned)
 
     def discard_step(self, step_id: int) -> None:

@@ -44,13 +44,16 @@ class StepDriver:
     reqs: dict[str, SimRequest] = field(default_factory=dict)
     batch: list[str] = field(default_factory=list)
     scheduled: dict[str, int] = field(default_factory=dict)
+    #: requests the current step retires: held until it ends, as a runner holds them until
+    #: it updates its batch (after the step's first hook)
+    retiring: list[SimRequest] = field(default_factory=list)
 
     def step(self, *, new: Sequence[tuple[str, list[int], list[int], int, int]] = (),
              cached: Mapping[str, int] | None = None, finished: Sequence[str] = (),
              new_blocks: Mapping[str, list[int]] | None = None) -> SimpleNamespace:
         """new: (req_id, tokens, blocks, num_computed, num_scheduled); cached: req -> n."""
-        for req_id in finished:
-            self.reqs.pop(req_id, None)
+        self._retire()
+        self.retiring = [self.reqs[r] for r in finished if r in self.reqs]
         for req_id, blocks in (new_blocks or {}).items():
             self.reqs[req_id].blocks.extend(blocks)
         new_reqs = []
@@ -79,6 +82,13 @@ class StepDriver:
     def advance(self) -> None:
         for req_id, n in self.scheduled.items():
             self.reqs[req_id].computed += n
+        self._retire()
+
+    def _retire(self) -> None:
+        for req in self.retiring:
+            if self.reqs.get(req.req_id) is req:  # not re-added under its id meanwhile
+                del self.reqs[req.req_id]
+        self.retiring = []
 
     # the view protocol
     def batch_req_ids(self) -> list[str]:

@@ -1,8 +1,8 @@
 """A fault in the stage's way out never takes vLLM's engine down (SPEC §7, Containment).
 
 On vLLM's real CPU engine, in-process (so faults can be injected where they would strike):
-a fault while delivering a step, assembling its rows, encoding an entry or writing it to the
-channel fails the entries it touched, each naming the cause, and every other request gets its
+a fault while delivering a finished request, reading its rows back, encoding an entry or
+writing it to the channel fails the entries it touched, each naming the cause, and every other request gets its
 rows; the engine keeps generating, and the cache stays exact. Faults in every step stop
 publishing after `MAX_FAULTED_STEPS`; every request then gets a failure naming why, and the
 engine still generates.
@@ -26,7 +26,8 @@ from prefix_cache import HIDDEN_KEY, OmniPrefixCacheManager  # noqa: E402
 from prefix_cache.channel import OmniPrefixCacheChannelError, StageChannel, open_channel  # noqa: E402
 from prefix_cache.channel import base as channel_base  # noqa: E402
 from prefix_cache.channel.shm import ShmChannel  # noqa: E402
-from prefix_cache.core.step_reads import StepReads  # noqa: E402
+from prefix_cache.core.request_reads import RequestRows  # noqa: E402
+from prefix_cache.integration.delivery import StageDelivery  # noqa: E402
 from prefix_cache.integration.stage_outputs import MAX_FAULTED_STEPS, StageOutputDriver  # noqa: E402
 from prefix_cache.tools.engines import Engine, multiprocessing_mode, start_thinker  # noqa: E402
 from tests.vllm_fixtures import thinker_model_dir  # noqa: E402,F401
@@ -43,8 +44,8 @@ class InjectedFault(RuntimeError):
 
 #: Where a fault strikes: (owner, attribute) of the function that raises in its place.
 SITES: dict[str, tuple[Any, str]] = {
-    "deliver": (StageOutputDriver, "_deliver"),
-    "assemble": (StepReads, "assemble"),
+    "deliver": (StageDelivery, "publish_read"),  # a finished request's entry, whole
+    "read back": (RequestRows, "resolve"),  # its rows, from the pool
     "encode": (channel_base, "encode"),
     "channel write": (ShmChannel, "_publish"),
     "save": (OmniPrefixCacheManager, "save_outputs"),  # on the engine thread
@@ -110,7 +111,7 @@ def engine_and_channel(thinker_model_dir: Path) -> Iterator[tuple[Engine, StageC
             engine.close()
 
 
-@pytest.mark.parametrize("site", ["deliver", "assemble", "encode", "channel write"])
+@pytest.mark.parametrize("site", ["deliver", "read back", "encode", "channel write"])
 def test_a_fault_fails_the_entries_it_touched_and_the_engine_goes_on_exact(
         engine_and_channel: tuple[Engine, StageChannel], site: str) -> None:
     engine, channel = engine_and_channel

@@ -27,7 +27,7 @@ from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F
 
 pytestmark = [pytest.mark.vllm]
 
-#: Seconds each materialize is held back in the slow-copy test.
+#: Seconds each finished request's read-back is held back in the slow-copy test.
 SLOW_S = 0.25
 
 
@@ -39,58 +39,60 @@ def shared_prefix_requests(num: int = 4, seed: int = 0) -> list[StageRequest]:
                          3, arrive_at_step=2 * i) for i in range(num)]
 
 
-def test_steps_return_before_their_rows_are_materialized(
+def test_steps_return_before_finished_requests_rows_are_read_back(
         thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps are only discarded on the engine thread; a finished request's rows are read back
+    from the pool and published on the output thread, and however long that takes, the engine
+    steps on meanwhile."""
     requests = shared_prefix_requests()
-    events: list[tuple[str, int | None, float, str]] = []
+    events: list[tuple[str, str | None, float, str]] = []
 
-    def record(what: str, step_id: int | None) -> None:
-        events.append((what, step_id, time.perf_counter(), threading.current_thread().name))
+    def record(what: str, req_id: str | None) -> None:
+        events.append((what, req_id, time.perf_counter(), threading.current_thread().name))
 
     with multiprocessing_mode(False), open_channel() as channel:
         engine = start_thinker(thinker_model_dir, channel, prefix_caching=True)
         try:
             runner = engine_runner(engine)
             manager = runner.omni_prefix_cache
-            save, materialize, sample = (manager.save_outputs, manager.materialize_step,
-                                         runner.sample_tokens)
+            plan = manager.plan_request_rows
 
-            def timed_save(*args: Any, **kwargs: Any) -> int:
-                step_id = save(*args, **kwargs)
-                record("saved", step_id)
-                return step_id
+            def planned(requests_standing: Any) -> Any:
+                reads = plan(requests_standing)
+                for req_id, rows in reads.items():
+                    record("planned", req_id)
+                    resolve = rows.resolve
 
-            def slow_materialize(step_id: int, req_ids: Any) -> Any:
-                time.sleep(SLOW_S)  # a device copy that takes its time
-                out = materialize(step_id, req_ids)
-                record("materialized", step_id)
+                    def slow_resolve(req_id: str = req_id, resolve: Any = resolve) -> Any:
+                        time.sleep(SLOW_S)  # a device copy that takes its time
+                        out = resolve()
+                        record("read", req_id)
+                        return out
+
+                    rows.resolve = slow_resolve
+                return reads
+
+            def timed_step() -> Any:
+                out = step()
+                record("stepped", None)
                 return out
 
-            def timed_sample(*args: Any, **kwargs: Any) -> Any:
-                out = sample(*args, **kwargs)
-                record("sampled", None)
-                return out
-
-            monkeypatch.setattr(manager, "save_outputs", timed_save)
-            monkeypatch.setattr(manager, "materialize_step", slow_materialize)
-            monkeypatch.setattr(runner, "sample_tokens", timed_sample)
-            run = run_pipeline(engine, channel, requests)
+            step = engine.step
+            monkeypatch.setattr(manager, "plan_request_rows", planned)
+            monkeypatch.setattr(engine, "step", timed_step)
+            run = run_pipeline(engine, channel, requests)  # which then waits for the rows
         finally:
             engine.close()
 
-    materialized = {e[1]: e for e in events if e[0] == "materialized"}
-    assert len(materialized) >= len(requests)
-    for i, (what, step_id, _, engine_thread) in enumerate(events):
-        if what != "saved" or step_id not in materialized:
+    read = {e[1]: e for e in events if e[0] == "read"}
+    assert {req_id.rsplit("-", 1)[0] for req_id in read} == {r.req_id for r in requests}
+    for i, (what, req_id, planned_at, engine_thread) in enumerate(events):
+        if what != "planned":
             continue
-        sampled_at = next(e[2] for e in events[i:] if e[0] == "sampled")
-        _, _, done_at, output_thread = materialized[step_id]
-        assert sampled_at < done_at, f"step {step_id}: sample_tokens waited for its rows"
+        _, _, done_at, output_thread = read[req_id]
         assert output_thread != engine_thread
-    first_steps = [e for e in events if e[0] == "saved"][:3]  # before any backpressure
-    for _, _, saved_at, _ in first_steps:
-        sampled_at = next(e[2] for e in events if e[0] == "sampled" and e[2] > saved_at)
-        assert sampled_at - saved_at < SLOW_S / 2
+        stepped_at = next(e[2] for e in events[i:] if e[0] == "stepped")
+        assert stepped_at < done_at, f"request {req_id}: its step waited for its rows"
     for request in requests:  # the rows still all arrive, from position 0
         result = run.results[request.req_id]
         assert result.rows.shape[0] == len(request.prompt) + request.max_tokens - 1

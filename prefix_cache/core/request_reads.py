@@ -14,19 +14,23 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from prefix_cache.config import HIDDEN_KEY
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.hits import StepHits
 from prefix_cache.core.reads import ReadPlanner, RowRead
+from prefix_cache.errors import OmniPrefixCacheError
 
 
 class RequestRows:
     """Positions `[0, num_rows)` of `req_id`, per key it has rows of: a read of them (absent
-    rows read zeros). Invariant: until resolved or cancelled, each read pins its slots."""
+    mm rows read zeros); `rows_cut` more positions were computed but do not stand.
+    Invariant: until resolved or cancelled, each read pins its slots."""
 
-    def __init__(self, req_id: str, num_rows: int, reads: dict[str, RowRead],
+    def __init__(self, req_id: str, num_rows: int, rows_cut: int, reads: dict[str, RowRead],
                  feat_shapes: dict[str, tuple[int, ...]], planner: ReadPlanner) -> None:
         self.req_id = req_id
         self.num_rows = num_rows
+        self.rows_cut = rows_cut
         self._reads = reads
         self._feat_shapes = feat_shapes
         self._planner = planner
@@ -54,24 +58,35 @@ class RequestRows:
 
 
 def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, lock: threading.Lock,
-                      requests: Sequence[tuple[str, np.ndarray]]) -> dict[str, RequestRows]:
-    """Per `(request, slots of its positions from 0)`, its rows of every key it has rows of
-    (present, or lost to a failed write: those fail its read), the pool looked up once per key
-    for all of them."""
-    hits = StepHits.join([(req_id, len(slots), slots) for req_id, slots in requests if len(slots)])
-    reads: dict[str, dict[str, RowRead]] = {req_id: {} for req_id, _ in requests}
+                      requests: Sequence[tuple[str, np.ndarray, int]]) -> dict[str, RequestRows]:
+    """Per `(request, slots of its positions from 0, rows cut)`, its rows of every key it has
+    rows of (present, or lost to a failed write: those fail its read), the pool looked up once
+    per key for all of them. Hidden rows are never absent: a position without one fails the
+    request's read, where zeros would pass for rows nobody computed."""
+    hits = StepHits.join([(req_id, len(slots), slots) for req_id, slots, _ in requests
+                          if len(slots)])
+    reads: dict[str, dict[str, RowRead]] = {req_id: {} for req_id, _, _ in requests}
     if len(hits):
         starts = hits.bounds[:-1]
         with lock:
             for key in pool.keys:
-                has_rows = np.logical_or.reduceat(
-                    pool.present(key, hits.slots) | pool.lost(key, hits.slots), starts)
+                present = pool.present(key, hits.slots)
+                has_rows = np.logical_or.reduceat(present | pool.lost(key, hits.slots), starts)
+                if key == HIDDEN_KEY:
+                    has_rows |= ~np.logical_and.reduceat(present, starts)
                 chosen = np.flatnonzero(has_rows).tolist()
                 planned = planner.plan_hits(key, hits.select(chosen), [
                     (f"the finish of request {hits.req_ids[i]}", 0) for i in chosen]) \
                     if chosen else []
                 for i, read in zip(chosen, planned):
+                    if key == HIDDEN_KEY and read.present is not None \
+                            and not read.present.all() and read.error is None:
+                        missing = np.flatnonzero(~read.present)
+                        planner.cancel(read)
+                        read.fail(OmniPrefixCacheError(
+                            f"hidden rows of {len(missing)} of its {len(read.present)} "
+                            f"positions (first {int(missing[0])}) were never written"))
                     reads[hits.req_ids[i]][key] = read
     feat_shapes = {key: pool_key.feat_shape for key, pool_key in pool.keys.items()}
-    return {req_id: RequestRows(req_id, len(slots), reads[req_id], feat_shapes, planner)
-            for req_id, slots in requests}
+    return {req_id: RequestRows(req_id, len(slots), cut, reads[req_id], feat_shapes, planner)
+            for req_id, slots, cut in requests}

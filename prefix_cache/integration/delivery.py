@@ -37,6 +37,10 @@ stop token in the step it already has in flight, and that row is cut at the
 finish, so no chunk may carry it. A request recomputed after preemption never
 streams positions again.
 
+A request held whole (`hold`, the cache's stage when not streaming) gets no rows by step:
+its rows are read back from the pool at its finish (`publish_read`), every position from 0
+at once, and published as an entry added up by steps would be.
+
 A request whose finish will never be heard (the stage shuts down first) is not
 left for its consumer to time out on: `fail_held` publishes a failure naming the
 cause in its place. A stage that stops publishing (`stop_publishing`) does so for
@@ -48,7 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +73,19 @@ class StageSink(Protocol):
     def fail(self, request_id: str, cause: str) -> None: ...
 
     def expect(self, request_id: str) -> None: ...
+
+
+class RowsReadBack(Protocol):
+    """A finished request's rows of positions `[0, num_rows)`, read back whole at its finish
+    (`prefix_cache.core.request_reads.RequestRows`); `rows_cut` more positions were computed
+    by a step whose tokens the scheduler discarded."""
+
+    num_rows: int
+    rows_cut: int
+
+    def resolve(self) -> Mapping[str, torch.Tensor]: ...
+
+    def cancel(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,7 @@ class StageDelivery:
         self._streamed: dict[str, int] = {}  # positions a request published in chunks
         self._prompt_lens: dict[str, int] = {}  # streaming: prompt lengths of live requests
         self._published_early: set[str] = set()  # published; the runner's finish is to come
+        self._held_whole: set[str] = set()  # their rows read back whole at the finish
         self._broken: dict[str, str] = {}  # requests whose rows can no longer come whole: why
         self._published = 0
         self._chunks = 0
@@ -158,7 +176,8 @@ class StageDelivery:
         by steps whose tokens the scheduler discarded)."""
         with self._lock:
             held = sum(p.nbytes() for parts in self._parts.values() for p in parts)
-            return {"delivery_requests_held": len(self._parts), "delivery_bytes_held": held,
+            return {"delivery_requests_held": len(self._parts) + len(self._held_whole),
+                    "delivery_bytes_held": held,
                     "delivery_published": self._published, "delivery_chunks": self._chunks,
                     "delivery_failed": self._failed, "delivery_rows_cut": self._rows_cut}
 
@@ -279,6 +298,53 @@ class StageDelivery:
             parts[-1] = parts[-1].trimmed(parts[-1].start, part.start)
         parts.append(part)
 
+    def hold(self, req_ids: Sequence[str]) -> list[str]:
+        """Of a step's requests, those seen first, now held until their finish, whose rows are
+        then read back whole (`publish_read`) instead of added by step; `announce` tells the
+        sink of them. Returns them (none in most steps: one set lookup)."""
+        with self._lock:
+            if self._held_whole.issuperset(req_ids):
+                return []
+            fresh = [r for r in req_ids
+                     if r not in self._held_whole and r not in self._published_early]
+            self._held_whole.update(fresh)
+        return fresh
+
+    def announce(self, req_ids: Iterable[str]) -> None:
+        """Tell the sink this stage will publish each of `req_ids` (see `_expect`)."""
+        for req_id in req_ids:
+            self._expect(req_id)
+
+    def publish_read(self, request: FinishedRequest, rows: RowsReadBack | None, *,
+                     early: bool = False) -> None:
+        """`finish` (`early`: `finish_early`) of a request held whole: publish `rows` read
+        back (None: it has none the view still held), unless published already; rows that
+        cannot be read are published as its failure, naming why."""
+        with self._lock:
+            done = request.req_id in self._published_early
+            if done and not early:
+                self._published_early.discard(request.req_id)  # the runner's own finish
+            elif not done and early:
+                self._published_early.add(request.req_id)
+            self._held_whole.discard(request.req_id)
+            stopped = self._stopped
+            if rows is not None and not done and stopped is None:
+                self._rows_cut += rows.rows_cut
+        if done or stopped is not None:
+            if rows is not None:
+                rows.cancel()
+            if not done:
+                self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
+            return
+        read, num_rows, cause = {}, 0, None
+        if rows is not None:
+            num_rows = rows.num_rows
+            try:
+                read = dict(rows.resolve())
+            except Exception as exc:  # a write that failed: this request fails alone
+                read, cause = {}, f"its rows could not be read back: {type(exc).__name__}: {exc}"
+        self._put_entry(request, read, num_rows, 0, cause)
+
     def pop(self, req_id: str, start: int = 0) -> tuple[dict[str, torch.Tensor], int]:
         """`req_id`'s rows per key from position `start` on (where its last chunk ended, when
         streaming), and how many positions it has in all (at least `start`); forgets them.
@@ -313,7 +379,7 @@ class StageDelivery:
         """Publish, for every request still held (its finish never came and will not be
         heard), that its rows cannot come, and why; free them. Returns how many."""
         with self._lock:
-            held = self._parts.keys() | self._broken.keys()
+            held = self._parts.keys() | self._broken.keys() | self._held_whole
         return self.fail_requests(held, cause)
 
     def fail_requests(self, req_ids: Iterable[str], cause: str) -> int:
@@ -324,6 +390,7 @@ class StageDelivery:
             failing = sorted(set(req_ids) - self._published_early)
             for req_id in failing:
                 self._parts.pop(req_id, None)
+                self._held_whole.discard(req_id)
                 self._broken.pop(req_id, None)
                 self._streamed.pop(req_id, None)
                 self._prompt_lens.pop(req_id, None)
@@ -360,6 +427,12 @@ class StageDelivery:
                 self._rows_cut += num_rows - request.rows_standing
             num_rows = max(request.rows_standing, sent)  # chunks carry only rows that stand
             rows = {key: r[:num_rows - sent] for key, r in rows.items()}
+        self._put_entry(request, rows, num_rows, sent, cause)
+
+    def _put_entry(self, request: FinishedRequest, rows: Mapping[str, torch.Tensor],
+                   num_rows: int, sent: int, cause: str | None) -> None:
+        """Put the request's final entry (positions `sent..num_rows - 1`), or its failure
+        where there is a `cause` (or a break) or the put fails."""
         with self._lock:
             cause = self._broken.pop(request.req_id, None) or cause
         if self._sink is None:

@@ -6,9 +6,10 @@ snapshots the model's policy at `load_model`; at `initialize_kv_cache` it runs
 the gate, opens the stage channel and builds the manager (allocating the hidden
 pool there, off the request path) when prefix caching is on; per step it calls
 `new_step_starts` before the runner updates its batch, `save_outputs` right after
-the forward, and leaves `materialize` and publishing to its output thread, so the
-engine thread never waits for rows. Each finished request's rows from position 0
-go to the channel under its external request id.
+the forward, and leaves reading rows back and publishing to its output thread (see
+`prefix_cache.integration.stage_outputs`), so the engine thread never waits for rows.
+Each finished request's rows from position 0 go to the channel under its external
+request id.
 
 The channel is `vllm_config.additional_config["prefix_cache"]["channel"]`, else
 `$PREFIX_CACHE_CHANNEL`; with neither, or one that does not open, the engine is refused (see

@@ -6,16 +6,25 @@ Per engine step, on the engine thread:
     save_step(hidden, mm, batch, padded)    # right after the forward (skipped: no forward)
     end_step()                              # once the step's output is built
 
-With the cache, `begin_step` is the manager's `new_step_starts`, `save_step` its
-`save_outputs`, and `end_step` queues `materialize` on the output thread (a
-step without a forward saves zero rows and is discarded at once, so every
-`new_step_starts` is followed by exactly one `save_outputs`). Without the
-cache (prefix caching off), `save_step` starts device->host copies of the
-step's per-token rows and the output thread waits for them. Either way the
-output thread hands each request's rows to `StageDelivery`, and the requests a
-step retires are published there after their last rows: a request's finish is
-queued at the step that reports it, after the materialize of the step before, or
-earlier, by `finish_now`, when the scheduler reports it (`prefix_cache.integration.workers.finishes`).
+With the cache, `begin_step` is the manager's `new_step_starts` and `save_step` its
+`save_outputs` (a step without a forward saves zero rows and is discarded at once, so every
+`new_step_starts` is followed by exactly one `save_outputs`). Then either:
+
+- whole entries (a stage that does not stream): `end_step` discards the step on the engine
+  thread, its rows staying in the pool, and has the output thread tell the channel of the
+  requests it saw first. A finish, where `begin_step` reports it (before the step forgets the
+  request) or earlier, by `finish_now`, when the scheduler does
+  (`prefix_cache.integration.workers.finishes`), pins the request's rows from position 0
+  (`plan_request_rows`), and the output thread reads them back and publishes them. Nothing is
+  handed over per step: that hand-over cost the engine step more than its work;
+- a streaming stage: `end_step` queues `materialize` on the output thread, which hands each
+  request's rows to `StageDelivery` step by step, for its chunks.
+
+Without the cache (prefix caching off), `save_step` starts device->host copies of the step's
+per-token rows and the output thread waits for them and hands them over the same way. There,
+and for a streaming stage, the requests a step retires are published after their last rows:
+a request's finish is queued at the step that reports it, after the materialize of the step
+before, or earlier, by `finish_now`.
 
 A fault never takes the engine down. One in a job of the output thread fails the
 entries of that job's requests, each naming the cause, and the stage goes on;
@@ -106,6 +115,11 @@ class StageOutputDriver:
         self._closed = False
         self._faulted_steps = 0  # steps in a row whose rows faulted (output thread)
         self._stopped_by_faults: str | None = None  # set by the output thread: why it stopped
+        # with the cache and whole entries, a request's rows are read back from the pool at its
+        # finish: a step is only discarded (on this thread), never handed to the output thread
+        self._at_finish = cache is not None and not delivery.streaming and callable(
+            getattr(cache.view, "request_positions_runs", None))
+        self._finished_early: set[str] = set()  # read at `finish_now`; the runner's to come
 
     # ------------------------------------------------------------------ engine thread
 
@@ -114,6 +128,9 @@ class StageOutputDriver:
         turned off, no step starts, and they get their failures)."""
         if self._stopped_by_faults is not None and not self._off:
             self.turn_off(self._stopped_by_faults)  # the output thread stopped publishing
+        if finished and self._at_finish and not self._off:
+            self._finish_whole(list(finished), early=False)  # before the step forgets them
+            finished = ()
         if not self._off:
             try:
                 self._thread.check()
@@ -133,10 +150,37 @@ class StageOutputDriver:
     def finish_now(self, finished: Sequence[FinishedRequest]) -> None:
         """The scheduler retired these requests before the runner heard of it: publish them
         after every step queued so far (their last rows); `begin_step` will skip them."""
+        if self._at_finish and not self._off:
+            self._finish_whole(list(finished), early=True)
+            return
         requests = list(finished)
         self._submit(f"publishing {len(requests)} requests the scheduler retired",
                      [r.req_id for r in requests],
                      lambda: self._publish(requests, self.delivery.finish_early))
+
+    def _finish_whole(self, requests: list[FinishedRequest], *, early: bool) -> None:
+        """Pin the rows of requests held whole, read back and published by the output thread
+        (`early`: the scheduler's finish, before the runner's; a request read then is not read
+        again). Where planning fails, the stage turns off and they get failures."""
+        fresh = [r.req_id for r in requests if r.req_id not in self._finished_early]
+        if early:
+            self._finished_early.update(fresh)
+        else:
+            self._finished_early.difference_update(r.req_id for r in requests)
+        try:
+            reads = self.cache.plan_request_rows(
+                {r.req_id: r.rows_standing for r in requests if r.req_id in fresh}) \
+                if fresh else {}
+        except Exception as exc:
+            self._engine_fault("reading back finished requests' rows", exc)
+            self._submit(f"publishing {len(requests)} finished requests",
+                         [r.req_id for r in requests], lambda: self._publish(
+                             requests, self.delivery.finish_early if early
+                             else self.delivery.finish))
+            return
+        self._submit(f"publishing {len(requests)} finished requests", [r.req_id for r in requests],
+                     lambda: [self.delivery.publish_read(r, reads.get(r.req_id), early=early)
+                              for r in requests], step_rows=True)
 
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
                   num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
@@ -188,12 +232,18 @@ class StageOutputDriver:
             # fails the held requests
 
     def end_step(self) -> None:
-        """The step's output is built: queue its rows (a step without rows ends here)."""
+        """The step's output is built: discard it (whole entries) or queue its rows (a step
+        without rows ends here)."""
         if not self._in_step:
             return
         step, self._step, self._in_step = self._step, None, False
         try:
-            if step is not None:
+            if step is not None and self._at_finish:  # read back at the finish
+                self.cache.discard_step(step.step_id)
+                if fresh := self.delivery.hold(step.batch.req_ids):
+                    self._submit(f"announcing {len(fresh)} requests", fresh,
+                                 lambda: self.delivery.announce(fresh))
+            elif step is not None:
                 self._submit(f"delivering the rows of a {step.batch.num_rows}-row step",
                              step.batch.req_ids, lambda: self._deliver_unless_stopped(step),
                              step_rows=True)
