@@ -388,3 +388,55 @@ def test_a_step_mixing_an_mm_key_hit_with_a_miss_publishes_both_and_the_stage_go
     assert torch.equal(got["hit"]["image"], torch.cat([torch.ones(8, 3), torch.zeros(2, 3)]))
     assert set(got["text"]) == {HIDDEN_KEY}
     assert torch.equal(got["text"][HIDDEN_KEY], token_rows([7, 8, 9, 10], HIDDEN))
+
+
+@pytest.mark.parametrize("ending", ["close", "turn off"])
+def test_a_cache_stage_reads_a_finished_requests_rows_back_once_and_fails_those_held(
+        ending: str) -> None:
+    """With the cache, a stage that does not stream reads a request's rows back whole at its
+    finish. `a`, reported by the scheduler first while a step in flight already fed its stop
+    token, is published once with the rows that stand (the in-flight row cut), and the
+    runner's own finish later only forgets it; `b`, held when the stage stops, gets a failure
+    naming why in place of its rows."""
+    backend = get_backend("cpu")
+    sim = StepDriver(block_size=4)
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4), sim,
+                                     backend=backend)
+    a, b = list(range(100, 106)), list(range(200, 204))
+    with open_channel() as channel:
+        driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
+                                   policy=ModelCachePolicy(),
+                                   empty_hidden=lambda: torch.empty(0, HIDDEN))
+
+        def run(so: SimpleNamespace, finished: list[FinishedRequest]) -> None:
+            driver.begin_step(so, finished)
+            if sim.batch:
+                hidden = sim.outputs(HIDDEN)
+                starts = [sim.reqs[r].computed for r in sim.batch]
+                ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
+                driver.save_step(hidden, None, StepBatch(sim.batch, starts, ends),
+                                 hidden.shape[0])
+            driver.end_step()
+            sim.advance()
+
+        run(sim.step(new=[("a", a, [1, 2], 0, 4), ("b", b, [3], 0, 3)]), [])
+        run(sim.step(cached={"a": 1, "b": 1}), [])
+        run(sim.step(cached={"a": 1}), [])  # in flight when `a`'s fifth token stops it
+        driver.finish_now([FinishedRequest("a", "a", 4, rows_standing=5)])
+        run(sim.step(finished=["a"]), [FinishedRequest("a", "a", 4)])  # the runner hears of it
+        driver._thread.drain()
+        entry = channel.get_entry("a", timeout_s=5)
+        if ending == "turn off":
+            driver.turn_off("its forward output could not be read")
+            why = "stopped publishing .* its forward output could not be read"
+            driver._thread.drain()
+        else:
+            why = "shut down before the request finished"
+        stats = driver.stats()
+        driver.close()
+        with pytest.raises(OmniPrefixCacheChannelError, match=f"request b: .*{why}"):
+            channel.get_entry("b", timeout_s=5)
+    assert torch.equal(entry.outputs[HIDDEN_KEY], token_rows(a, HIDDEN)[:5])
+    assert not entry.aborted and entry.meta["num_rows"] == 5
+    assert stats["delivery_published"] == 1 and stats["delivery_rows_cut"] == 1
+    assert stats["delivery_requests_held"] == (0 if ending == "turn off" else 1)
