@@ -149,7 +149,8 @@ class StageOutputDriver:
 
     def finish_now(self, finished: Sequence[FinishedRequest]) -> None:
         """The scheduler retired these requests before the runner heard of it: publish them
-        after every step queued so far (their last rows); `begin_step` will skip them."""
+        now (their rows read back, or after every step queued so far); `begin_step` will skip
+        them."""
         if self._at_finish and not self._off:
             self._finish_whole(list(finished), early=True)
             return
@@ -162,7 +163,7 @@ class StageOutputDriver:
         """Pin the rows of requests held whole, read back and published by the output thread
         (`early`: the scheduler's finish, before the runner's; a request read then is not read
         again). Where planning fails, the stage turns off and they get failures."""
-        fresh = [r.req_id for r in requests if r.req_id not in self._finished_early]
+        fresh = {r.req_id for r in requests} - self._finished_early
         if early:
             self._finished_early.update(fresh)
         else:
