@@ -38,7 +38,7 @@
 #   bash benchmarks/h200_session.sh variants # M5e for copies of the tree with one part of
 #                                            # the step work taken out
 #                                            # (benchmarks/m5e_variants.py; $VARIANTS, default
-#                                            # discard,inline,inline_late,noop_job, each
+#                                            # full,nodev,off, each
 #                                            # $ROUNDS times in turn, default 1; a variant
 #                                            # takes about 100 s), small model with graphs;
 #                                            # needs .vllm-gpu/ (carry it)
@@ -161,6 +161,6 @@ perf)
     ;;
 variants)
     step 540 python3 benchmarks/m5e_variants.py --out "$out" --rounds "${ROUNDS:-1}" \
-        --variants "${VARIANTS:-discard,inline,inline_late,noop_job}"
+        --variants "${VARIANTS:-full,nodev,off}"
     ;;
 esac
