@@ -440,3 +440,35 @@ def test_a_cache_stage_reads_a_finished_requests_rows_back_once_and_fails_those_
     assert not entry.aborted and entry.meta["num_rows"] == 5
     assert stats["delivery_published"] == 1 and stats["delivery_rows_cut"] == 1
     assert stats["delivery_requests_held"] == (0 if ending == "turn off" else 1)
+
+
+def test_a_finish_whose_rows_cannot_be_pinned_turns_the_stage_off_and_fails_it_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning a finished request's read-back fails on the engine thread: the stage turns
+    off naming why, the request gets that failure in place of its rows, and steps go on."""
+    backend = get_backend("cpu")
+    sim = StepDriver(block_size=4)
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4), sim,
+                                     backend=backend)
+
+    def refused(requests: Any) -> Any:
+        raise OmniPrefixCacheError(f"the pool is gone (requests {sorted(requests)})")
+
+    monkeypatch.setattr(manager, "plan_request_rows", refused)
+    with open_channel() as channel:
+        driver = StageOutputDriver(StageDelivery(channel), backend, cache=manager,
+                                   policy=ModelCachePolicy(),
+                                   empty_hidden=lambda: torch.empty(0, HIDDEN))
+        driver.begin_step(sim.step(new=[("a", list(range(100, 104)), [1], 0, 4)]), [])
+        hidden = sim.outputs(HIDDEN)
+        driver.save_step(hidden, None, StepBatch(["a"], [0], [4]), 4)
+        driver.end_step()
+        sim.advance()
+        driver.begin_step(sim.step(finished=["a"]), [FinishedRequest("a", "a", 4)])
+        driver.end_step()
+        assert not driver.active
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match=r"request a: .*reading back finished requests' rows failed: "
+                                 r"OmniPrefixCacheError: the pool is gone \(requests \['a'\]\)"):
+            channel.get_entry("a", timeout_s=5)
+        driver.close()

@@ -162,23 +162,20 @@ class StageOutputDriver:
     def _finish_whole(self, requests: list[FinishedRequest], *, early: bool) -> None:
         """Pin the rows of requests held whole, read back and published by the output thread
         (`early`: the scheduler's finish, before the runner's; a request read then is not read
-        again). Where planning fails, the stage turns off and they get failures."""
+        again). Where planning fails, the stage turns off and they get failures (the output
+        thread stops publishing before their job)."""
         fresh = {r.req_id for r in requests} - self._finished_early
         if early:
             self._finished_early.update(fresh)
         else:
             self._finished_early.difference_update(r.req_id for r in requests)
+        reads = {}
         try:
-            reads = self.cache.plan_request_rows(
-                {r.req_id: r.rows_standing for r in requests if r.req_id in fresh}) \
-                if fresh else {}
+            if fresh:
+                reads = self.cache.plan_request_rows(
+                    {r.req_id: r.rows_standing for r in requests if r.req_id in fresh})
         except Exception as exc:
             self._engine_fault("reading back finished requests' rows", exc)
-            self._submit(f"publishing {len(requests)} finished requests",
-                         [r.req_id for r in requests], lambda: self._publish(
-                             requests, self.delivery.finish_early if early
-                             else self.delivery.finish))
-            return
         self._submit(f"publishing {len(requests)} finished requests", [r.req_id for r in requests],
                      lambda: [self.delivery.publish_read(r, reads.get(r.req_id), early=early)
                               for r in requests], step_rows=True)
