@@ -321,11 +321,7 @@ class StageDelivery:
         back (None: it has none the view still held), unless published already; rows that
         cannot be read are published as its failure, naming why."""
         with self._lock:
-            done = request.req_id in self._published_early
-            if done and not early:
-                self._published_early.discard(request.req_id)  # the runner's own finish
-            elif not done and early:
-                self._published_early.add(request.req_id)
+            done = not self._first_finish(request.req_id, early)
             self._held_whole.discard(request.req_id)
             stopped = self._stopped
             if rows is not None and not done and stopped is None:
@@ -361,8 +357,7 @@ class StageDelivery:
         """The runner retired `request`: publish its rows under its external id (unless
         `finish_early` did), then free them."""
         with self._lock:
-            if request.req_id in self._published_early:
-                self._published_early.discard(request.req_id)
+            if not self._first_finish(request.req_id, early=False):
                 return
         self._publish(request)
 
@@ -370,10 +365,21 @@ class StageDelivery:
         """The scheduler retired `request` before the runner heard of it: publish it now
         (unless its failure was published already: held when the stage stopped)."""
         with self._lock:
-            if request.req_id in self._published_early:
+            if not self._first_finish(request.req_id, early=True):
                 return
-            self._published_early.add(request.req_id)
         self._publish(request)
+
+    def _first_finish(self, req_id: str, early: bool) -> bool:
+        """Whether this finish publishes `req_id`: not where it was published already (by the
+        scheduler's finish, or as a failure), whose mark the runner's own finish clears; a
+        scheduler's (`early`) finish marks it (caller holds the lock)."""
+        if req_id in self._published_early:
+            if not early:
+                self._published_early.discard(req_id)
+            return False
+        if early:
+            self._published_early.add(req_id)
+        return True
 
     def fail_held(self, cause: str) -> int:
         """Publish, for every request still held (its finish never came and will not be
