@@ -173,14 +173,17 @@ class OmniPrefixCacheManager:
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                      *, num_tokens_unpadded: int, num_tokens_padded: int,
-                     slot_mapping: torch.Tensor | None = None) -> int:
+                     slot_mapping: torch.Tensor | None = None, plan_reads: bool = True) -> int:
         """Save this step's rows; returns the step id to materialize or discard.
 
         Everything it is handed is read, or copied, in order on the caller's
         stream: the caller may overwrite every tensor right away (in its stream
         order). `slot_mapping`, the runner's device slot mapping of the step
         (the KV-cache write's), lets a zero-copy CUDA write read each row's slot
-        on the device instead of uploading the host's.
+        on the device instead of uploading the host's. `plan_reads=False`: the
+        step will only be discarded (its rows are read back at the finish, by
+        `plan_request_rows`), so no reads of it or of its hits are planned, and
+        `materialize` refuses it.
         """
         with self._stats.timed("save_outputs"):
             self._check_usable("save_outputs")
@@ -190,18 +193,19 @@ class OmniPrefixCacheManager:
                     "save_outputs called without new_step_starts for this step")
             n, outputs, new_keys = self._checker.step_outputs(
                 hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, self.policy)
-            # a step of immediate rows in stream order, without hits, keeps none of the tensors
-            # it makes (a hit's deferred rows are flushed; a read resolved early guards itself)
+            # a step of immediate rows in stream order, without hits read, keeps none of the
+            # tensors it makes (a hit's deferred rows are flushed; a read resolved early guards
+            # itself)
             keeps = bool(new_keys or outputs.deferred or outputs.leftover
-                         or self._pending.hits or not self._writer.in_stream)
+                         or (plan_reads and self._pending.hits) or not self._writer.in_stream)
             if not keeps:
-                return self._save(outputs, new_keys, n, slot_mapping)
+                return self._save(outputs, new_keys, n, slot_mapping, plan_reads)
             with keeping_tensors():
-                return self._save(outputs, new_keys, n, slot_mapping)
+                return self._save(outputs, new_keys, n, slot_mapping, plan_reads)
 
     def _save(self, outputs: StepOutputs, new_keys: Mapping[str, tuple[tuple[int, ...],
                                                                          torch.dtype]],
-              n: int, slot_mapping: torch.Tensor | None) -> int:
+              n: int, slot_mapping: torch.Tensor | None, plan_reads: bool) -> int:
         """`save_outputs` once its outputs are split and checked."""
         pending = self._pending
         device_slots = self._writer.device_slots(slot_mapping, n)
@@ -218,7 +222,7 @@ class OmniPrefixCacheManager:
                                   lambda: len(self._tasks))
         try:
             record = self._writer.save(step_id, slot, outputs, layout, pending.hits,
-                                       device_slots)
+                                       device_slots, plan_reads)
         except BaseException:
             self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
             raise
@@ -269,9 +273,6 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(
                 f"plan_request_rows: view {type(self.view).__name__} cannot give a request's "
                 f"positions (it lacks request_positions_runs)")
-        with keeping_tensors():  # a retiring deferred write's launch
-            for req_id in requests:
-                self._deferred.retire(req_id)
         planned = []
         for req_id, standing in requests.items():
             n = self._progress.get(req_id, 0)
@@ -279,7 +280,11 @@ class OmniPrefixCacheManager:
             runs = positions_runs(req_id, stands)
             if runs is not None:
                 planned.append((req_id, runs_slots(runs), n - stands))
-        return plan_request_rows(self.pool, self._reads, self._lock, planned)
+        with keeping_tensors():  # a deferred write's launch: the request's, or one it hit
+            for req_id in requests:
+                self._deferred.retire(req_id)
+            return plan_request_rows(self.pool, self._reads, self._deferred, self._lock,
+                                     planned)
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""
@@ -367,6 +372,10 @@ class OmniPrefixCacheManager:
             if record is None:
                 raise OmniPrefixCacheUnmatchError(
                     f"step {step_id} is unknown or was already consumed")
+            if req_ids and not record.readable:
+                raise OmniPrefixCacheUnmatchError(
+                    f"materialize(step {step_id}): the step was saved with plan_reads=False; "
+                    f"it can only be discarded (its rows are read back by plan_request_rows)")
             unknown = record.layout.unknown(req_ids)
             if unknown:
                 raise OmniPrefixCacheUnmatchError(

@@ -30,12 +30,13 @@ def make(backend: devices.DeviceBackend, *, num_blocks: int = 8, block_size: int
 
 
 def run_step(manager: OmniPrefixCacheManager, driver: StepDriver, so: SimpleNamespace,
-             device: torch.device, *, mm_width: int | None = 16, materialize: bool = True):
+             device: torch.device, *, mm_width: int | None = 16, materialize: bool = True,
+             plan_reads: bool = True):
     manager.new_step_starts(so)
     n = sum(driver.scheduled.values())
     mm = {"mm_feature": driver.outputs(mm_width, salt=1).to(device)} if mm_width else None
     sid = manager.save_outputs(driver.outputs(2).to(device), mm, num_tokens_unpadded=n,
-                               num_tokens_padded=n)
+                               num_tokens_padded=n, plan_reads=plan_reads)
     out = manager.materialize(sid, driver.batch) if materialize else sid
     driver.advance()
     return out
@@ -281,6 +282,31 @@ def test_a_finished_requests_rows_read_back_whole_after_its_blocks_go_to_a_new_t
                                                       token_rows(a, 2)[:9])
         assert torch.equal(manager.materialize(sid_c, ["c"]).hidden_states["c"],
                            token_rows(c, 2))
+
+
+def test_steps_saved_without_reads_are_only_discarded_and_read_back_at_the_finish(backend):
+    """A stage that reads every request back at its finish saves steps with
+    `plan_reads=False`: its hits hold no slots, `materialize` refuses such a step by name, and
+    the finish reads a hit request's rows whole, a prefix that a live request's deferred
+    write still holds on the device included (launched by the finish, not waited for)."""
+    manager, d = make(backend, staging_claim_timeout_s=2.0)
+    manager.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feature"})))
+    a = list(range(70, 82))
+    b = a[:8] + [5, 5]
+    with manager:
+        manager.discard_step(run_step(manager, d, d.step(new=[("a", a, [1, 2, 3], 0, 12)]),
+                                      backend.device, materialize=False, plan_reads=False))
+        assert manager.stats()["deferred_device_bytes"] > 0  # a runs on: its rows on the device
+        sid = run_step(manager, d, d.step(new=[("b", b, [1, 2, 4], 8, 2)]), backend.device,
+                       materialize=False, plan_reads=False)
+        assert manager.stats()["hit_requests"] == 1
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"step {sid}.*plan_reads=False"):
+            manager.materialize(sid, ["b"])
+        manager.discard_step(sid)  # the refusal consumed nothing
+        rows = manager.plan_request_rows({"b": None})["b"].resolve()  # b finishes before a
+        assert torch.equal(rows[HIDDEN_KEY], token_rows(b, 2))
+        assert torch.equal(rows["mm_feature"], token_rows(b, 16, salt=1))
 
 
 def test_deferred_budget_flush_splits_writes_and_a_hit_reads_both(backend):

@@ -16,6 +16,7 @@ import torch
 
 from prefix_cache.config import HIDDEN_KEY
 from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import StepHits
 from prefix_cache.core.reads import ReadPlanner, RowRead
 from prefix_cache.errors import OmniPrefixCacheError
@@ -57,12 +58,14 @@ class RequestRows:
             self._planner.cancel(read)
 
 
-def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, lock: threading.Lock,
-                      requests: Sequence[tuple[str, np.ndarray, int]]) -> dict[str, RequestRows]:
+def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: DeferredWriter,
+                      lock: threading.Lock, requests: Sequence[tuple[str, np.ndarray, int]]
+                      ) -> dict[str, RequestRows]:
     """Per `(request, slots of its positions from 0, rows cut)`, its rows of every key it has
     rows of (present, or lost to a failed write: those fail its read), the pool looked up once
     per key for all of them. Hidden rows are never absent: a position without one fails the
-    request's read, where zeros would pass for rows nobody computed."""
+    request's read, where zeros would pass for rows nobody computed. Rows still held on the
+    device by a live request's deferred write (a prefix it shares) are launched."""
     hits = StepHits.join([(req_id, len(slots), slots) for req_id, slots, _ in requests
                           if len(slots)])
     reads: dict[str, dict[str, RowRead]] = {req_id: {} for req_id, _, _ in requests}
@@ -87,6 +90,8 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, lock: threadi
                             f"hidden rows of {len(missing)} of its {len(read.present)} "
                             f"positions (first {int(missing[0])}) were never written"))
                     reads[hits.req_ids[i]][key] = read
+    deferred.flush_tasks([task for per_key in reads.values() for read in per_key.values()
+                          for task in read.producers])
     feat_shapes = {key: pool_key.feat_shape for key, pool_key in pool.keys.items()}
     return {req_id: RequestRows(req_id, len(slots), cut, reads[req_id], feat_shapes, planner)
             for req_id, slots, cut in requests}

@@ -83,6 +83,7 @@ class StepRecord:
     host_rows: dict[str, HostCopy]                      # deferred key -> this step's rows
     hit_reads: dict[str, dict[str, RowRead]]            # req -> key -> [hit + step rows]
     leftover: dict[str, Any]                            # unsplit, each tensor a HostCopy
+    readable: bool = True                               # False: no reads planned, discard only
 
     def reads(self) -> Iterable[RowRead]:
         yield from self.step_reads.values()
@@ -106,15 +107,13 @@ class StepReads:
 
     def plan(self, record: StepRecord, immediate: Iterable[str], claim: int,
              task: WriteTask | None, hits: StepHits) -> None:
-        """Bind this step's and its hits' reads to the writes producing them; they hold their
-        rows until resolved (see ReadPlanner)."""
+        """Bind this step's and its hits' reads (`hits`: those of requests in the step) to the
+        writes producing them; they hold their rows until resolved (see ReadPlanner)."""
         layout = record.layout
         with self._lock:
             record.step_reads = self._reads.plan_step(
                 record.step_id, immediate, lambda: layout.slots, layout.num_rows, claim, task)
-            if hits:
-                self._plan_hits(record, hits.select(
-                    [i for i, req_id in enumerate(hits.req_ids) if req_id in layout]))
+            self._plan_hits(record, hits)
         hit_reads = [read for per_key in record.hit_reads.values() for read in per_key.values()]
         if hit_reads:
             # a hit on rows still held on the device: their deferred writes go out now (a
@@ -151,7 +150,6 @@ class StepReads:
         for i, req_id in enumerate(hits.req_ids):
             record.hit_reads[req_id] = {key: reads[i] for key, reads in reads_of.items()
                                         if i in reads}
-        self._stats.add(hit_tokens=sum(hits.tokens), hit_requests=len(hits))
 
     def assemble(self, record: StepRecord, req_ids: Sequence[str],
                  needs_full_hidden_states: bool) -> StepRows:

@@ -88,8 +88,9 @@ class StepWriter:
                 self._pool.install(pool_key)
 
     def save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
-             hits: StepHits, device_slots: torch.Tensor | None) -> StepRecord:
-        """Copy what outlives the call, then claim the step's slots and launch its write.
+             hits: StepHits, device_slots: torch.Tensor | None, plan_reads: bool) -> StepRecord:
+        """Copy what outlives the call, then claim the step's slots and launch its write;
+        plan its reads unless it will only be discarded.
 
         Everything that can fail for want of memory runs before the claim, so a
         failure there leaves the pool as it was.
@@ -139,10 +140,13 @@ class StepWriter:
         if chunks:
             self._deferred.append(chunks, layout.slots, claim)
         record = StepRecord(step_id, slot, layout, outputs.feature_shapes(),
-                            {}, host_rows, {}, leftover)
-        self._step_reads.plan(record, immediate.keys(), claim, task, hits)
-        self._stats.add(rows_saved=n, miss_tokens=n, bytes_saved=sum(
-            v.numel() * v.element_size() for v in outputs.per_token().values()))
+                            {}, host_rows, {}, leftover, readable=plan_reads)
+        hits = hits.select([i for i, req_id in enumerate(hits.req_ids) if req_id in layout])
+        if plan_reads:
+            self._step_reads.plan(record, immediate.keys(), claim, task, hits)
+        self._stats.add(rows_saved=n, miss_tokens=n, hit_tokens=sum(hits.tokens),
+                        hit_requests=len(hits), bytes_saved=sum(
+                            v.numel() * v.element_size() for v in outputs.per_token().values()))
         return record
 
     def _private(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ With the cache, `begin_step` is the manager's `new_step_starts` and `save_step` 
   request) or earlier, by `finish_now`, when the scheduler does
   (`prefix_cache.integration.workers.finishes`), pins the request's rows from position 0
   (`plan_request_rows`), and the output thread reads them back and publishes them. Nothing is
-  handed over per step: that hand-over cost the engine step more than its work;
+  handed over per step, nor read (steps are saved with `plan_reads=False`): that hand-over
+  cost the engine step more than its work;
 - a streaming stage: `end_step` queues `materialize` on the output thread, which hands each
   request's rows to `StageDelivery` step by step, for its chunks.
 
@@ -198,7 +199,8 @@ class StageOutputDriver:
         if self.cache is not None:
             step_id = self.cache.save_outputs(hidden, mm, num_tokens_unpadded=n,
                                               num_tokens_padded=num_tokens_padded,
-                                              slot_mapping=slot_mapping)
+                                              slot_mapping=slot_mapping,
+                                              plan_reads=not self._at_finish)
             return _SavedStep(batch, step_id=step_id)
         with torch.inference_mode(False):
             per_token = split_outputs(hidden, mm, n, num_tokens_padded, self.policy).per_token()
@@ -247,7 +249,8 @@ class StageOutputDriver:
                              step_rows=True)
             elif self.cache is not None:  # no forward ran: still exactly one save per step
                 step_id = self.cache.save_outputs(self._empty_hidden(), None,
-                                                  num_tokens_unpadded=0, num_tokens_padded=0)
+                                                  num_tokens_unpadded=0, num_tokens_padded=0,
+                                                  plan_reads=False)
                 self.cache.discard_step(step_id)
         except Exception as exc:
             self._engine_fault("ending a step", exc)

@@ -77,7 +77,8 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                      write_stream: str = "compute", forward_us: float = 0.0,
                      host_sweep_bytes: int = 0) -> EngineTiming:
     """µs per step in new_step_starts + save_outputs (the median after the first), and host
-    bytes.
+    bytes; each step is saved as the runner saves a stage of whole entries (`plan_reads=False`)
+    and discarded.
 
     The pool has `num_blocks` blocks, by default just enough for the requests' positions.
     On a device, each step passes the slot mapping a runner keeps there; a stand-in forward
@@ -119,9 +120,11 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                 sweep.add_(1.0)
             start = time.perf_counter()
             cache.new_step_starts(so)
+            # as the runner saves a stage that publishes whole entries: rows read back at the
+            # finish, none per step
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
                                      num_tokens_padded=hidden.shape[0],
-                                     slot_mapping=slot_buffer)
+                                     slot_mapping=slot_buffer, plan_reads=False)
             times.append(time.perf_counter() - start)
             cache.discard_step(sid)
             # untimed: the step's writes land before the next step, as a forward's length lets
