@@ -49,27 +49,30 @@ def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.Proces
     return proc
 
 
-def _expect_then(spec: str, request_id: str, ready: multiprocessing.Event, end: str,
+def _expect_then(spec: str, request_ids: list[str], ready: multiprocessing.Event, end: str,
                  delay_s: float) -> None:
-    """In a spawned process: a producer expects `request_id`, says so, and after `delay_s`
-    ends as `end` says: "exit" (os._exit), "kill" (SIGKILL), or "publish" (then closes)."""
+    """In a spawned process: a producer expects `request_ids` (together), says so, and after
+    `delay_s` ends as `end` says: "exit" (os._exit), "kill" (SIGKILL), or "publish" (then
+    closes)."""
     channel = open_channel(spec)
-    channel.expect(request_id)
+    channel.expect_all(request_ids)
     ready.set()
     time.sleep(delay_s)
     if end == "exit":
         os._exit(1)
     if end == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    channel.put(request_id, _marked(7))
+    for request_id in request_ids:
+        channel.put(request_id, _marked(7))
     channel.close()
 
 
-def _producer(channel: ShmChannel, request_id: str, end: str, delay_s: float = 0.0
+def _producer(channel: ShmChannel, request_ids: str | list[str], end: str, delay_s: float = 0.0
               ) -> tuple[multiprocessing.Process, float]:
-    """A spawned producer of `request_id` on `channel`'s namespace, once it expects it."""
+    """A spawned producer of `request_ids` on `channel`'s namespace, once it expects them."""
     ready = _SPAWN.Event()
-    proc = _spawn(_expect_then, channel.spec, request_id, ready, end, delay_s)
+    request_ids = [request_ids] if isinstance(request_ids, str) else request_ids
+    proc = _spawn(_expect_then, channel.spec, request_ids, ready, end, delay_s)
     assert ready.wait(60), "the producer did not start"
     return proc, time.monotonic()
 
@@ -82,6 +85,24 @@ def test_a_consumer_learns_within_seconds_that_its_producer_died(end: str) -> No
                            match=f"request r1: .*producer pid {producer.pid} on host .* died"):
             channel.get("r1", timeout_s=60)
         assert time.monotonic() - started < 0.5 + 2.5
+        producer.join(30)
+
+
+def test_requests_expected_together_each_learn_that_their_producer_died() -> None:
+    """A stage announces the requests a step schedules first at once (`expect_all`, one
+    namespace lock); each one's consumer is told, and a temp left by a producer that died
+    writing an expectation does not stand in the way."""
+    with open_channel("shm") as channel:
+        stale = channel._expectation_path("r2").with_name(
+            channel._expectation_path("r2").name + ".new")
+        stale.write_bytes(b'{"producer": ".producer-')  # cut off mid-write
+        producer, started = _producer(channel, ["r1", "r2", "r3"], "kill", delay_s=0.5)
+        assert not stale.exists()
+        for request_id in ("r1", "r2", "r3"):
+            with pytest.raises(OmniPrefixCacheChannelProducerError,
+                               match=f"request {request_id}: .*producer pid {producer.pid} "):
+                channel.get(request_id, timeout_s=60)
+        assert time.monotonic() - started < 0.5 + 2.5 + 1.0  # the later gets at once
         producer.join(30)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -77,8 +78,8 @@ class Recording:
     def fail(self, request_id: str, cause: str) -> None:
         self.failures[request_id] = cause
 
-    def expect(self, request_id: str) -> None:
-        self.expected.append(request_id)
+    def expect_all(self, request_ids: Sequence[str]) -> None:
+        self.expected.extend(request_ids)
 
 
 def test_rows_past_the_delivered_ones_fail_that_request_naming_the_gap() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -92,8 +93,8 @@ class FullOnce:
     def fail(self, request_id: str, cause: str) -> None:
         self.channel.fail(request_id, cause)
 
-    def expect(self, request_id: str) -> None:
-        self.channel.expect(request_id)
+    def expect_all(self, request_ids: Sequence[str]) -> None:
+        self.channel.expect_all(request_ids)
 
 
 def test_a_failed_publish_fails_that_entry_alone_naming_its_cause() -> None:

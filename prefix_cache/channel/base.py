@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -172,12 +172,19 @@ class StageChannel(ABC):
         """Says this handle will publish `request_id`'s next entry (registering it a producer):
         if its process dies before it does, a consumer waiting for the entry raises
         `OmniPrefixCacheChannelProducerError` within seconds. Its put or fail ends the promise."""
-        self._check_open(request_id)
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
-        with self._operation(request_id):
+        self.expect_all([request_id])
+
+    def expect_all(self, request_ids: Sequence[str]) -> None:
+        """`expect` for each of `request_ids`, recorded together (on `shm`, under one
+        namespace lock: a stage announces the requests a step schedules first at once)."""
+        for request_id in request_ids:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
+        if not request_ids:
+            return
+        with self._operation(request_ids[0]):  # refused, naming it, once the handle closed
             self._register_producer()
-            self._expect(request_id)
+            self._expect(request_ids)
 
     def _put_entry(self, entry: StageEntry, *, bounded: bool) -> None:
         encoded = encode(entry)
@@ -385,9 +392,9 @@ class StageChannel(ABC):
         its liveness ends when it closes or its process dies."""
 
     @abstractmethod
-    def _expect(self, request_id: str) -> None:
-        """Records that this handle's producer will publish `request_id`'s next entry; its
-        publish (entry or failure) removes the record."""
+    def _expect(self, request_ids: Sequence[str]) -> None:
+        """Records that this handle's producer will publish each of `request_ids`' next entry;
+        its publish (entry or failure) removes the record."""
 
     @abstractmethod
     def _dead_producer(self, request_id: str) -> str | None:

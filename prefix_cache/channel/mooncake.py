@@ -55,7 +55,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -766,12 +766,13 @@ class MooncakeChannel(StageChannel):
     def _expect_key(self, head: str) -> str:
         return f"{self.namespace}/.expect/{head.rpartition('/')[2]}"
 
-    def _expect(self, request_id: str) -> None:
-        key = self._expect_key(self.entry_key(request_id))
-        self._check_stored(self._tails.upsert(key, self._producer.record(0)),
-                           f"the expectation of request {request_id}", _RECORD.size)
-        with self._lock:
-            self._held.expected.add(key)
+    def _expect(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            key = self._expect_key(self.entry_key(request_id))
+            self._check_stored(self._tails.upsert(key, self._producer.record(0)),
+                               f"the expectation of request {request_id}", _RECORD.size)
+            with self._lock:
+                self._held.expected.add(key)
 
     def _fulfil(self, head: str) -> None:
         """Removes this handle's expectation of the id `head`, if any: its entry is out."""

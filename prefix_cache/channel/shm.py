@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +115,11 @@ class _Budget(NamedTuple):
     next_seq: int  # the sequence number of the next entry published
 
 
-def _create_private_file(path: Path) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _create_private_file(path: Path | str, *, exclusive: bool = True) -> int:
+    """A new file at `path` open for writing, private to this user (not `exclusive`: one left
+    there is truncated and taken over)."""
+    flags = os.O_EXCL if exclusive else os.O_TRUNC
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600)
     os.fchmod(fd, 0o600)  # exact, whatever the umask
     return fd
 
@@ -391,21 +394,23 @@ class ShmChannel(StageChannel):
         except OSError as e:
             raise self._gone_or(e, "cannot register a producer") from e
 
-    def _expect(self, request_id: str) -> None:
+    def _expect(self, request_ids: Sequence[str]) -> None:
         producer = self._producer
         assert producer is not None, "expect registers the producer first"
-        path = self._expectation_path(request_id)
-        temp = path.with_name(path.name + ".new")
-        record = {**producer.record, "producer": producer.path.name}
+        record = memoryview(json.dumps({**producer.record, "producer": producer.path.name})
+                            .encode())
+        request_id = request_ids[0]
         try:
-            with self._locked():
-                temp.unlink(missing_ok=True)  # left by a producer that died writing it
-                fd = _create_private_file(temp)
-                try:
-                    _write_all(fd, memoryview(json.dumps(record).encode()), 0)
-                finally:
-                    os.close(fd)
-                os.rename(temp, path)
+            with self._locked():  # once for all: each system call here gives up the GIL
+                for request_id in request_ids:
+                    path = str(self._expectation_path(request_id))
+                    # a temp left by a producer that died writing it is truncated, not unlinked
+                    fd = _create_private_file(path + ".new", exclusive=False)
+                    try:
+                        _write_all(fd, record, 0)
+                    finally:
+                        os.close(fd)
+                    os.rename(path + ".new", path)
         except OSError as e:
             raise self._gone_or(e, f"cannot record that request {request_id} is expected") from e
 

@@ -72,7 +72,7 @@ class StageSink(Protocol):
 
     def fail(self, request_id: str, cause: str) -> None: ...
 
-    def expect(self, request_id: str) -> None: ...
+    def expect_all(self, request_ids: Sequence[str]) -> None: ...
 
 
 class RowsReadBack(Protocol):
@@ -232,8 +232,8 @@ class StageDelivery:
                     logger.error("%s", exc)
                     self._broken[req_id] = str(exc)
                     self._parts.pop(req_id, None)
-        for req_id in first_seen:
-            self._expect(req_id)
+        if first_seen:
+            self._expect(first_seen)
         if self.streaming:
             for req_id in added:
                 self._stream(req_id)
@@ -270,16 +270,17 @@ class StageDelivery:
         with self._lock:
             self._chunks += 1
 
-    def _expect(self, req_id: str) -> None:
-        """Tell the sink this stage will publish `req_id`: its consumer learns within seconds
-        if this process dies first. A sink that cannot record it only costs that warning."""
+    def _expect(self, req_ids: Sequence[str]) -> None:
+        """Tell the sink this stage will publish each of `req_ids` (at once): their consumers
+        learn within seconds if this process dies first. A sink that cannot record them only
+        costs that warning."""
         if self._sink is None:
             return
         try:
-            self._sink.expect(self._external_id(req_id))
+            self._sink.expect_all([self._external_id(req_id) for req_id in req_ids])
         except Exception as exc:
-            logger.warning("request %s: its consumer cannot be told of this stage's liveness: "
-                           "%s: %s", req_id, type(exc).__name__, exc)
+            logger.warning("requests %s: their consumers cannot be told of this stage's "
+                           "liveness: %s: %s", ", ".join(req_ids), type(exc).__name__, exc)
 
     def _add(self, req_id: str, part: _Part) -> None:
         parts = self._parts.get(req_id, [])
@@ -310,10 +311,9 @@ class StageDelivery:
             self._held_whole.update(fresh)
         return fresh
 
-    def announce(self, req_ids: Iterable[str]) -> None:
+    def announce(self, req_ids: Sequence[str]) -> None:
         """Tell the sink this stage will publish each of `req_ids` (see `_expect`)."""
-        for req_id in req_ids:
-            self._expect(req_id)
+        self._expect(req_ids)
 
     def publish_read(self, request: FinishedRequest, rows: RowsReadBack | None, *,
                      early: bool = False) -> None:
