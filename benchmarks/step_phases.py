@@ -30,7 +30,7 @@ from pathlib import Path
 from prefix_cache.channel import open_channel
 from prefix_cache.integration.delivery import StageDelivery
 from prefix_cache.tools import pipeline_bench as pb
-from prefix_cache.tools.engines import start_thinker
+from prefix_cache.tools.engines import multiprocessing_mode, start_thinker
 from prefix_cache.tools.pipeline import StageRequest, warm_up
 
 VARIANTS = ("full", "noannounce", "noput", "noread")
@@ -67,8 +67,9 @@ def main() -> None:
     args = parser.parse_args()
     device, stage_model, shape = pb.m8_stage_one(args.model)
     requests = [StageRequest(r.req_id, r.prompt, 16) for r in pb.m8_workload()]
+    # in-process: a step is the engine's own work, and the variants patch this process
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-phases-") as tmp, \
-            open_channel() as channel:
+            multiprocessing_mode(False), open_channel() as channel:
         model_dir = stage_model.write(Path(tmp) / "thinker")
         engines = {"plain": start_thinker(model_dir, channel, prefix_caching=True, shape=shape,
                                           worker_cls=pb.PLAIN_WORKER[device],
