@@ -309,6 +309,29 @@ def test_steps_saved_without_reads_are_only_discarded_and_read_back_at_the_finis
         assert torch.equal(rows["mm_feature"], token_rows(b, 16, salt=1))
 
 
+def test_a_finish_read_back_fails_a_request_whose_hidden_rows_are_not_all_there(backend):
+    """Hidden rows are never absent: read back at the finish, a request one of whose blocks
+    got a copy of a block nobody wrote fails by name (zeros would pass for rows nobody
+    computed); the other request reads back whole."""
+    manager, d = make(backend)
+    tokens = list(range(8))
+    with manager:
+        manager.discard_step(run_step(
+            manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8), ("b", tokens, [3, 4], 0, 8)]),
+            backend.device, materialize=False, plan_reads=False))
+        so = d.step()
+        so.kv_cache_block_copies = [SimpleNamespace(src_block_id=7, dst_block_id=2)]
+        manager.new_step_starts(so)
+        manager.discard_step(manager.save_outputs(
+            d.outputs(2).to(backend.device), None, num_tokens_unpadded=0, num_tokens_padded=0,
+            plan_reads=False))
+        rows = manager.plan_request_rows({"a": None, "b": None})
+        with pytest.raises(OmniPrefixCacheError, match=r"hidden rows of 4 of its 8 positions "
+                                                       r"\(first 4\) were never written"):
+            rows["a"].resolve()
+        assert torch.equal(rows["b"].resolve()[HIDDEN_KEY], token_rows(tokens, 2))
+
+
 def test_deferred_budget_flush_splits_writes_and_a_hit_reads_both(backend):
     # each chunk of 4 rows x 16 floats is 256 bytes: a 300-byte budget flushes every step
     manager, d = make(backend, num_blocks=8, gpu_budget_bytes=300)

@@ -82,14 +82,14 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Def
                     (f"the finish of request {hits.req_ids[i]}", 0) for i in chosen]) \
                     if chosen else []
                 for i, read in zip(chosen, planned):
-                    if key == HIDDEN_KEY and read.present is not None \
-                            and not read.present.all() and read.error is None:
-                        missing = np.flatnonzero(~read.present)
-                        planner.cancel(read)
-                        read.fail(OmniPrefixCacheError(
-                            f"hidden rows of {len(missing)} of its {len(read.present)} "
-                            f"positions (first {int(missing[0])}) were never written"))
                     reads[hits.req_ids[i]][key] = read
+    for read in (per_key[HIDDEN_KEY] for per_key in reads.values() if HIDDEN_KEY in per_key):
+        if read.present is not None and not read.present.all() and read.error is None:
+            missing = np.flatnonzero(~read.present)
+            planner.cancel(read)  # unpins under the lock: not while holding it
+            read.fail(OmniPrefixCacheError(
+                f"hidden rows of {len(missing)} of its {len(read.present)} positions (first "
+                f"{int(missing[0])}) were never written"))
     deferred.flush_tasks([task for per_key in reads.values() for read in per_key.values()
                           for task in read.producers])
     feat_shapes = {key: pool_key.feat_shape for key, pool_key in pool.keys.items()}
