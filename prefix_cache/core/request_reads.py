@@ -73,11 +73,12 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Def
         starts = hits.bounds[:-1]
         with lock:
             for key in pool.keys:
-                present = pool.present(key, hits.slots)
-                has_rows = np.logical_or.reduceat(present | pool.lost(key, hits.slots), starts)
-                if key == HIDDEN_KEY:
-                    has_rows |= ~np.logical_and.reduceat(present, starts)
-                chosen = np.flatnonzero(has_rows).tolist()
+                if key == HIDDEN_KEY:  # never absent: every request reads it (plan_hits looks)
+                    chosen = list(range(len(hits)))
+                else:  # a request reads an mm key where it has rows of it, present or lost
+                    has_rows = np.logical_or.reduceat(
+                        pool.present(key, hits.slots) | pool.lost(key, hits.slots), starts)
+                    chosen = np.flatnonzero(has_rows).tolist()
                 planned = planner.plan_hits(key, hits.select(chosen), [
                     (f"the finish of request {hits.req_ids[i]}", 0) for i in chosen]) \
                     if chosen else []
