@@ -45,11 +45,11 @@ def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
     form `prefix_cache.core._core`'s row copies take. Two torch calls: after a forward has
     evicted the host's caches each costs tens of µs, and numpy's reshape far less."""
-    rows = tensor.shape[0]
-    if tensor.numel() == 0:  # nothing to view; the row width still has to match
-        return np.empty((rows, math.prod(tensor.shape[1:]) * tensor.element_size()),
+    shape = tensor.shape
+    if 0 in shape:  # nothing to view; the row width still has to match
+        return np.empty((shape[0], math.prod(shape[1:]) * tensor.element_size()),
                         dtype=np.uint8)
-    return tensor.detach().view(torch.uint8).numpy().reshape(rows, -1)
+    return tensor.detach().view(torch.uint8).numpy().reshape(shape[0], -1)
 
 
 def _in_process(pid: int, release: Callable[[], None]) -> None:
@@ -68,6 +68,10 @@ class HostBuffer:
     def __init__(self, tensor: torch.Tensor, *, pinned: bool,
                  release: Callable[[], None] | None = None) -> None:
         self.tensor = tensor
+        #: `tensor`'s dtype and shape, read once (a torch attribute read costs the engine
+        #: thread microseconds after a forward)
+        self.dtype: torch.dtype = tensor.dtype
+        self.shape: tuple[int, ...] = tuple(tensor.shape)
         self.pinned = pinned
         # a finalizer, so a buffer dropped without close() is still unregistered
         self._release = (weakref.finalize(self, _in_process, os.getpid(), release)
@@ -79,7 +83,7 @@ class HostBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def byte_rows(self) -> np.ndarray:

@@ -19,6 +19,9 @@ from prefix_cache.devices.base import (DeviceBackend, DeviceEvent, HostBuffer, T
                                         byte_rows)
 
 
+_CPU = torch.device("cpu")
+
+
 class CpuBackend(DeviceBackend):
     """Rows already live in host memory, so every transfer completes in its call."""
 
@@ -31,7 +34,7 @@ class CpuBackend(DeviceBackend):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return _CPU
 
     def record_event(self) -> DeviceEvent | None:
         return None
@@ -68,15 +71,20 @@ def copy_rows(rows: torch.Tensor, slots: torch.Tensor | np.ndarray,
     is checked before a byte is written, and a slot given twice keeps its last row. A pool that
     is not contiguous, or rows of another row shape, take `index_copy_` itself. A HostBuffer
     pool lends its byte view, made once (`HostBuffer.byte_rows`)."""
-    target = pool.tensor if isinstance(pool, HostBuffer) else pool
-    if rows.dtype != target.dtype:
-        rows = rows.to(target.dtype)
-    if rows.dim() != target.dim() or rows.shape[1:] != target.shape[1:] or (
-            not isinstance(pool, HostBuffer) and (target.dim() == 0 or not target.is_contiguous())):
+    buffer = pool if isinstance(pool, HostBuffer) else None
+    target = pool.tensor if buffer is not None else pool
+    # a HostBuffer's dtype and shape are values: the engine thread reads fewer torch attributes
+    dtype, shape = (buffer.dtype, buffer.shape) if buffer is not None \
+        else (target.dtype, target.shape)
+    if rows.dtype != dtype:
+        rows = rows.to(dtype)
+    row_shape = rows.shape
+    if len(row_shape) != len(shape) or row_shape[1:] != shape[1:] or (
+            buffer is None and (not shape or not target.is_contiguous())):
         target.index_copy_(0, torch.as_tensor(slots), rows)  # torch's own checks and messages
         return
     slot_array = slots.numpy() if isinstance(slots, torch.Tensor) else slots
     if slot_array.dtype != np.int64:
         raise TypeError(f"cpu scatter: slots must be int64, got {slots.dtype}")
     _core.copy_rows(byte_rows(rows.contiguous()), np.ascontiguousarray(slot_array),
-                    pool.byte_rows if isinstance(pool, HostBuffer) else byte_rows(target))
+                    buffer.byte_rows if buffer is not None else byte_rows(target))

@@ -57,6 +57,8 @@ class PoolKey:
     name: str
     storage: HostBuffer
     feat_shape: tuple[int, ...]
+    dtype: torch.dtype  # the storage's, kept as values: the engine thread reads them each step
+    row_width: int      # and a torch attribute read costs it microseconds after a forward
     version: Tiers   # slot claim the rows were written under (0: none; negated: lost)
     producer: Tiers  # write task that lands those rows, beside each version entry
 
@@ -66,12 +68,8 @@ class PoolKey:
         return self.storage.tensor
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.storage.tensor.dtype
-
-    @property
-    def row_width(self) -> int:
-        return self.storage.tensor.shape[1]
+    def row_bytes(self) -> int:
+        return self.row_width * self.dtype.itemsize
 
     def versions(self, slots: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The version at each of `slots` (in `blocks`), and whether it is its block's entry."""
@@ -167,7 +165,7 @@ class PrefixBlockPool:
         """Host storage for a new key; does not touch shared tables, so it may run unlocked."""
         width = math.prod(feat_shape)
         storage = self._backend.alloc_host((self.num_slots, width), dtype)
-        return PoolKey(name, storage, tuple(feat_shape),
+        return PoolKey(name, storage, tuple(feat_shape), dtype, width,
                        Tiers(self.num_blocks, self.block_size),
                        Tiers(self.num_blocks, self.block_size))
 

@@ -68,6 +68,8 @@ class WriteLauncher:
 
     def pop_failure(self) -> OmniPrefixCacheError | None:
         """The oldest failed write not yet reported, if any."""
+        if not self._failures:  # each public call asks: no lock while there is none
+            return None
         with self._lock:
             return self._failures.popleft() if self._failures else None
 

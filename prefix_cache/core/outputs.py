@@ -32,6 +32,9 @@ class StepOutputs:
     immediate: dict[str, torch.Tensor] = field(default_factory=dict)
     deferred: dict[str, torch.Tensor] = field(default_factory=dict)
     leftover: dict[str, Any] = field(default_factory=dict)
+    #: each per-token key's shape (its rows first), read once at the split: after a forward,
+    #: each torch attribute read costs the engine thread microseconds
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def hidden(self) -> torch.Tensor | None:
@@ -41,7 +44,19 @@ class StepOutputs:
         return {**self.immediate, **self.deferred}
 
     def feature_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(v.shape[1:]) for k, v in self.per_token().items()}
+        return {k: shape[1:] for k, shape in self.shapes.items()}
+
+    def add(self, key: str, tensor: torch.Tensor, shape: tuple[int, ...], num_tokens: int,
+            *, deferred: bool = False) -> None:
+        """File `tensor`'s first `num_tokens` rows (detached) under `key`, immediate or
+        deferred; a view only where the tensor has more rows (a view costs the engine thread
+        about 1.5 µs)."""
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if shape[0] != num_tokens:
+            tensor, shape = tensor[:num_tokens], (num_tokens, *shape[1:])
+        (self.deferred if deferred else self.immediate)[key] = tensor
+        self.shapes[key] = shape
 
 
 def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -85,37 +100,26 @@ def split_outputs(hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, A
     if policy.needs_full_hidden_states:
         if hidden_states is None and num_tokens == 0:
             pass  # an empty step may come without a forward
-        elif not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1 \
-                or hidden_states.shape[0] < num_tokens:
-            what = (f"shape {tuple(hidden_states.shape)}"
-                    if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__)
-            raise OmniPrefixCacheInputError(
-                f"save_outputs: hidden_states must be a tensor of at least {num_tokens} rows, got "
-                f"{what}")
         else:
-            out.immediate[HIDDEN_KEY] = _rows(hidden_states, num_tokens)
+            shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else ()
+            if not shape or shape[0] < num_tokens:
+                what = (f"shape {shape}" if isinstance(hidden_states, torch.Tensor)
+                        else type(hidden_states).__name__)
+                raise OmniPrefixCacheInputError(
+                    f"save_outputs: hidden_states must be a tensor of at least {num_tokens} "
+                    f"rows, got {what}")
+            out.add(HIDDEN_KEY, hidden_states, shape, num_tokens)
     for key, value in flatten_mm(mm_outputs).items():
         if key == HIDDEN_KEY:
             raise OmniPrefixCacheInputError(
                 f"save_outputs: mm output key {HIDDEN_KEY!r} is reserved")
-        per_token = (isinstance(value, torch.Tensor) and value.dim() >= 1
-                     and value.shape[0] in (num_tokens, num_tokens_padded)
-                     and key not in policy.per_request_keys)
-        if not per_token:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+        if not (shape and shape[0] in (num_tokens, num_tokens_padded)
+                and key not in policy.per_request_keys):
             out.leftover[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        elif key in policy.deferred_keys:
-            out.deferred[key] = _rows(value, num_tokens)
         else:
-            out.immediate[key] = _rows(value, num_tokens)
+            out.add(key, value, shape, num_tokens, deferred=key in policy.deferred_keys)
     return out
-
-
-def _rows(tensor: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first `num_tokens` rows, detached; the tensor itself where that is all of it (a
-    view costs about 1.5 µs of the engine thread)."""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    return tensor if tensor.shape[0] == num_tokens else tensor[:num_tokens]
 
 
 class OutputChecker:
@@ -126,6 +130,7 @@ class OutputChecker:
     def __init__(self, backend: DeviceBackend, pool: PrefixBlockPool, capacity_tokens: int
                  ) -> None:
         self._backend = backend
+        self._device = backend.device
         self._pool = pool
         self._capacity_tokens = capacity_tokens
 
@@ -139,15 +144,18 @@ class OutputChecker:
         outputs = split_outputs(hidden_states, mm_outputs, n, padded_n, policy)
         return n, outputs, self._new_keys(outputs, n)
 
-    def check_device(self, what: str, tensor: torch.Tensor, *, host_ok: bool = False) -> None:
-        """The backend's device check, refusing as bad input; `host_ok`: a host tensor passes
-        (a leftover is copied in the call)."""
-        if host_ok and tensor.device.type == "cpu":
-            return
+    def check_device(self, what: str, tensor: torch.Tensor, *, host_ok: bool = False
+                     ) -> torch.device:
+        """The tensor's device, after the backend's device check, refusing as bad input;
+        `host_ok`: a host tensor passes (a leftover is copied in the call)."""
+        device = tensor.device
+        if device == self._device or (host_ok and device.type == "cpu"):
+            return device
         try:
             self._backend.check_rows(what, tensor)
         except ValueError as exc:
             raise OmniPrefixCacheInputError(str(exc)) from None
+        return device
 
     @staticmethod
     def _token_counts(unpadded: Any, padded: Any) -> tuple[int, int]:
@@ -178,7 +186,7 @@ class OutputChecker:
         new_keys = {}
         for key, rows in itertools.chain(outputs.immediate.items(), outputs.deferred.items()):
             self.check_device(f"save_outputs: {key!r} rows", rows)
-            feat, dtype = tuple(rows.shape[1:]), rows.dtype
+            feat, dtype = outputs.shapes[key][1:], rows.dtype
             pool_key = self._pool.keys.get(key)
             if pool_key is None:
                 new_keys[key] = (feat, dtype)

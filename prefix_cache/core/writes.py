@@ -64,13 +64,14 @@ class StepWriter:
         if not isinstance(slot_mapping, torch.Tensor):
             raise OmniPrefixCacheInputError(
                 f"save_outputs: slot_mapping must be a tensor, got {type(slot_mapping).__name__}")
-        if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
-                or slot_mapping.shape[0] < n:
+        shape, dtype = slot_mapping.shape, slot_mapping.dtype
+        if len(shape) != 1 or dtype not in (torch.int32, torch.int64) or shape[0] < n:
             raise OmniPrefixCacheInputError(
                 f"save_outputs: slot_mapping must be a 1-D int32/int64 tensor of at least the "
-                f"step's {n} tokens, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-        self._checker.check_device("save_outputs: slot_mapping", slot_mapping, host_ok=True)
-        return None if slot_mapping.device.type == "cpu" else slot_mapping
+                f"step's {n} tokens, got {tuple(shape)} {dtype}")
+        device = self._checker.check_device("save_outputs: slot_mapping", slot_mapping,
+                                            host_ok=True)
+        return None if device.type == "cpu" else slot_mapping
 
     def install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Allocate pools for keys seen for the first time (unlocked), then install them all."""
@@ -130,10 +131,10 @@ class StepWriter:
                 else device_slots
             self._launcher.launch(task, (
                 self._backend.scatter_rows(
-                    rows if rows.dim() == 2 else rows.reshape(n, -1), write_slots,
+                    rows if len(outputs.shapes[key]) == 2 else rows.reshape(n, -1), write_slots,
                     self._pool.keys[key].storage, ready=ready,
                     staging=(self._staging.buffer(slot, key, self._pool.keys[key].row_width,
-                                                  rows.dtype)
+                                                  self._pool.keys[key].dtype)
                              if task.staging_slot is not None else None),
                     in_stream=in_stream, host_slots=layout.slots)
                 for key, rows in immediate.items()), False)
@@ -145,8 +146,8 @@ class StepWriter:
         if plan_reads:
             self._step_reads.plan(record, immediate.keys(), claim, task, hits)
         self._stats.add(rows_saved=n, miss_tokens=n, hit_tokens=sum(hits.tokens),
-                        hit_requests=len(hits), bytes_saved=sum(
-                            v.numel() * v.element_size() for v in outputs.per_token().values()))
+                        hit_requests=len(hits), bytes_saved=n * sum(
+                            self._pool.keys[key].row_bytes for key in outputs.shapes))
         return record
 
     def _private(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -197,9 +197,11 @@ class StageOutputDriver:
                    num_tokens_padded: int, slot_mapping: torch.Tensor | None) -> _SavedStep:
         n = batch.num_rows
         if self.cache is not None:
+            # only a backend that reads the device's slots takes the mapping (and its checks)
             step_id = self.cache.save_outputs(hidden, mm, num_tokens_unpadded=n,
                                               num_tokens_padded=num_tokens_padded,
-                                              slot_mapping=slot_mapping,
+                                              slot_mapping=slot_mapping
+                                              if self.cache.backend.device_slots else None,
                                               plan_reads=not self._at_finish)
             return _SavedStep(batch, step_id=step_id)
         with torch.inference_mode(False):
