@@ -1,5 +1,6 @@
 """Builds the C modules: prefix_cache.core._core, the loops of a step's bookkeeping and the
-host row copies, and prefix_cache.devices.cuda._dma, the copy-engine issuer (it links no CUDA
+host row copies; prefix_cache.channel._shm, the shm channel's puts and expectations with the
+GIL released; and prefix_cache.devices.cuda._dma, the copy-engine issuer (it links no CUDA
 library: the runtime's functions are passed in). Everything else is in pyproject.toml. Needs a
 C compiler and the Python headers (python3-dev)."""
 
@@ -9,6 +10,8 @@ FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
 setup(ext_modules=[
     Extension("prefix_cache.core._core", ["prefix_cache/core/_core.c"], extra_compile_args=FLAGS),
+    Extension("prefix_cache.channel._shm", ["prefix_cache/channel/_shm.c"],
+              extra_compile_args=[*FLAGS, "-D_GNU_SOURCE"]),
     Extension("prefix_cache.devices.cuda._dma", ["prefix_cache/devices/cuda/_dma.c"],
               extra_compile_args=[*FLAGS, "-D_GNU_SOURCE", "-pthread"],
               extra_link_args=["-pthread"]),

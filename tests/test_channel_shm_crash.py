@@ -27,6 +27,7 @@ import torch
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import (OmniPrefixCacheChannelProducerError,
                                   OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
+from prefix_cache.channel import _shm
 from prefix_cache.channel.shm import NAMESPACE_PREFIX, RECLAIM_GRACE_S, ShmChannel
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="flock and fork: Linux")
@@ -175,9 +176,11 @@ def test_a_forked_child_registers_a_producer_of_its_own() -> None:
 # ---------------------------------------------------------------- kill anywhere in a put or get
 
 #: The calls through which a put or a take changes files, the budget or locks: a process may
-#: die before any of them.
+#: die before any of them, and inside each `_shm` call before any of its system calls (its
+#: steps, `_shm.steps`).
 _STEP_CALLS = [(os, "open"), (os, "close"), (os, "rename"), (os, "unlink"), (os, "pwrite"),
-               (os, "write"), (os, "ftruncate"), (os, "fchmod"), (fcntl, "flock")]
+               (os, "write"), (os, "ftruncate"), (os, "fchmod"), (fcntl, "flock"),
+               (_shm, "reserve"), (_shm, "write"), (_shm, "publish"), (_shm, "expect")]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["torch", "prefix_cache.channel.shm"])
 
@@ -221,16 +224,19 @@ _SCENARIOS: dict[str, tuple[Callable[[StageChannel], None], list[int], list[int]
 }
 
 
-def _die_before_step(spec: str, scenario: str, step: int) -> None:
+def _die_before_step(spec: str, scenario: str, step: int, inner: int) -> None:
     """In a child process: run the scenario's operation and die (os._exit) just before its
-    call number `step`, or right after the operation if it makes fewer calls."""
+    call number `step` (`inner` > 0: that `_shm` call's system call number `inner`), or right
+    after the operation if it makes fewer calls."""
     channel = open_channel(spec)
     calls = 0
 
     def count(_name: str) -> None:
         nonlocal calls
         if calls == step:
-            os._exit(1)
+            if not inner:
+                os._exit(1)
+            _shm.die_before_step(inner)
         calls += 1
 
     with _each_step(count):
@@ -238,17 +244,18 @@ def _die_before_step(spec: str, scenario: str, step: int) -> None:
     os._exit(1)
 
 
-def _steps_of(scenario: str, root: Path) -> list[str]:
+def _steps_of(scenario: str, root: Path) -> list[tuple[str, int]]:
     """The calls the scenario's operation makes, in order, traced in this process on a
-    namespace prepared as the scenario's."""
+    namespace prepared as the scenario's, each with the system calls it made in `_shm`."""
     operation, before, _, _ = _SCENARIOS[scenario]
-    names: list[str] = []
+    calls: list[tuple[str, int]] = []  # (name, `_shm.steps()` as it was called)
     with ShmChannel.create(root) as channel, open_channel(channel.spec) as other:
         for mark in before:
             channel.put("r", _marked(mark))
-        with _each_step(names.append):
+        with _each_step(lambda name: calls.append((name, _shm.steps()))):
             operation(other)
-    return names
+        ends = [made for _, made in calls[1:]] + [_shm.steps()]
+    return [(name, end - made) for (name, made), end in zip(calls, ends)]
 
 
 def _drain(channel: StageChannel) -> list[int]:
@@ -271,16 +278,20 @@ def test_a_process_killed_at_any_step_leaves_the_ids_other_entries_whole(
     """For each call of the operation (so a new step cannot be missed): a child dies just
     before it; every other entry of the id is then delivered once, in put order, nothing
     stale stays, and the budget counts exactly the unconsumed entries."""
-    _, before, after, orders = _SCENARIOS[scenario]
+    operation, before, after, orders = _SCENARIOS[scenario]
     steps = _steps_of(scenario, tmp_path)
-    for step in range(len(steps) + 1):
+    if operation is _put_2:  # a put's system calls are `_shm`'s: each is a step of its own
+        assert any(inner for _, inner in steps), f"no `_shm` system call traced: {steps}"
+    kills = [(step, inner) for step, (_, made) in enumerate(steps) for inner in range(made + 1)]
+    for step, inner in [*kills, (len(steps), 0)]:
         where = (f"{scenario} killed before step {step} of {len(steps)} "
-                 f"({steps[step] if step < len(steps) else 'after its last'}); calls: {steps}")
+                 f"({steps[step][0] if step < len(steps) else 'after its last'}"
+                 f"{f', its system call {inner}' if inner else ''}); calls: {steps}")
         with ShmChannel.create(tmp_path) as channel:
             for mark in before:
                 channel.put("r", _marked(mark))
             child = _FORKSERVER.Process(target=_die_before_step,
-                                        args=(channel.spec, scenario, step))
+                                        args=(channel.spec, scenario, step, inner))
             child.start()
             child.join(60)
             assert child.exitcode == 1, where

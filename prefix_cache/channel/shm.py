@@ -14,7 +14,11 @@ the lock, opens the id's lowest entry and unlinks it (so exactly one reader take
 it: the tensors it returns are views of a mapping no one else can reach. A process killed
 anywhere thus leaves every other entry where it was, in order; there is no chain to repair. The
 empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
-removes it with the last one), so a get of an id without entries costs one `lstat`.
+removes it with the last one), so a get of an id without entries costs one `lstat`. A put's
+system calls, and a step's expectations', are made in C (`prefix_cache.channel._shm`) with the
+GIL released: three calls a put (reserve, write, publish), one for the expectations, where each
+system call made from Python would hand the GIL over twice (on an engine's output thread, each
+hand-over makes the engine thread wait for it again).
 
 `.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
 use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
@@ -42,6 +46,7 @@ owner holds it while it lives), or one its creator died making.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -67,6 +72,7 @@ from urllib.parse import parse_qs, urlencode
 
 import torch
 
+from prefix_cache.channel import _shm
 from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel,
                                       spec_number)
 from prefix_cache.channel.codec import EncodedEntry
@@ -115,11 +121,9 @@ class _Budget(NamedTuple):
     next_seq: int  # the sequence number of the next entry published
 
 
-def _create_private_file(path: Path | str, *, exclusive: bool = True) -> int:
-    """A new file at `path` open for writing, private to this user (not `exclusive`: one left
-    there is truncated and taken over)."""
-    flags = os.O_EXCL if exclusive else os.O_TRUNC
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600)
+def _create_private_file(path: Path | str) -> int:
+    """A new file at `path` open for writing, private to this user."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_EXCL, 0o600)
     os.fchmod(fd, 0o600)  # exact, whatever the umask
     return fd
 
@@ -192,6 +196,12 @@ class _HeldFile:
             temp.unlink(missing_ok=True)
             raise
         return cls(path, fd, os.getpid(), record)
+
+    @functools.cached_property
+    def expectation(self) -> bytes:
+        """What an expectation this holder (a producer) records holds: its record and name; its
+        publish ends only an expectation that still holds exactly this."""
+        return json.dumps({**self.record, "producer": self.path.name}).encode()
 
     def release(self) -> None:
         """Closes this process's descriptor; the holder also removes the file (a forked child's
@@ -397,28 +407,14 @@ class ShmChannel(StageChannel):
     def _expect(self, request_ids: Sequence[str]) -> None:
         producer = self._producer
         assert producer is not None, "expect registers the producer first"
-        record = memoryview(json.dumps({**producer.record, "producer": producer.path.name})
-                            .encode())
-        request_id = request_ids[0]
+        paths = [str(self._expectation_path(request_id)) for request_id in request_ids]
         try:
-            with self._locked():  # once for all: each system call here gives up the GIL
-                for request_id in request_ids:
-                    path = str(self._expectation_path(request_id))
-                    # a temp left by a producer that died writing it is truncated, not unlinked
-                    fd = _create_private_file(path + ".new", exclusive=False)
-                    try:
-                        _write_all(fd, record, 0)
-                    finally:
-                        os.close(fd)
-                    os.rename(path + ".new", path)
+            with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
+                _shm.expect(lock_fd, paths, producer.expectation)
         except OSError as e:
-            raise self._gone_or(e, f"cannot record that request {request_id} is expected") from e
-
-    def _end_expectation(self, request_id: str) -> None:
-        """Removes the id's expectation if this handle's producer made it (caller holds the
-        lock)."""
-        if self._producer is not None:
-            self._remove_expectation(request_id, self._producer.path.name)
+            failed = next((r for r, path in zip(request_ids, paths)
+                           if e.filename in (path, path + ".new")), request_ids[0])
+            raise self._gone_or(e, f"cannot record that request {failed} is expected") from e
 
     def _remove_expectation(self, request_id: str, producer: str) -> None:
         """Removes the id's expectation if the producer named `producer` made it (caller holds
@@ -468,14 +464,22 @@ class ShmChannel(StageChannel):
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        if self._lock_pid != os.getpid():
-            self._open_lock_again()
-        with self._thread_lock:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        """The namespace lock, held."""
+        with self._process_locked() as lock_fd:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+
+    @contextmanager
+    def _process_locked(self) -> Iterator[int]:
+        """This process's descriptor of `.lock`, under the handle's thread lock: `_locked`, or
+        a `_shm` step that takes the namespace lock itself, with the GIL released."""
+        if self._lock_pid != os.getpid():
+            self._open_lock_again()
+        with self._thread_lock:
+            yield self._lock_fd
 
     def _open_lock_again(self) -> None:
         """In a forked child: a flock belongs to the open file, which the child shares with its
@@ -498,12 +502,6 @@ class ShmChannel(StageChannel):
         """Adds `delta` to the bytes in use (caller holds the lock)."""
         budget = self._read_budget()
         self._write_budget(budget._replace(used=max(0, budget.used + delta)))
-
-    def _next_seq(self) -> int:
-        """A sequence number above every one handed out before (caller holds the lock)."""
-        budget = self._read_budget()
-        self._write_budget(budget._replace(next_seq=budget.next_seq + 1))
-        return budget.next_seq
 
     def _free_stale(self) -> int:
         """Frees expired entries and expectations, dead writers' temp files and the markers of
@@ -528,24 +526,18 @@ class ShmChannel(StageChannel):
         return used
 
     def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
-        temp = self.directory / (_TEMP_PREFIX + secrets.token_hex(8))
-        fd = -1
+        temp = str(self.directory / (_TEMP_PREFIX + secrets.token_hex(8)))
         try:
-            with self._locked():
-                capacity, used, _ = self._read_budget()
-                if not force and used + nbytes > capacity \
-                        and self._free_stale() + nbytes > capacity:
-                    return None
-                fd = _create_private_file(temp)
-                fcntl.flock(fd, fcntl.LOCK_EX)  # before any recount can see the file
-                os.ftruncate(fd, nbytes)
-                self._add_used(nbytes)
+            with self._process_locked() as lock_fd:
+                fd = _shm.reserve(lock_fd, self._budget_fd, temp, nbytes, force, True)
+            if fd < 0:  # no room counted: recount from the files, which frees what expired
+                with self._locked():
+                    if self._free_stale() + nbytes > self._read_budget().capacity:
+                        return None
+                    fd = _shm.reserve(self._lock_fd, self._budget_fd, temp, nbytes, True, False)
         except OSError as e:
-            if fd >= 0:
-                os.close(fd)
-            temp.unlink(missing_ok=True)
             raise self._gone_or(e, f"cannot reserve {nbytes} bytes for an entry") from e
-        return _Reservation(temp, fd)
+        return _Reservation(Path(temp), fd)
 
     def _unreserve(self, reservation: _Reservation) -> None:
         try:
@@ -561,26 +553,19 @@ class ShmChannel(StageChannel):
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:
+        entry = str(self.directory / self._name(request_id))
+        producer = self._producer if final else None  # a final entry ends its expectation
         try:
-            for offset, piece in encoded.pieces:
-                _write_all(reservation.fd, piece, offset)
-            name = self._name(request_id)
-            with self._locked():
-                self._mark(name)
-                os.rename(reservation.path, self.directory / f"{name}.{self._next_seq()}")
-                if final:
-                    self._end_expectation(request_id)
+            _shm.write(reservation.fd, encoded.pieces)  # unlocked: the file is this put's alone
+            with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
+                _shm.publish(lock_fd, self._budget_fd, reservation.fd,
+                             str(reservation.path), entry, entry + ".",
+                             None if producer is None
+                             else str(self._expectation_path(request_id)),
+                             None if producer is None else producer.expectation)
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
-        os.close(reservation.fd)  # published: its lock goes with it
-
-    def _mark(self, name: str) -> None:
-        """Creates the id's marker unless it exists (caller holds the lock)."""
-        try:
-            os.close(_create_private_file(self.directory / name))
-        except FileExistsError:
-            pass
 
     def _take(self, request_id: str) -> torch.Tensor | None:
         try:

@@ -1,0 +1,506 @@
+/* prefix_cache.channel._shm: the shm channel's put and expectation steps, each one call that
+ * makes all its system calls with the GIL released.
+ *
+ * A put made of Python calls gives the GIL up at each of its twenty-odd system calls (flock,
+ * open, fchmod, ftruncate, pread and pwrite of the budget, pwrite of the entry, rename, the
+ * expectation's read and unlink) and takes it back after each: on an engine's output thread,
+ * every one of those hand-overs makes the engine thread wait for the GIL again. Here a put is
+ * three calls (reserve, write, publish) and a step's expectations one. The protocol is the one
+ * `prefix_cache.channel.shm` documents; its Python keeps the rare paths (a full namespace's
+ * recount, sweeps, takes). The caller holds the handle's thread lock around every call that
+ * takes the namespace `flock` (all but `write`): it excludes other processes, not this one's
+ * threads.
+ *
+ * Errors raise OSError (its errno's subclass) naming the file; a call that raises leaves no
+ * file of its own behind and releases the namespace lock.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+/* Crash tests only (tests/test_channel_shm_crash.py kills a process before each system call of
+ * a put or a take): every open, close, flock, fchmod, ftruncate, pwrite, rename and unlink here
+ * is a step; `die_before_step(n)` makes the process exit, status 1, just before the n-th step
+ * from then on, and `steps()` counts the steps made. */
+static atomic_long steps_made, die_at;
+
+static void
+step(void)
+{
+    long made = atomic_fetch_add(&steps_made, 1) + 1;
+    if (made == atomic_load(&die_at)) {
+        _exit(1);
+    }
+}
+
+#define STEP(call) (step(), (call))
+
+/* `.budget`: three little-endian u64, capacity, bytes used, next sequence number. */
+typedef struct {
+    uint64_t capacity, used, next_seq;
+} Budget;
+
+static uint64_t
+load_le64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) {
+        v = (v << 8) | p[i];
+    }
+    return v;
+}
+
+static void
+store_le64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) {
+        p[i] = (unsigned char)(v >> (8 * i));
+    }
+}
+
+/* 0, or -1 with errno set (a short budget file reads as EIO). */
+static int
+read_budget(int fd, Budget *b)
+{
+    unsigned char raw[24];
+    ssize_t got;
+    do {
+        got = pread(fd, raw, sizeof raw, 0);
+    } while (got < 0 && errno == EINTR);
+    if (got != (ssize_t)sizeof raw) {
+        if (got >= 0) {
+            errno = EIO;
+        }
+        return -1;
+    }
+    b->capacity = load_le64(raw);
+    b->used = load_le64(raw + 8);
+    b->next_seq = load_le64(raw + 16);
+    return 0;
+}
+
+static int
+write_all(int fd, const char *data, size_t n, off_t offset)
+{
+    while (n > 0) {
+        ssize_t put = STEP(pwrite(fd, data, n, offset));
+        if (put < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -1;
+        }
+        data += put;
+        n -= (size_t)put;
+        offset += put;
+    }
+    return 0;
+}
+
+static int
+write_budget(int fd, const Budget *b)
+{
+    unsigned char raw[24];
+    store_le64(raw, b->capacity);
+    store_le64(raw + 8, b->used);
+    store_le64(raw + 16, b->next_seq);
+    return write_all(fd, (const char *)raw, sizeof raw, 0);
+}
+
+static int
+lock(int fd, int op)
+{
+    int rc;
+    step();
+    do {
+        rc = flock(fd, op);
+    } while (rc < 0 && errno == EINTR);
+    return rc;
+}
+
+/* A new file at `path` open for writing, mode exactly 0600 (`exclusive`: refused if one is
+ * there; else one left there is truncated and taken over), as `_create_private_file`. */
+static int
+create_private(const char *path, int exclusive)
+{
+    int fd = STEP(open(path, O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC |
+                       (exclusive ? O_EXCL : O_TRUNC), 0600));
+    if (fd >= 0 && STEP(fchmod(fd, 0600)) < 0) {
+        int err = errno;
+        STEP(close(fd));
+        errno = err;
+        return -1;
+    }
+    return fd;
+}
+
+/* Raise OSError for `err` naming `path` (NULL: none); returns NULL. */
+static PyObject *
+raise_errno(int err, const char *path)
+{
+    errno = err;
+    return path ? PyErr_SetFromErrnoWithFilename(PyExc_OSError, path)
+                : PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static int
+fs_path(PyObject *obj, PyObject **out)
+{
+    return PyUnicode_FSConverter(obj, out);  /* a new bytes object, or 0 with an error set */
+}
+
+PyDoc_STRVAR(reserve_doc,
+"reserve(lock_fd, budget_fd, temp_path, nbytes, force, take_lock) -> int\n\n"
+"A put's room: under the namespace lock (taken here unless `take_lock` is False: the caller\n"
+"holds it), unless `force` or the budget has room for `nbytes` more, returns -1 and changes\n"
+"nothing; else creates `temp_path` (exclusive, mode 0600), takes an exclusive flock on it,\n"
+"sizes it to `nbytes`, adds them to the bytes in use, and returns its descriptor.");
+
+static PyObject *
+reserve(PyObject *self, PyObject *args)
+{
+    int lock_fd, budget_fd, force, take_lock;
+    PyObject *temp_obj;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "iiO&Kpp:reserve", &lock_fd, &budget_fd, fs_path, &temp_obj,
+                          &nbytes, &force, &take_lock)) {
+        return NULL;
+    }
+    const char *temp = PyBytes_AS_STRING(temp_obj);
+    int fd = -1, err = 0, full = 0;
+    const char *failed = NULL;
+    Budget b = {0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
+        err = errno;
+    } else {
+        if (read_budget(budget_fd, &b) < 0) {
+            err = errno;
+        } else if (!force && b.used + nbytes > b.capacity) {
+            full = 1;
+        } else if ((fd = create_private(temp, 1)) < 0) {
+            err = errno, failed = temp;
+        } else if (lock(fd, LOCK_EX) < 0 || STEP(ftruncate(fd, (off_t)nbytes)) < 0) {
+            err = errno, failed = temp;
+        } else {
+            b.used += nbytes;
+            if (write_budget(budget_fd, &b) < 0) {
+                err = errno;
+            }
+        }
+        if (err && fd >= 0) {
+            STEP(close(fd));
+            STEP(unlink(temp));
+            fd = -1;
+        }
+        if (take_lock) {
+            lock(lock_fd, LOCK_UN);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *result = err ? raise_errno(err, failed) : PyLong_FromLong(full ? -1 : fd);
+    Py_DECREF(temp_obj);
+    return result;
+}
+
+PyDoc_STRVAR(write_doc,
+"write(fd, pieces) -> None\n\n"
+"Write each (offset, bytes-like) of `pieces` into the reserved file `fd`, in full.");
+
+static PyObject *
+write_pieces(PyObject *self, PyObject *args)
+{
+    int fd;
+    PyObject *pieces_obj;
+    if (!PyArg_ParseTuple(args, "iO:write", &fd, &pieces_obj)) {
+        return NULL;
+    }
+    PyObject *pieces = PySequence_Fast(pieces_obj, "write: pieces must be a sequence of "
+                                       "(offset, data)");
+    if (pieces == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(pieces), held = 0;
+    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *bufs);
+    off_t *offsets = PyMem_Calloc((size_t)(n ? n : 1), sizeof *offsets);
+    PyObject *result = NULL;
+    if (bufs == NULL || offsets == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n; held++) {
+        long long offset;
+        PyObject *data;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces, held), "LO:write piece", &offset,
+                              &data)) {
+            goto done;
+        }
+        if (offset < 0) {
+            PyErr_Format(PyExc_ValueError, "write: piece %zd has a negative offset", held);
+            goto done;
+        }
+        if (PyObject_GetBuffer(data, &bufs[held], PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        offsets[held] = (off_t)offset;
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && !err; i++) {
+        if (write_all(fd, bufs[i].buf, (size_t)bufs[i].len, offsets[i]) < 0) {
+            err = errno;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = err ? raise_errno(err, NULL) : Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(offsets);
+    Py_DECREF(pieces);
+    return result;
+}
+
+PyDoc_STRVAR(publish_doc,
+"publish(lock_fd, budget_fd, fd, temp_path, marker_path, entry_prefix, expectation_path,\n"
+"        expectation) -> int\n\n"
+"Under the namespace lock: create the id's marker `marker_path` unless it exists, take the\n"
+"next sequence number from the budget, rename the written temp file `temp_path` to\n"
+"`entry_prefix` + that number, and remove `expectation_path` if its contents are exactly\n"
+"`expectation` (the expectation this handle wrote; None: none to end). Then closes `fd`, the\n"
+"reservation's descriptor (on error the caller still owns it and the reservation). Returns\n"
+"the sequence number.");
+
+static PyObject *
+publish(PyObject *self, PyObject *args)
+{
+    int lock_fd, budget_fd, fd;
+    PyObject *temp_obj, *marker_obj, *prefix_obj, *expect_path_arg, *expect_arg;
+    if (!PyArg_ParseTuple(args, "iiiO&O&O&OO:publish", &lock_fd, &budget_fd, &fd, fs_path,
+                          &temp_obj, fs_path, &marker_obj, fs_path, &prefix_obj,
+                          &expect_path_arg, &expect_arg)) {
+        return NULL;
+    }
+    PyObject *result = NULL, *expect_path_obj = NULL;
+    Py_buffer expectation = {0};
+    char *entry = NULL;
+    int expecting = expect_path_arg != Py_None;
+    if (expecting && (!fs_path(expect_path_arg, &expect_path_obj) ||
+                      PyObject_GetBuffer(expect_arg, &expectation, PyBUF_SIMPLE) < 0)) {
+        goto done;
+    }
+    size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
+    entry = PyMem_Malloc(entry_len);
+    if (entry == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *temp = PyBytes_AS_STRING(temp_obj), *marker = PyBytes_AS_STRING(marker_obj);
+    const char *prefix = PyBytes_AS_STRING(prefix_obj);
+    const char *expect_path = expecting ? PyBytes_AS_STRING(expect_path_obj) : NULL;
+    int err = 0;
+    const char *failed = NULL;
+    Budget b = {0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    if (lock(lock_fd, LOCK_EX) < 0) {
+        err = errno;
+    } else {
+        int marker_fd = create_private(marker, 1);
+        if (marker_fd >= 0) {
+            STEP(close(marker_fd));
+        } else if (errno != EEXIST) {
+            err = errno, failed = marker;
+        }
+        if (!err && read_budget(budget_fd, &b) < 0) {
+            err = errno;
+        }
+        if (!err) {
+            snprintf(entry, entry_len, "%s%llu", prefix, (unsigned long long)b.next_seq);
+            b.next_seq += 1;
+            if (write_budget(budget_fd, &b) < 0) {
+                err = errno;
+            } else if (STEP(rename(temp, entry)) < 0) {
+                err = errno, failed = temp;
+            }
+        }
+        if (!err && expecting) {  /* ended only if this handle's record is still the one there */
+            int efd = STEP(open(expect_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+            if (efd >= 0) {
+                char seen[4096];
+                size_t want = (size_t)expectation.len;
+                ssize_t got = want < sizeof seen ? read(efd, seen, want + 1) : -1;
+                STEP(close(efd));
+                if (got == (ssize_t)want && memcmp(seen, expectation.buf, want) == 0 &&
+                        STEP(unlink(expect_path)) < 0 && errno != ENOENT) {
+                    err = errno, failed = expect_path;
+                }
+            } else if (errno != ENOENT) {
+                err = errno, failed = expect_path;
+            }
+        }
+        lock(lock_fd, LOCK_UN);
+    }
+    if (!err) {
+        STEP(close(fd));
+    }
+    Py_END_ALLOW_THREADS
+    result = err ? raise_errno(err, failed)  /* `failed` points into objects held here */
+                 : PyLong_FromUnsignedLongLong((unsigned long long)(b.next_seq - 1));
+done:
+    PyMem_Free(entry);
+    if (expectation.obj != NULL) {
+        PyBuffer_Release(&expectation);
+    }
+    Py_XDECREF(expect_path_obj);
+    Py_DECREF(temp_obj);
+    Py_DECREF(marker_obj);
+    Py_DECREF(prefix_obj);
+    return result;
+}
+
+PyDoc_STRVAR(expect_doc,
+"expect(lock_fd, paths, record) -> None\n\n"
+"Under the namespace lock, write `record` (bytes-like) to each of `paths`: to path + '.new'\n"
+"(mode 0600; a temp left there by a writer that died is truncated and taken over), then\n"
+"renamed into place. On error, raises naming the file; the expectations before it stay.");
+
+static PyObject *
+expect(PyObject *self, PyObject *args)
+{
+    int lock_fd;
+    PyObject *paths_obj, *record_obj;
+    if (!PyArg_ParseTuple(args, "iOO:expect", &lock_fd, &paths_obj, &record_obj)) {
+        return NULL;
+    }
+    PyObject *paths = PySequence_Fast(paths_obj, "expect: paths must be a sequence");
+    if (paths == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(paths), converted = 0;
+    PyObject **names = PyMem_Calloc((size_t)(n ? n : 1), sizeof *names);
+    char **temps = PyMem_Calloc((size_t)(n ? n : 1), sizeof *temps);
+    Py_buffer record = {0};
+    PyObject *result = NULL;
+    if (names == NULL || temps == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyObject_GetBuffer(record_obj, &record, PyBUF_SIMPLE) < 0) {
+        goto done;
+    }
+    for (; converted < n; converted++) {
+        if (!fs_path(PySequence_Fast_GET_ITEM(paths, converted), &names[converted])) {
+            goto done;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(names[converted]);
+        temps[converted] = PyMem_Malloc((size_t)len + 5);
+        if (temps[converted] == NULL) {
+            PyErr_NoMemory();
+            converted++;
+            goto done;
+        }
+        memcpy(temps[converted], PyBytes_AS_STRING(names[converted]), (size_t)len);
+        memcpy(temps[converted] + len, ".new", 5);
+    }
+    int err = 0;
+    const char *failed = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (lock(lock_fd, LOCK_EX) < 0) {
+        err = errno;
+    } else {
+        for (Py_ssize_t i = 0; i < n && !err; i++) {
+            int fd = create_private(temps[i], 0);
+            if (fd < 0) {
+                err = errno, failed = temps[i];
+                break;
+            }
+            if (write_all(fd, record.buf, (size_t)record.len, 0) < 0) {
+                err = errno, failed = temps[i];
+            }
+            STEP(close(fd));
+            if (!err && STEP(rename(temps[i], PyBytes_AS_STRING(names[i]))) < 0) {
+                err = errno, failed = temps[i];
+            }
+        }
+        lock(lock_fd, LOCK_UN);
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        raise_errno(err, failed);
+    } else {
+        result = Py_NewRef(Py_None);
+    }
+done:
+    for (Py_ssize_t i = 0; i < converted; i++) {
+        Py_XDECREF(names[i]);
+        PyMem_Free(temps[i]);
+    }
+    PyMem_Free(names);
+    PyMem_Free(temps);
+    if (record.obj != NULL) {
+        PyBuffer_Release(&record);
+    }
+    Py_DECREF(paths);
+    return result;
+}
+
+PyDoc_STRVAR(die_before_step_doc,
+"die_before_step(n) -> None\n\n"
+"Crash tests only: exit the process (status 1) just before the n-th step of this module from\n"
+"now on (0: never).");
+
+static PyObject *
+die_before_step(PyObject *self, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    atomic_store(&die_at, n > 0 ? atomic_load(&steps_made) + n : 0);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(steps_doc,
+"steps() -> int\n\n"
+"The steps (system calls that change files or locks) this module made in this process.");
+
+static PyObject *
+steps(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromLong(atomic_load(&steps_made));
+}
+
+static PyMethodDef shm_methods[] = {
+    {"reserve", reserve, METH_VARARGS, reserve_doc},
+    {"write", write_pieces, METH_VARARGS, write_doc},
+    {"publish", publish, METH_VARARGS, publish_doc},
+    {"expect", expect, METH_VARARGS, expect_doc},
+    {"die_before_step", die_before_step, METH_O, die_before_step_doc},
+    {"steps", steps, METH_NOARGS, steps_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef shm_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "prefix_cache.channel._shm",
+    .m_doc = "The shm channel's put and expectation steps, their system calls made with the GIL "
+             "released.",
+    .m_size = -1,
+    .m_methods = shm_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__shm(void)
+{
+    return PyModule_Create(&shm_module);
+}
