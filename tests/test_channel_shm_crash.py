@@ -94,8 +94,7 @@ def test_requests_expected_together_each_learn_that_their_producer_died() -> Non
     namespace lock); each one's consumer is told, and a temp left by a producer that died
     writing an expectation does not stand in the way."""
     with open_channel("shm") as channel:
-        stale = channel._expectation_path("r2").with_name(
-            channel._expectation_path("r2").name + ".new")
+        stale = Path(channel._expectation_path(channel._name("r2")) + ".new")
         stale.write_bytes(b'{"producer": ".producer-')  # cut off mid-write
         producer, started = _producer(channel, ["r1", "r2", "r3"], "kill", delay_s=0.5)
         assert not stale.exists()

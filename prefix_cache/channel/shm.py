@@ -64,7 +64,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -137,7 +137,7 @@ def _describe(record: dict[str, Any]) -> str:
     return f"pid {record.get('pid')} on host {record.get('host')}"
 
 
-def _read_record(path: Path) -> dict[str, Any] | None:
+def _read_record(path: Path | str) -> dict[str, Any] | None:
     """The JSON object in the file at `path`; None when it is gone or not one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -225,7 +225,7 @@ class _Reservation:
     """A put's room: its temp file, and a descriptor holding an exclusive flock on it until
     the entry is published or the room returned, so a recount can tell a dead writer's."""
 
-    path: Path
+    path: str
     fd: int
 
 
@@ -245,6 +245,7 @@ class ShmChannel(StageChannel):
         """A handle of the namespace at `directory`; `owner`, the owner's lock file, makes it
         the handle that created it (its close removes the namespace)."""
         self.directory = directory
+        self._root = str(directory)  # the puts' paths are strings: a Path costs µs to build
         fds: list[int] = []
         try:
             key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
@@ -380,10 +381,11 @@ class ShmChannel(StageChannel):
 
     def _name(self, request_id: str) -> str:
         """The id's name in the namespace: an HMAC of it under the namespace's key."""
-        return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
+        return hmac.digest(self._key, request_id.encode(), hashlib.sha256).hex()
 
-    def _expectation_path(self, request_id: str) -> Path:
-        return self.directory / (_EXPECT_PREFIX + self._name(request_id))
+    def _expectation_path(self, name: str) -> str:
+        """The expectation file of the id named `name` (`_name`)."""
+        return f"{self._root}/{_EXPECT_PREFIX}{name}"
 
     @property
     def _producer(self) -> _HeldFile | None:
@@ -407,7 +409,7 @@ class ShmChannel(StageChannel):
     def _expect(self, request_ids: Sequence[str]) -> None:
         producer = self._producer
         assert producer is not None, "expect registers the producer first"
-        paths = [str(self._expectation_path(request_id)) for request_id in request_ids]
+        paths = [self._expectation_path(self._name(r)) for r in request_ids]
         try:
             with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
                 _shm.expect(lock_fd, paths, producer.expectation)
@@ -419,12 +421,13 @@ class ShmChannel(StageChannel):
     def _remove_expectation(self, request_id: str, producer: str) -> None:
         """Removes the id's expectation if the producer named `producer` made it (caller holds
         the lock)."""
-        path = self._expectation_path(request_id)
+        path = self._expectation_path(self._name(request_id))
         if (_read_record(path) or {}).get("producer") == producer:
-            path.unlink(missing_ok=True)
+            with suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _dead_producer(self, request_id: str) -> str | None:
-        record = _read_record(self._expectation_path(request_id))
+        record = _read_record(self._expectation_path(self._name(request_id)))
         if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
             if _held(self.directory / record["producer"]):
                 return None
@@ -526,7 +529,7 @@ class ShmChannel(StageChannel):
         return used
 
     def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
-        temp = str(self.directory / (_TEMP_PREFIX + secrets.token_hex(8)))
+        temp = f"{self._root}/{_TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
             with self._process_locked() as lock_fd:
                 fd = _shm.reserve(lock_fd, self._budget_fd, temp, nbytes, force, True)
@@ -537,7 +540,7 @@ class ShmChannel(StageChannel):
                     fd = _shm.reserve(self._lock_fd, self._budget_fd, temp, nbytes, True, False)
         except OSError as e:
             raise self._gone_or(e, f"cannot reserve {nbytes} bytes for an entry") from e
-        return _Reservation(Path(temp), fd)
+        return _Reservation(temp, fd)
 
     def _unreserve(self, reservation: _Reservation) -> None:
         try:
@@ -546,22 +549,22 @@ class ShmChannel(StageChannel):
                     size = os.stat(reservation.path, follow_symlinks=False).st_size
                 except FileNotFoundError:
                     return  # removed with the namespace
-                reservation.path.unlink()
+                os.unlink(reservation.path)
                 self._add_used(-size)
         finally:
             os.close(reservation.fd)
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:
-        entry = str(self.directory / self._name(request_id))
+        name = self._name(request_id)
+        entry = f"{self._root}/{name}"
         producer = self._producer if final else None  # a final entry ends its expectation
         try:
             _shm.write(reservation.fd, encoded.pieces)  # unlocked: the file is this put's alone
             with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
-                _shm.publish(lock_fd, self._budget_fd, reservation.fd,
-                             str(reservation.path), entry, entry + ".",
-                             None if producer is None
-                             else str(self._expectation_path(request_id)),
+                _shm.publish(lock_fd, self._budget_fd, reservation.fd, reservation.path,
+                             entry, f"{entry}.",
+                             None if producer is None else self._expectation_path(name),
                              None if producer is None else producer.expectation)
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
