@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from prefix_cache import ModelCachePolicy
+from prefix_cache import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
+from prefix_cache.integration.group_view import FullAttentionGroupView
+from prefix_cache.manager import OmniPrefixCacheManager
+from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, scheduler_step,
+                                                 synchronize)
 from prefix_cache.core import committer as controller
 from prefix_cache.tools.metrics.stalls import engine_thread_stalls
 from prefix_cache.devices.base import DeviceBackend, Transfer
@@ -155,3 +161,55 @@ def test_engine_calls_make_no_device_sync_while_the_forward_still_runs(write_str
     if dma:  # by the copy engine, the runner's mapping or not: each step's hidden rows (12)
         # and each finished request's deferred rows (11; the last one's may go at shutdown)
         assert backend._dma.submitted - dma_jobs >= 23
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch calls (attribute reads included) made while it is on, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.calls[getattr(func, "__qualname__", None) or str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_steps_engine_calls_read_each_tensor_once(backend):
+    """After a forward each torch call costs the engine thread 1-3 µs (BENCHMARKS.md, 2026-12-05):
+    the cache's own calls of a 16-request decode step, saved as the runner saves a stage of whole
+    entries, read the hidden rows' shape, grad flag, device and dtype once each, whatever the
+    device; the backend's write is its own."""
+    batch = RunnerBatch(16, 1)
+    view = FullAttentionGroupView(batch, BLOCK, backend=backend)
+    step = scheduler_step(dict.fromkeys(batch.req_ids, 1))
+    config = PrefixCacheConfig(16 * 2 + 2, BLOCK, staging_capacity_tokens=16)
+    hidden = torch.randn(16, WIDTH, device=backend.device)
+    counter = _TorchCalls()
+    with OmniPrefixCacheManager(config, view, backend=backend) as cache:
+        cache.preallocate(HIDDEN_KEY, (WIDTH,), hidden.dtype)
+        scatter = backend.scatter_rows
+
+        def write(*args, **kwargs):
+            counter.paused = True
+            try:
+                return scatter(*args, **kwargs)
+            finally:
+                counter.paused = False
+
+        backend.scatter_rows = write
+        try:
+            for position in range(3):  # the last two warm
+                batch.move_to(position)
+                counter.calls.clear()
+                with counter:
+                    cache.new_step_starts(step)
+                    sid = cache.save_outputs(hidden, None, num_tokens_unpadded=16,
+                                             num_tokens_padded=16, plan_reads=False)
+                    cache.discard_step(sid)
+                synchronize(backend)
+        finally:
+            del backend.scatter_rows
+    assert sum(counter.calls.values()) <= 4, dict(counter.calls)
