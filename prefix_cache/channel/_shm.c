@@ -133,9 +133,10 @@ create_private(const char *path, int exclusive)
 {
     int fd = STEP(open(path, O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC |
                        (exclusive ? O_EXCL : O_TRUNC), 0600));
-    if (fd >= 0 && STEP(fchmod(fd, 0600)) < 0) {
+    if (fd >= 0 && STEP(fchmod(fd, 0600)) < 0) {  /* the file is this call's: none is left */
         int err = errno;
         STEP(close(fd));
+        STEP(unlink(path));
         errno = err;
         return -1;
     }
