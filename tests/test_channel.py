@@ -325,6 +325,7 @@ def test_shm_entries_are_private_and_unnamed_by_request_id() -> None:
         assert {stat.S_IMODE(p.stat().st_mode) for p in first.directory.iterdir()} == {0o600}
         names = {first.entry_path("req-secret").name, second.entry_path("req-secret").name}
         plain = {getattr(hashlib, h)(b"req-secret").hexdigest() for h in ("sha256", "sha1", "md5")}
+        plain.add(hashlib.blake2b(b"req-secret", digest_size=32).hexdigest())  # unkeyed
         assert len(names) == 2 and not names & plain
         assert not any("req-secret" in p.name for p in first.directory.iterdir())
         os.chmod(first.directory, 0o755)

@@ -1,9 +1,9 @@
 """The shared-memory channel: one file per entry in a private directory under /dev/shm.
 
 The namespace is a directory (mode 0700) with a random name, created by the channel opened
-without one (its owner). Entries are files (mode 0600) named by an HMAC of the request id under
-a random key kept in the directory, so neither a request id nor the namespace's name alone
-gives a file's name.
+without one (its owner). Entries are files (mode 0600) named by a keyed BLAKE2b (a MAC) of the
+request id under a random key kept in the directory, so neither a request id nor the namespace's
+name alone gives a file's name.
 
 Crash consistency: no file of an entry is ever renamed but once, into place. Each entry is
 `NAME.SEQ`, SEQ a sequence number the namespace hands out in publish order (from `.budget`),
@@ -48,7 +48,6 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
-import hmac
 import json
 import logging
 import mmap
@@ -380,8 +379,10 @@ class ShmChannel(StageChannel):
             return self._watch
 
     def _name(self, request_id: str) -> str:
-        """The id's name in the namespace: an HMAC of it under the namespace's key."""
-        return hmac.digest(self._key, request_id.encode(), hashlib.sha256).hex()
+        """The id's name in the namespace: a MAC of it under the namespace's key (a keyed
+        BLAKE2b: 0.7 µs warm against 2.3-2.9 for an HMAC-SHA256 through OpenSSL, whose code an
+        engine's output thread runs cold)."""
+        return hashlib.blake2b(request_id.encode(), key=self._key, digest_size=32).hexdigest()
 
     def _expectation_path(self, name: str) -> str:
         """The expectation file of the id named `name` (`_name`)."""
