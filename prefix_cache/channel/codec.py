@@ -52,16 +52,32 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _raw_bytes(key: str, value: Any) -> torch.Tensor:
-    """`value`'s bytes as a flat uint8 tensor, without a copy when it is already contiguous."""
+#: dtypes whose tensors numpy can view as they are; others (bfloat16, float8) are viewed as
+#: bytes by torch first
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                           torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
+def _raw_bytes(key: str, value: Any) -> np.ndarray:
+    """`value`'s bytes as a flat uint8 array, without a copy when it is already contiguous.
+
+    As few torch calls as can do: on an engine's output thread each torch op gives the GIL up
+    and waits to take it back from the engine thread. A contiguous tensor of a dtype numpy has
+    takes one (`numpy`); the conjugate and negative bits exist on complex tensors only."""
     if not isinstance(key, str):
         raise TypeError(f"stage output key {key!r} is not a str")
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         raise TypeError(f"stage output {key!r} is not a dense tensor: {type(value).__name__}")
     if value.device.type != "cpu":
         raise ValueError(f"stage output {key!r} is on {value.device}; the channel takes CPU rows")
-    flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return flat.view(torch.uint8)
+    if value.requires_grad:
+        value = value.detach()
+    if value.dtype.is_complex:
+        value = value.resolve_conj().resolve_neg()
+    value = value.contiguous()  # itself, without a torch op, when it already is
+    if value.dtype not in _NUMPY_DTYPES:
+        value = value.reshape(-1).view(torch.uint8)
+    return value.numpy().reshape(-1).view(np.uint8)
 
 
 def encode(entry: StageEntry) -> EncodedEntry:
@@ -71,8 +87,8 @@ def encode(entry: StageEntry) -> EncodedEntry:
         raw = _raw_bytes(key, value)
         rows.append({"key": key, "dtype": str(value.dtype).removeprefix("torch."),
                      "shape": list(value.shape), "offset": offset})
-        payloads.append((offset, memoryview(raw.numpy())))
-        offset = _align(offset + raw.numel())
+        payloads.append((offset, memoryview(raw)))
+        offset = _align(offset + raw.size)
     header = {"request_id": entry.request_id, "aborted": bool(entry.aborted),
               "published_at": entry.published_at, "meta": entry.meta, "tensors": rows,
               "error": entry.error, "start": entry.start, "final": bool(entry.final)}
