@@ -41,14 +41,22 @@ class DeviceEvent(Protocol):
     def query(self) -> bool: ...
 
 
+#: torch dtypes numpy can view as they are (bfloat16 and float8 it cannot).
+NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
-    form `prefix_cache.core._core`'s row copies take. Two torch calls: after a forward has
-    evicted the host's caches each costs tens of µs, and numpy's reshape far less."""
+    form `prefix_cache.core._core`'s row copies take. One torch op (`numpy`) where numpy has
+    the dtype, else three: after a forward has evicted the host's caches each costs µs, and
+    each but `numpy` gives up the GIL (another thread's turn first); numpy's views far less."""
     shape = tensor.shape
     if 0 in shape:  # nothing to view; the row width still has to match
         return np.empty((shape[0], math.prod(shape[1:]) * tensor.element_size()),
                         dtype=np.uint8)
+    if tensor.dtype in NUMPY_DTYPES and not tensor.requires_grad:
+        return tensor.numpy().reshape(shape[0], -1).view(np.uint8)
     return tensor.detach().view(torch.uint8).numpy().reshape(shape[0], -1)
 
 

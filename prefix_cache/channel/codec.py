@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from prefix_cache.devices.base import NUMPY_DTYPES
+
 MAGIC = b"OPCSTG\x00\x01"
 ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
@@ -52,12 +54,6 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-#: dtypes whose tensors numpy can view as they are; others (bfloat16, float8) are viewed as
-#: bytes by torch first
-_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
-                           torch.int16, torch.int8, torch.uint8, torch.bool})
-
-
 def _raw_bytes(key: str, value: Any) -> np.ndarray:
     """`value`'s bytes as a flat uint8 array, without a copy when it is already contiguous.
 
@@ -75,7 +71,7 @@ def _raw_bytes(key: str, value: Any) -> np.ndarray:
     if value.dtype.is_complex:
         value = value.resolve_conj().resolve_neg()
     value = value.contiguous()  # itself, without a torch op, when it already is
-    if value.dtype not in _NUMPY_DTYPES:
+    if value.dtype not in NUMPY_DTYPES:  # bfloat16, float8: viewed as bytes by torch first
         value = value.reshape(-1).view(torch.uint8)
     return value.numpy().reshape(-1).view(np.uint8)
 
