@@ -48,9 +48,10 @@ NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int
 
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
-    form `prefix_cache.core._core`'s row copies take. One torch call (`numpy`) where numpy has
-    the dtype, else three: after a forward has evicted the host's caches each costs µs, and
-    numpy's views far less."""
+    form `prefix_cache.core._core`'s row copies take. One torch op (`numpy`) where numpy has
+    the dtype, else three: after a forward has evicted the host's caches each costs µs, each
+    may hand the GIL to a busy thread (`benchmarks/gil_handovers.py`), and numpy's views do
+    neither."""
     shape = tensor.shape
     if 0 in shape:  # nothing to view; the row width still has to match
         return np.empty((shape[0], math.prod(shape[1:]) * tensor.element_size()),

@@ -57,9 +57,10 @@ def _align(n: int) -> int:
 def _raw_bytes(key: str, value: Any) -> np.ndarray:
     """`value`'s bytes as a flat uint8 array, without a copy when it is already contiguous.
 
-    As few torch calls as can do (on an engine's output thread each runs cold, between the
-    engine's steps): a contiguous tensor of a dtype numpy has takes one (`numpy`); the
-    conjugate and negative bits exist on complex tensors only."""
+    As few torch ops as can do: on an engine's output thread each may hand the GIL to the
+    engine thread and wait to take it back (`benchmarks/gil_handovers.py`). A contiguous tensor
+    of a dtype numpy has takes one (`numpy`); the conjugate and negative bits exist on complex
+    tensors only."""
     if not isinstance(key, str):
         raise TypeError(f"stage output key {key!r} is not a str")
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
