@@ -47,7 +47,9 @@ class RequestRows:
         try:
             for key, read in self._reads.items():
                 self._planner.resolve(read)
-                out[key] = read.out.view(self.num_rows, *self._feat_shapes[key])
+                shape = (self.num_rows, *self._feat_shapes[key])
+                # a view only where it reshapes: a torch op may hand the GIL to the engine thread
+                out[key] = read.out if read.out.shape == shape else read.out.view(shape)
         finally:
             self.cancel()
         return out
