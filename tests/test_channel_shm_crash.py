@@ -179,7 +179,8 @@ def test_a_forked_child_registers_a_producer_of_its_own() -> None:
 #: steps, `_shm.steps`).
 _STEP_CALLS = [(os, "open"), (os, "close"), (os, "rename"), (os, "unlink"), (os, "pwrite"),
                (os, "write"), (os, "ftruncate"), (os, "fchmod"), (fcntl, "flock"),
-               (_shm, "reserve"), (_shm, "write"), (_shm, "publish"), (_shm, "expect")]
+               (_shm, "put"), (_shm, "reserve"), (_shm, "write"), (_shm, "publish"),
+               (_shm, "expect")]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["torch", "prefix_cache.channel.shm"])
 

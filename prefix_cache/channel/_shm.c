@@ -5,11 +5,12 @@
  * open, fchmod, ftruncate, pread and pwrite of the budget, pwrite of the entry, rename, the
  * expectation's read and unlink) and takes it back after each: on an engine's output thread,
  * every one of those hand-overs makes the engine thread wait for the GIL again. Here a put is
- * three calls (reserve, write, publish) and a step's expectations one. The protocol is the one
+ * one call (`put`) where the namespace has room, three (`reserve`, `write`, `publish`) where it
+ * waits for room, and a step's expectations one. The protocol is the one
  * `prefix_cache.channel.shm` documents; its Python keeps the rare paths (a full namespace's
- * recount, sweeps, takes). The caller holds the handle's thread lock around every call that
- * takes the namespace `flock` (all but `write`): it excludes other processes, not this one's
- * threads.
+ * recount, sweeps, takes). `put` locks a descriptor of `.lock` it opens itself (flock excludes
+ * separate open files, threads included); around the others, which lock the handle's shared
+ * descriptor, the caller holds the handle's thread lock (all but `write`).
  *
  * Errors raise OSError (its errno's subclass) naming the file; a call that raises leaves no
  * file of its own behind and releases the namespace lock.
@@ -158,6 +159,212 @@ fs_path(PyObject *obj, PyObject **out)
     return PyUnicode_FSConverter(obj, out);  /* a new bytes object, or 0 with an error set */
 }
 
+/* The steps of a put, without the GIL; each returns 0 or an errno, setting `*failed` to the
+ * file it names (NULL: none). */
+
+/* Under the namespace lock (taken unless `take_lock` is 0: the caller holds it): unless `force`
+ * or the budget has room for `nbytes` more, sets `*full` and changes nothing; else creates
+ * `temp` (exclusive), flocks it, sizes it and counts its bytes, setting `*fd`. */
+static int
+reserve_room(int lock_fd, int budget_fd, const char *temp, uint64_t nbytes, int force,
+             int take_lock, int *fd, int *full, const char **failed)
+{
+    int err = 0;
+    Budget b = {0, 0, 0};
+    *fd = -1;
+    *full = 0;
+    if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
+        return errno;
+    }
+    if (read_budget(budget_fd, &b) < 0) {
+        err = errno;
+    } else if (!force && b.used + nbytes > b.capacity) {
+        *full = 1;
+    } else if ((*fd = create_private(temp, 1)) < 0) {
+        err = errno, *failed = temp;
+    } else if (lock(*fd, LOCK_EX) < 0 || STEP(ftruncate(*fd, (off_t)nbytes)) < 0) {
+        err = errno, *failed = temp;
+    } else {
+        b.used += nbytes;
+        if (write_budget(budget_fd, &b) < 0) {
+            err = errno;
+        }
+    }
+    if (err && *fd >= 0) {
+        STEP(close(*fd));
+        STEP(unlink(temp));
+        *fd = -1;
+    }
+    if (take_lock) {
+        lock(lock_fd, LOCK_UN);
+    }
+    return err;
+}
+
+/* Under the namespace lock: the id's marker, the next sequence number, the rename into place
+ * (`*renamed` once done), and the end of this handle's expectation (`expect_path` NULL: none). */
+static int
+publish_entry(int lock_fd, int budget_fd, const char *temp, const char *marker, char *entry,
+              size_t entry_len, const char *prefix, const char *expect_path,
+              const Py_buffer *expectation, uint64_t *seq, int *renamed, const char **failed)
+{
+    int err = 0;
+    Budget b = {0, 0, 0};
+    *renamed = 0;
+    if (lock(lock_fd, LOCK_EX) < 0) {
+        return errno;
+    }
+    int marker_fd = create_private(marker, 1);
+    if (marker_fd >= 0) {
+        STEP(close(marker_fd));
+    } else if (errno != EEXIST) {
+        err = errno, *failed = marker;
+    }
+    if (!err && read_budget(budget_fd, &b) < 0) {
+        err = errno;
+    }
+    if (!err) {
+        *seq = b.next_seq;
+        snprintf(entry, entry_len, "%s%llu", prefix, (unsigned long long)b.next_seq);
+        b.next_seq += 1;
+        if (write_budget(budget_fd, &b) < 0) {
+            err = errno;
+        } else if (STEP(rename(temp, entry)) < 0) {
+            err = errno, *failed = temp;
+        } else {
+            *renamed = 1;
+        }
+    }
+    if (!err && expect_path) {  /* ended only if this handle's record is still the one there */
+        int efd = STEP(open(expect_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+        if (efd >= 0) {
+            char seen[4096];
+            size_t want = (size_t)expectation->len;
+            ssize_t got = want < sizeof seen ? read(efd, seen, want + 1) : -1;
+            STEP(close(efd));
+            if (got == (ssize_t)want && memcmp(seen, expectation->buf, want) == 0 &&
+                    STEP(unlink(expect_path)) < 0 && errno != ENOENT) {
+                err = errno, *failed = expect_path;
+            }
+        } else if (errno != ENOENT) {
+            err = errno, *failed = expect_path;
+        }
+    }
+    lock(lock_fd, LOCK_UN);
+    return err;
+}
+
+/* A reservation given back: its file removed and its bytes uncounted, under the lock. */
+static void
+return_room(int lock_fd, int budget_fd, const char *temp, uint64_t nbytes)
+{
+    Budget b;
+    if (lock(lock_fd, LOCK_EX) < 0) {
+        return;
+    }
+    if (STEP(unlink(temp)) == 0 && read_budget(budget_fd, &b) == 0) {
+        b.used = b.used > nbytes ? b.used - nbytes : 0;
+        write_budget(budget_fd, &b);
+    }
+    lock(lock_fd, LOCK_UN);
+}
+
+static int
+write_each(int fd, const Py_buffer *bufs, const off_t *offsets, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (write_all(fd, bufs[i].buf, (size_t)bufs[i].len, offsets[i]) < 0) {
+            return errno;
+        }
+    }
+    return 0;
+}
+
+/* (offset, bytes-like) pieces, borrowed until release_pieces. */
+typedef struct {
+    Py_buffer *bufs;
+    off_t *offsets;
+    Py_ssize_t n;
+} Pieces;
+
+static void
+release_pieces(Pieces *p)
+{
+    for (Py_ssize_t i = 0; i < p->n; i++) {
+        PyBuffer_Release(&p->bufs[i]);
+    }
+    PyMem_Free(p->bufs);
+    PyMem_Free(p->offsets);
+    p->bufs = NULL, p->offsets = NULL, p->n = 0;
+}
+
+static int
+borrow_pieces(const char *fn, PyObject *obj, Pieces *p)
+{
+    p->bufs = NULL, p->offsets = NULL, p->n = 0;
+    PyObject *seq = PySequence_Fast(obj, "pieces must be a sequence of (offset, data)");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    p->bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *p->bufs);
+    p->offsets = PyMem_Calloc((size_t)(n ? n : 1), sizeof *p->offsets);
+    if (p->bufs == NULL || p->offsets == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (; p->n < n; p->n++) {
+        long long offset;
+        PyObject *data;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p->n), "LO", &offset, &data)) {
+            goto fail;
+        }
+        if (offset < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: piece %zd has a negative offset", fn, p->n);
+            goto fail;
+        }
+        if (PyObject_GetBuffer(data, &p->bufs[p->n], PyBUF_C_CONTIGUOUS) < 0) {
+            goto fail;
+        }
+        p->offsets[p->n] = (off_t)offset;
+    }
+    Py_DECREF(seq);
+    return 0;
+fail:
+    Py_DECREF(seq);
+    release_pieces(p);
+    return -1;
+}
+
+/* This handle's expectation to end: none where `path` is None. */
+typedef struct {
+    PyObject *path;  /* bytes, or NULL */
+    Py_buffer record;
+} Expectation;
+
+static int
+borrow_expectation(PyObject *path, PyObject *record, Expectation *e)
+{
+    e->path = NULL;
+    e->record.obj = NULL;
+    if (path == Py_None) {
+        return 0;
+    }
+    if (!fs_path(path, &e->path)) {
+        return -1;
+    }
+    return PyObject_GetBuffer(record, &e->record, PyBUF_SIMPLE);
+}
+
+static void
+release_expectation(Expectation *e)
+{
+    if (e->record.obj != NULL) {
+        PyBuffer_Release(&e->record);
+    }
+    Py_CLEAR(e->path);
+}
+
 PyDoc_STRVAR(reserve_doc,
 "reserve(lock_fd, budget_fd, temp_path, nbytes, force, take_lock) -> int\n\n"
 "A put's room: under the namespace lock (taken here unless `take_lock` is False: the caller\n"
@@ -175,37 +382,10 @@ reserve(PyObject *self, PyObject *args)
                           &nbytes, &force, &take_lock)) {
         return NULL;
     }
-    const char *temp = PyBytes_AS_STRING(temp_obj);
-    int fd = -1, err = 0, full = 0;
-    const char *failed = NULL;
-    Budget b = {0, 0, 0};
+    const char *temp = PyBytes_AS_STRING(temp_obj), *failed = NULL;
+    int fd, full, err;
     Py_BEGIN_ALLOW_THREADS
-    if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
-        err = errno;
-    } else {
-        if (read_budget(budget_fd, &b) < 0) {
-            err = errno;
-        } else if (!force && b.used + nbytes > b.capacity) {
-            full = 1;
-        } else if ((fd = create_private(temp, 1)) < 0) {
-            err = errno, failed = temp;
-        } else if (lock(fd, LOCK_EX) < 0 || STEP(ftruncate(fd, (off_t)nbytes)) < 0) {
-            err = errno, failed = temp;
-        } else {
-            b.used += nbytes;
-            if (write_budget(budget_fd, &b) < 0) {
-                err = errno;
-            }
-        }
-        if (err && fd >= 0) {
-            STEP(close(fd));
-            STEP(unlink(temp));
-            fd = -1;
-        }
-        if (take_lock) {
-            lock(lock_fd, LOCK_UN);
-        }
-    }
+    err = reserve_room(lock_fd, budget_fd, temp, nbytes, force, take_lock, &fd, &full, &failed);
     Py_END_ALLOW_THREADS
     PyObject *result = err ? raise_errno(err, failed) : PyLong_FromLong(full ? -1 : fd);
     Py_DECREF(temp_obj);
@@ -221,55 +401,17 @@ write_pieces(PyObject *self, PyObject *args)
 {
     int fd;
     PyObject *pieces_obj;
-    if (!PyArg_ParseTuple(args, "iO:write", &fd, &pieces_obj)) {
+    Pieces pieces;
+    if (!PyArg_ParseTuple(args, "iO:write", &fd, &pieces_obj) ||
+            borrow_pieces("write", pieces_obj, &pieces) < 0) {
         return NULL;
     }
-    PyObject *pieces = PySequence_Fast(pieces_obj, "write: pieces must be a sequence of "
-                                       "(offset, data)");
-    if (pieces == NULL) {
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(pieces), held = 0;
-    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *bufs);
-    off_t *offsets = PyMem_Calloc((size_t)(n ? n : 1), sizeof *offsets);
-    PyObject *result = NULL;
-    if (bufs == NULL || offsets == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; held < n; held++) {
-        long long offset;
-        PyObject *data;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces, held), "LO:write piece", &offset,
-                              &data)) {
-            goto done;
-        }
-        if (offset < 0) {
-            PyErr_Format(PyExc_ValueError, "write: piece %zd has a negative offset", held);
-            goto done;
-        }
-        if (PyObject_GetBuffer(data, &bufs[held], PyBUF_C_CONTIGUOUS) < 0) {
-            goto done;
-        }
-        offsets[held] = (off_t)offset;
-    }
-    int err = 0;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && !err; i++) {
-        if (write_all(fd, bufs[i].buf, (size_t)bufs[i].len, offsets[i]) < 0) {
-            err = errno;
-        }
-    }
+    err = write_each(fd, pieces.bufs, pieces.offsets, pieces.n);
     Py_END_ALLOW_THREADS
-    result = err ? raise_errno(err, NULL) : Py_NewRef(Py_None);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[i]);
-    }
-    PyMem_Free(bufs);
-    PyMem_Free(offsets);
-    Py_DECREF(pieces);
-    return result;
+    release_pieces(&pieces);
+    return err ? raise_errno(err, NULL) : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(publish_doc,
@@ -286,83 +428,113 @@ static PyObject *
 publish(PyObject *self, PyObject *args)
 {
     int lock_fd, budget_fd, fd;
-    PyObject *temp_obj, *marker_obj, *prefix_obj, *expect_path_arg, *expect_arg;
+    PyObject *temp_obj, *marker_obj, *prefix_obj, *expect_path, *expect_record;
     if (!PyArg_ParseTuple(args, "iiiO&O&O&OO:publish", &lock_fd, &budget_fd, &fd, fs_path,
                           &temp_obj, fs_path, &marker_obj, fs_path, &prefix_obj,
-                          &expect_path_arg, &expect_arg)) {
+                          &expect_path, &expect_record)) {
         return NULL;
     }
-    PyObject *result = NULL, *expect_path_obj = NULL;
-    Py_buffer expectation = {0};
-    char *entry = NULL;
-    int expecting = expect_path_arg != Py_None;
-    if (expecting && (!fs_path(expect_path_arg, &expect_path_obj) ||
-                      PyObject_GetBuffer(expect_arg, &expectation, PyBUF_SIMPLE) < 0)) {
-        goto done;
-    }
+    PyObject *result = NULL;
+    Expectation e;
     size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
-    entry = PyMem_Malloc(entry_len);
+    char *entry = PyMem_Malloc(entry_len);
+    if (entry == NULL) {
+        PyErr_NoMemory();
+    } else if (borrow_expectation(expect_path, expect_record, &e) == 0) {
+        const char *failed = NULL;
+        uint64_t seq = 0;
+        int err, renamed;
+        Py_BEGIN_ALLOW_THREADS
+        err = publish_entry(lock_fd, budget_fd, PyBytes_AS_STRING(temp_obj),
+                            PyBytes_AS_STRING(marker_obj), entry, entry_len,
+                            PyBytes_AS_STRING(prefix_obj),
+                            e.path ? PyBytes_AS_STRING(e.path) : NULL, &e.record, &seq,
+                            &renamed, &failed);
+        if (!err) {
+            STEP(close(fd));
+        }
+        Py_END_ALLOW_THREADS
+        result = err ? raise_errno(err, failed) : PyLong_FromUnsignedLongLong(seq);
+        release_expectation(&e);
+    } else {
+        release_expectation(&e);
+    }
+    PyMem_Free(entry);
+    Py_DECREF(temp_obj);
+    Py_DECREF(marker_obj);
+    Py_DECREF(prefix_obj);
+    return result;
+}
+
+PyDoc_STRVAR(put_doc,
+"put(lock_path, budget_fd, temp_path, nbytes, force, pieces, marker_path, entry_prefix,\n"
+"    expectation_path, expectation) -> int\n\n"
+"A whole put in one call, where there is room now: `reserve`, `write` and `publish`, the\n"
+"namespace lock taken on a descriptor of `lock_path` of this call's own (so no thread lock is\n"
+"needed: flock excludes separate open files, threads included). Returns the sequence number,\n"
+"or -1 with nothing changed where the budget has no room for `nbytes` (unless `force`). A\n"
+"failure before the entry is renamed into place gives its room back.");
+
+static PyObject *
+put(PyObject *self, PyObject *args)
+{
+    int budget_fd, force;
+    unsigned long long nbytes;
+    PyObject *lock_obj, *temp_obj, *pieces_obj, *marker_obj, *prefix_obj, *expect_path;
+    PyObject *expect_record;
+    if (!PyArg_ParseTuple(args, "O&iO&KpOO&O&OO:put", fs_path, &lock_obj, &budget_fd,
+                          fs_path, &temp_obj, &nbytes, &force, &pieces_obj, fs_path,
+                          &marker_obj, fs_path, &prefix_obj, &expect_path, &expect_record)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Pieces pieces = {NULL, NULL, 0};
+    Expectation e = {NULL, {0}};
+    size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
+    char *entry = PyMem_Malloc(entry_len);
     if (entry == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    const char *temp = PyBytes_AS_STRING(temp_obj), *marker = PyBytes_AS_STRING(marker_obj);
-    const char *prefix = PyBytes_AS_STRING(prefix_obj);
-    const char *expect_path = expecting ? PyBytes_AS_STRING(expect_path_obj) : NULL;
-    int err = 0;
-    const char *failed = NULL;
-    Budget b = {0, 0, 0};
-    Py_BEGIN_ALLOW_THREADS
-    if (lock(lock_fd, LOCK_EX) < 0) {
-        err = errno;
-    } else {
-        int marker_fd = create_private(marker, 1);
-        if (marker_fd >= 0) {
-            STEP(close(marker_fd));
-        } else if (errno != EEXIST) {
-            err = errno, failed = marker;
-        }
-        if (!err && read_budget(budget_fd, &b) < 0) {
-            err = errno;
-        }
-        if (!err) {
-            snprintf(entry, entry_len, "%s%llu", prefix, (unsigned long long)b.next_seq);
-            b.next_seq += 1;
-            if (write_budget(budget_fd, &b) < 0) {
-                err = errno;
-            } else if (STEP(rename(temp, entry)) < 0) {
-                err = errno, failed = temp;
-            }
-        }
-        if (!err && expecting) {  /* ended only if this handle's record is still the one there */
-            int efd = STEP(open(expect_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-            if (efd >= 0) {
-                char seen[4096];
-                size_t want = (size_t)expectation.len;
-                ssize_t got = want < sizeof seen ? read(efd, seen, want + 1) : -1;
-                STEP(close(efd));
-                if (got == (ssize_t)want && memcmp(seen, expectation.buf, want) == 0 &&
-                        STEP(unlink(expect_path)) < 0 && errno != ENOENT) {
-                    err = errno, failed = expect_path;
-                }
-            } else if (errno != ENOENT) {
-                err = errno, failed = expect_path;
-            }
-        }
-        lock(lock_fd, LOCK_UN);
+    if (borrow_pieces("put", pieces_obj, &pieces) < 0 ||
+            borrow_expectation(expect_path, expect_record, &e) < 0) {
+        goto done;
     }
-    if (!err) {
-        STEP(close(fd));
+    const char *lock_path = PyBytes_AS_STRING(lock_obj), *temp = PyBytes_AS_STRING(temp_obj);
+    const char *failed = NULL;
+    uint64_t seq = 0;
+    int err = 0, full = 0, fd = -1, renamed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int lock_fd = STEP(open(lock_path, O_RDWR | O_NOFOLLOW | O_CLOEXEC));
+    if (lock_fd < 0) {
+        err = errno, failed = lock_path;
+    } else {
+        err = reserve_room(lock_fd, budget_fd, temp, nbytes, force, 1, &fd, &full, &failed);
+        if (!err && !full) {
+            err = write_each(fd, pieces.bufs, pieces.offsets, pieces.n);
+            if (err) {
+                failed = temp;
+            } else {
+                err = publish_entry(lock_fd, budget_fd, temp, PyBytes_AS_STRING(marker_obj),
+                                    entry, entry_len, PyBytes_AS_STRING(prefix_obj),
+                                    e.path ? PyBytes_AS_STRING(e.path) : NULL, &e.record,
+                                    &seq, &renamed, &failed);
+            }
+            if (err && !renamed) {
+                return_room(lock_fd, budget_fd, temp, nbytes);
+            }
+            STEP(close(fd));  /* published or given back: its flock goes with it */
+        }
+        STEP(close(lock_fd));
     }
     Py_END_ALLOW_THREADS
-    result = err ? raise_errno(err, failed)  /* `failed` points into objects held here */
-                 : PyLong_FromUnsignedLongLong((unsigned long long)(b.next_seq - 1));
+    result = err ? raise_errno(err, failed)
+                 : PyLong_FromLongLong(full ? -1 : (long long)seq);
 done:
     PyMem_Free(entry);
-    if (expectation.obj != NULL) {
-        PyBuffer_Release(&expectation);
-    }
-    Py_XDECREF(expect_path_obj);
+    release_pieces(&pieces);
+    release_expectation(&e);
+    Py_DECREF(lock_obj);
     Py_DECREF(temp_obj);
     Py_DECREF(marker_obj);
     Py_DECREF(prefix_obj);
@@ -485,6 +657,7 @@ static PyMethodDef shm_methods[] = {
     {"reserve", reserve, METH_VARARGS, reserve_doc},
     {"write", write_pieces, METH_VARARGS, write_doc},
     {"publish", publish, METH_VARARGS, publish_doc},
+    {"put", put, METH_VARARGS, put_doc},
     {"expect", expect, METH_VARARGS, expect_doc},
     {"die_before_step", die_before_step, METH_O, die_before_step_doc},
     {"steps", steps, METH_NOARGS, steps_doc},

@@ -190,6 +190,8 @@ class StageChannel(ABC):
         encoded = encode(entry)
         with self._operation(entry.request_id):  # a reservation never outlives the handle
             self._maybe_sweep()
+            if self._put_now(entry.request_id, encoded, force=not bounded, final=entry.final):
+                return
             reservation = (self._wait_for_room(entry.request_id, encoded.nbytes) if bounded
                            else self._reserve(encoded.nbytes, force=True))
             try:
@@ -373,6 +375,12 @@ class StageChannel(ABC):
     @abstractmethod
     def _unreserve(self, reservation: Any) -> None:
         """Returns the room of a reservation whose publish failed."""
+
+    def _put_now(self, request_id: str, encoded: EncodedEntry, *, force: bool,
+                 final: bool) -> bool:
+        """Reserve and publish in one step where the backend can and there is room now (or
+        `force`); False leaves the put to `_reserve`/`_wait_for_room` and `_publish`."""
+        return False
 
     @abstractmethod
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Any, *,

@@ -16,9 +16,10 @@ anywhere thus leaves every other entry where it was, in order; there is no chain
 empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
 removes it with the last one), so a get of an id without entries costs one `lstat`. A put's
 system calls, and a step's expectations', are made in C (`prefix_cache.channel._shm`) with the
-GIL released: three calls a put (reserve, write, publish), one for the expectations, where each
-system call made from Python would hand the GIL over twice (on an engine's output thread, each
-hand-over makes the engine thread wait for it again).
+GIL released: one call a put where the namespace has room (`_shm.put`, on a descriptor of
+`.lock` of its own, so no thread lock), three (reserve, write, publish) where it waits for room,
+one for a step's expectations; each system call made from Python would give the GIL up and wait
+to take it back (on an engine's output thread, from the engine thread).
 
 `.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
 use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
@@ -554,6 +555,22 @@ class ShmChannel(StageChannel):
                 self._add_used(-size)
         finally:
             os.close(reservation.fd)
+
+    def _put_now(self, request_id: str, encoded: EncodedEntry, *, force: bool,
+                 final: bool) -> bool:
+        name = self._name(request_id)
+        entry = f"{self._root}/{name}"
+        producer = self._producer if final else None  # a final entry ends its expectation
+        try:  # one call, one GIL hand-over: on a lock descriptor of its own, no thread lock
+            seq = _shm.put(f"{self._root}/{_LOCK_FILE}", self._budget_fd,
+                           f"{self._root}/{_TEMP_PREFIX}{secrets.token_hex(8)}", encoded.nbytes,
+                           force, encoded.pieces, entry, f"{entry}.",
+                           None if producer is None else self._expectation_path(name),
+                           None if producer is None else producer.expectation)
+        except OSError as e:
+            raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
+                                   f"({encoded.nbytes} bytes)") from e
+        return seq >= 0
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:
