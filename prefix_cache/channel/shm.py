@@ -531,7 +531,7 @@ class ShmChannel(StageChannel):
         return used
 
     def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
-        temp = f"{self._root}/{_TEMP_PREFIX}{secrets.token_hex(8)}"
+        temp = self._temp_path()
         try:
             with self._process_locked() as lock_fd:
                 fd = _shm.reserve(lock_fd, self._budget_fd, temp, nbytes, force, True)
@@ -558,15 +558,10 @@ class ShmChannel(StageChannel):
 
     def _put_now(self, request_id: str, encoded: EncodedEntry, *, force: bool,
                  final: bool) -> bool:
-        name = self._name(request_id)
-        entry = f"{self._root}/{name}"
-        producer = self._producer if final else None  # a final entry ends its expectation
         try:  # one call, one GIL hand-over: on a lock descriptor of its own, no thread lock
-            seq = _shm.put(f"{self._root}/{_LOCK_FILE}", self._budget_fd,
-                           f"{self._root}/{_TEMP_PREFIX}{secrets.token_hex(8)}", encoded.nbytes,
-                           force, encoded.pieces, entry, f"{entry}.",
-                           None if producer is None else self._expectation_path(name),
-                           None if producer is None else producer.expectation)
+            seq = _shm.put(f"{self._root}/{_LOCK_FILE}", self._budget_fd, self._temp_path(),
+                           encoded.nbytes, force, encoded.pieces,
+                           *self._entry_names(request_id, final))
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
@@ -574,19 +569,29 @@ class ShmChannel(StageChannel):
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:
-        name = self._name(request_id)
-        entry = f"{self._root}/{name}"
-        producer = self._producer if final else None  # a final entry ends its expectation
         try:
             _shm.write(reservation.fd, encoded.pieces)  # unlocked: the file is this put's alone
             with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
                 _shm.publish(lock_fd, self._budget_fd, reservation.fd, reservation.path,
-                             entry, f"{entry}.",
-                             None if producer is None else self._expectation_path(name),
-                             None if producer is None else producer.expectation)
+                             *self._entry_names(request_id, final))
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
                                    f"({encoded.nbytes} bytes)") from e
+
+    def _entry_names(self, request_id: str, final: bool
+                     ) -> tuple[str, str, str | None, bytes | None]:
+        """A publish's paths: the id's marker, its entries' prefix (`NAME.`), and, for a final
+        entry of a producer, the expectation it ends and what this handle wrote there."""
+        name = self._name(request_id)
+        marker = f"{self._root}/{name}"
+        producer = self._producer if final else None
+        if producer is None:
+            return marker, f"{marker}.", None, None
+        return marker, f"{marker}.", self._expectation_path(name), producer.expectation
+
+    def _temp_path(self) -> str:
+        """A new temp file's path (`_TEMP_PREFIX`): a put's room until it is published."""
+        return f"{self._root}/{_TEMP_PREFIX}{secrets.token_hex(8)}"
 
     def _take(self, request_id: str) -> torch.Tensor | None:
         try:
