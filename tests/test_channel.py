@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode,
 from prefix_cache.channel import mooncake as mooncake_module
 from prefix_cache.channel.mooncake import MooncakeChannel, TailBuffer, unconsumed_keys
 from prefix_cache.channel.shm import ShmChannel
+from prefix_cache.core.pool_rows import PoolRows
 from tests.mooncake_store import MooncakeStoreProcesses, free_port
 
 
@@ -757,6 +759,74 @@ def test_a_full_put_goes_in_once_the_consumer_makes_room(new_spec: str) -> None:
         assert time.monotonic() - started >= 0.25
         consumer.join()
         assert [_mark(channel.get(r, timeout_s=5)) for r in ("req-b", "req-c")] == [2, 3]
+
+
+# ---------------------------------------------------------------- rows read from a pool in place
+
+
+class _Pool:
+    """A pool's host rows of one key (`[slots, feat]` of `dtype`) and the `PoolRows` a finish
+    hands the channel, counting their let-gos."""
+
+    def __init__(self, slots: int, feat: int, dtype: torch.dtype, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randn(slots, feat, generator=g).to(dtype)
+        self.let_gos = 0
+        self.let_go = threading.Event()
+
+    def _let_go(self) -> None:
+        self.let_gos += 1
+        self.let_go.set()
+
+    def take(self, slots: list[int]) -> PoolRows:
+        pool = self.rows.view(torch.uint8).numpy().reshape(len(self.rows), -1)
+        return PoolRows(pool, np.array(slots, dtype=np.int64), (len(slots), self.rows.shape[1]),
+                        self.rows.dtype, self._let_go)
+
+    def expected(self, slots: list[int]) -> torch.Tensor:
+        """The rows at `slots` as the pool holds them now, zeros at -1."""
+        out = torch.zeros(len(slots), self.rows.shape[1], dtype=self.rows.dtype)
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                out[i] = self.rows[slot]
+        return out
+
+
+def test_pool_rows_go_into_the_entry_as_the_pool_holds_them(channel: StageChannel) -> None:
+    """A finish's read-back hands the channel its rows where the pool holds them: the entry
+    has the rows of its slots in order, runs and single rows alike, zeros at absent rows (slot
+    -1), beside tensors of other keys."""
+    hidden, mm = _Pool(4096, 64, torch.bfloat16, 1), _Pool(64, 16, torch.float32, 2)
+    hidden_slots = [*range(100, 1400), *range(5, 9), 4000, 3, -1, *range(2000, 1000, -1)]
+    mm_slots = [-1, 7, -1, -1, 8, 9, 10, -1]
+    codes = torch.arange(12).view(3, 4)
+    channel.put("req-pool", {HIDDEN_KEY: hidden.take(hidden_slots), "mm": mm.take(mm_slots),
+                             "codec_ids": codes})
+    got = channel.get("req-pool", timeout_s=5)
+    assert torch.equal(got[HIDDEN_KEY], hidden.expected(hidden_slots))
+    assert torch.equal(got["mm"], mm.expected(mm_slots))
+    assert torch.equal(got["codec_ids"], codes)
+
+
+def test_a_put_that_waits_for_room_lets_the_pool_rows_go_before_it_waits(new_spec: str) -> None:
+    """Pool rows stay pinned while the channel reads them: a put that finds no room copies
+    them and lets them go before it waits, so a next tenant's write waits for no consumer.
+    The entry still holds the rows as they were."""
+    pool = _Pool(256, 8, torch.float32, 3)
+    slots = list(range(40, 140))
+    want = pool.expected(slots)
+    with open_channel(new_spec + "&capacity=8192&wait=30") as channel:
+        channel.put("req-a", _marked(1, rows=100))
+        channel.put("req-b", _marked(2, rows=100))
+        put = threading.Thread(target=channel.put, args=("req-c", {HIDDEN_KEY: pool.take(slots)}))
+        put.start()
+        assert pool.let_go.wait(5) and put.is_alive()  # let go, still waiting for room
+        pool.rows.fill_(-1.0)  # the slots' next tenant
+        assert _mark(channel.get("req-a", timeout_s=5)) == 1
+        put.join(10)
+        assert not put.is_alive() and pool.let_gos == 1
+        assert _mark(channel.get("req-b", timeout_s=5)) == 2
+        assert torch.equal(channel.get("req-c", timeout_s=5)[HIDDEN_KEY], want)
 
 
 def test_shm_capacity_defaults_to_a_share_of_free_space_and_belongs_to_the_namespace() -> None:

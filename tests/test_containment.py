@@ -45,7 +45,7 @@ class InjectedFault(RuntimeError):
 #: Where a fault strikes: (owner, attribute) of the function that raises in its place.
 SITES: dict[str, tuple[Any, str]] = {
     "deliver": (StageDelivery, "publish_read"),  # a finished request's entry, whole
-    "read back": (RequestRows, "resolve"),  # its rows, from the pool
+    "read back": (RequestRows, "hold"),  # its rows, held in the pool for the channel's writer
     "encode": (channel_base, "encode"),
     "channel write": (ShmChannel, "_put_now"),  # a put into a namespace with room
     "save": (OmniPrefixCacheManager, "save_outputs"),  # on the engine thread

@@ -15,6 +15,8 @@ from prefix_cache import devices
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
                           OmniPrefixCacheUnmatchError, PrefixCacheConfig, TaskState, WriteTask)
+from prefix_cache.channel import open_channel
+from prefix_cache.core.pool_rows import PoolRows
 from tests.sim import StepDriver, token_rows
 
 BS = 4
@@ -282,6 +284,41 @@ def test_a_finished_requests_rows_read_back_whole_after_its_blocks_go_to_a_new_t
                                                       token_rows(a, 2)[:9])
         assert torch.equal(manager.materialize(sid_c, ["c"]).hidden_states["c"],
                            token_rows(c, 2))
+
+
+def test_rows_held_for_the_channel_stay_until_let_go_though_a_new_tenant_writes_their_blocks(
+        backend):
+    """The one-copy read-back: a finished request's rows held for the channel's writer
+    (`hold`) stay in the pool, pinned; the step whose new tenant rewrites their blocks waits
+    until they are let go (`cancel`, once the put returned), and the entry holds the
+    request's own rows."""
+    manager, d = make(backend)
+    a, c = list(range(40, 50)), list(range(300, 308))
+    with manager, open_channel("shm") as channel:
+        sids = [run_step(manager, d, d.step(new=[("a", a, [1, 2, 3], 0, 8)]), backend.device,
+                         materialize=False)]
+        sids.append(run_step(manager, d, d.step(cached={"a": 2}), backend.device,
+                             materialize=False))
+        for sid in sids:
+            manager.discard_step(sid)
+        rows = manager.plan_request_rows({"a": None})["a"]
+        held = rows.hold()
+        assert {key: type(r) for key, r in held.items()} == {HIDDEN_KEY: PoolRows,
+                                                            "mm_feature": PoolRows}
+        new_tenant = threading.Thread(target=run_step, args=(
+            manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]), backend.device),
+            kwargs={"materialize": False})
+        new_tenant.start()
+        channel.put("a", held)
+        new_tenant.join(0.5)
+        assert new_tenant.is_alive()  # its write of blocks 2 and 1 waits for the held rows
+        rows.cancel()
+        new_tenant.join(30)
+        assert not new_tenant.is_alive() and manager.stats()["copy_on_write_reads"] >= 1
+        got = channel.get("a", timeout_s=5)
+        assert torch.equal(got[HIDDEN_KEY], token_rows(a, 2))
+        assert torch.equal(got["mm_feature"], token_rows(a, 16, salt=1))
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
 
 
 def test_steps_saved_without_reads_are_only_discarded_and_read_back_at_the_finish(backend):

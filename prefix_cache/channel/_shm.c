@@ -12,6 +12,9 @@
  * separate open files, threads included); around the others, which lock the handle's shared
  * descriptor, the caller holds the handle's thread lock (all but `write`).
  *
+ * An entry's rows may be a pool's, named by slot (`write`): they go from the pool into the
+ * entry's file by pwritev, one copy, with no gathered copy between.
+ *
  * Errors raise OSError (its errno's subclass) naming the file; a call that raises leaves no
  * file of its own behind and releases the namespace lock.
  */
@@ -24,6 +27,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <stdatomic.h>
 #include <unistd.h>
 
@@ -269,51 +273,168 @@ return_room(int lock_fd, int budget_fd, const char *temp, uint64_t nbytes)
     lock(lock_fd, LOCK_UN);
 }
 
+/* `iov[0..k)` in full at `at`, resuming after a short write; 0, or -1 with errno set. */
 static int
-write_each(int fd, const Py_buffer *bufs, const off_t *offsets, Py_ssize_t n)
+writev_all(int fd, struct iovec *iov, int k, off_t at)
 {
+    while (k > 0) {
+        ssize_t put = STEP(pwritev(fd, iov, k, at));
+        if (put < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -1;
+        }
+        at += put;
+        for (; k > 0 && (size_t)put >= iov->iov_len; iov++, k--) {
+            put -= (ssize_t)iov->iov_len;
+        }
+        if (k > 0) {
+            iov->iov_base = (char *)iov->iov_base + put;
+            iov->iov_len -= (size_t)put;
+        }
+    }
+    return 0;
+}
+
+#define ROW_RUNS 1024  /* iovecs a pwritev takes (Linux's IOV_MAX) */
+
+/* Rows `slots[0..n)` of the rows of `row_bytes` at `pool`, laid end to end in `fd` from
+ * `offset`; a slot of -1 leaves its row as the file has it (zeros). Each run of consecutive
+ * slots is one iovec, and up to ROW_RUNS runs of rows adjacent in the file one pwritev:
+ * the rows go from the pool to the file in one copy. 0, or -1 with errno set. */
+static int
+write_rows(int fd, const char *pool, size_t row_bytes, const int64_t *slots, Py_ssize_t n,
+           off_t offset)
+{
+    struct iovec iov[ROW_RUNS];
+    int k = 0;
+    off_t at = offset;  /* where iov[0] lands */
+    size_t pending = 0;  /* bytes in iov[0..k) */
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (write_all(fd, bufs[i].buf, (size_t)bufs[i].len, offsets[i]) < 0) {
+        const char *row = slots[i] >= 0 ? pool + (size_t)slots[i] * row_bytes : NULL;
+        if (k > 0 && row == (const char *)iov[k - 1].iov_base + iov[k - 1].iov_len) {
+            iov[k - 1].iov_len += row_bytes;
+            pending += row_bytes;
+            continue;
+        }
+        if (k > 0 && (row == NULL || k == ROW_RUNS)) {
+            if (writev_all(fd, iov, k, at) < 0) {
+                return -1;
+            }
+            at += (off_t)pending;
+            k = 0, pending = 0;
+        }
+        if (row == NULL) {
+            at = offset + (off_t)((size_t)(i + 1) * row_bytes);
+            continue;
+        }
+        iov[k].iov_base = (void *)row;
+        iov[k].iov_len = row_bytes;
+        k++, pending += row_bytes;
+    }
+    return k > 0 ? writev_all(fd, iov, k, at) : 0;
+}
+
+/* An entry's pieces, borrowed until release_pieces: each is bytes written at its offset, or
+ * rows of a pool (`slots[i].obj` set) that `write_rows` writes there. */
+typedef struct {
+    Py_buffer *bufs;  /* the bytes, or the pool's [slots, row bytes] rows */
+    Py_buffer *slots;  /* a pool piece's int64 slots */
+    off_t *offsets;
+    Py_ssize_t n;
+} Pieces;
+
+static int
+write_each(int fd, const Pieces *p)
+{
+    for (Py_ssize_t i = 0; i < p->n; i++) {
+        const Py_buffer *b = &p->bufs[i];
+        int rc = p->slots[i].obj == NULL
+            ? write_all(fd, b->buf, (size_t)b->len, p->offsets[i])
+            : write_rows(fd, b->buf, (size_t)(b->shape[1] * b->itemsize), p->slots[i].buf,
+                         p->slots[i].shape[0], p->offsets[i]);
+        if (rc < 0) {
             return errno;
         }
     }
     return 0;
 }
 
-/* (offset, bytes-like) pieces, borrowed until release_pieces. */
-typedef struct {
-    Py_buffer *bufs;
-    off_t *offsets;
-    Py_ssize_t n;
-} Pieces;
-
 static void
 release_pieces(Pieces *p)
 {
     for (Py_ssize_t i = 0; i < p->n; i++) {
         PyBuffer_Release(&p->bufs[i]);
+        if (p->slots[i].obj != NULL) {
+            PyBuffer_Release(&p->slots[i]);
+        }
     }
     PyMem_Free(p->bufs);
+    PyMem_Free(p->slots);
     PyMem_Free(p->offsets);
-    p->bufs = NULL, p->offsets = NULL, p->n = 0;
+    p->bufs = NULL, p->slots = NULL, p->offsets = NULL, p->n = 0;
+}
+
+/* Piece `i`'s rows of a pool (`rows`: its `pool`, a 2-d C-contiguous buffer, and its `slots`,
+ * 1-d int64, each -1 or a row of the pool), checked with the GIL held: the writes need none. */
+static int
+borrow_rows(const char *fn, Py_ssize_t i, PyObject *rows, Pieces *p)
+{
+    Py_buffer *b = &p->bufs[i], *s = &p->slots[i];
+    PyObject *pool = PyObject_GetAttrString(rows, "pool");
+    int rc = pool == NULL ? -1 : PyObject_GetBuffer(pool, b, PyBUF_C_CONTIGUOUS);
+    Py_XDECREF(pool);  /* the buffer holds the pool */
+    if (rc < 0) {
+        return -1;
+    }
+    if (b->ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: piece %zd's pool rows have %d dimensions, not 2",
+                     fn, i, b->ndim);
+        return -1;
+    }
+    PyObject *slots = PyObject_GetAttrString(rows, "slots");
+    rc = slots == NULL ? -1 : PyObject_GetBuffer(slots, s, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+    Py_XDECREF(slots);
+    if (rc < 0) {
+        return -1;
+    }
+    const char *format = s->format ? s->format : "B";
+    char code = format[strlen(format) - 1];
+    if (s->ndim != 1 || s->itemsize != 8 || (code != 'l' && code != 'q')) {
+        PyErr_Format(PyExc_TypeError, "%s: piece %zd's slots must be a 1-d int64 array, got "
+                     "format %s of %zd-byte items", fn, i, format, s->itemsize);
+        return -1;
+    }
+    const int64_t *slot = s->buf;
+    for (Py_ssize_t r = 0; r < s->shape[0]; r++) {
+        if (slot[r] < -1 || slot[r] >= b->shape[0]) {
+            PyErr_Format(PyExc_ValueError, "%s: piece %zd's row %zd reads slot %lld, outside "
+                         "the pool's %zd rows", fn, i, r, (long long)slot[r], b->shape[0]);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 static int
 borrow_pieces(const char *fn, PyObject *obj, Pieces *p)
 {
-    p->bufs = NULL, p->offsets = NULL, p->n = 0;
-    PyObject *seq = PySequence_Fast(obj, "pieces must be a sequence of (offset, data)");
+    p->bufs = NULL, p->slots = NULL, p->offsets = NULL, p->n = 0;
+    PyObject *seq = PySequence_Fast(
+        obj, "pieces must be a sequence of (offset, bytes or pool rows)");
     if (seq == NULL) {
         return -1;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     p->bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *p->bufs);
+    p->slots = PyMem_Calloc((size_t)(n ? n : 1), sizeof *p->slots);
     p->offsets = PyMem_Calloc((size_t)(n ? n : 1), sizeof *p->offsets);
-    if (p->bufs == NULL || p->offsets == NULL) {
+    if (p->bufs == NULL || p->slots == NULL || p->offsets == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    for (; p->n < n; p->n++) {
+    while (p->n < n) {
         long long offset;
         PyObject *data;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p->n), "LO", &offset, &data)) {
@@ -323,10 +444,14 @@ borrow_pieces(const char *fn, PyObject *obj, Pieces *p)
             PyErr_Format(PyExc_ValueError, "%s: piece %zd has a negative offset", fn, p->n);
             goto fail;
         }
-        if (PyObject_GetBuffer(data, &p->bufs[p->n], PyBUF_C_CONTIGUOUS) < 0) {
+        p->offsets[p->n] = (off_t)offset;
+        int rc = PyObject_CheckBuffer(data)
+            ? PyObject_GetBuffer(data, &p->bufs[p->n], PyBUF_C_CONTIGUOUS)
+            : borrow_rows(fn, p->n, data, p);
+        p->n++;  /* what this piece borrowed is released with the rest */
+        if (rc < 0) {
             goto fail;
         }
-        p->offsets[p->n] = (off_t)offset;
     }
     Py_DECREF(seq);
     return 0;
@@ -394,7 +519,10 @@ reserve(PyObject *self, PyObject *args)
 
 PyDoc_STRVAR(write_doc,
 "write(fd, pieces) -> None\n\n"
-"Write each (offset, bytes-like) of `pieces` into the reserved file `fd`, in full.");
+"Write each (offset, data) of `pieces` into the reserved file `fd`, in full: a bytes-like\n"
+"`data` as it is; else `data.pool`'s rows (a C-contiguous [num_slots, bytes] buffer) at\n"
+"`data.slots` (1-d int64), laid end to end from the offset straight from the pool (a slot of\n"
+"-1 leaves its row zeros): `prefix_cache.core.pool_rows.PoolRows`.");
 
 static PyObject *
 write_pieces(PyObject *self, PyObject *args)
@@ -408,7 +536,7 @@ write_pieces(PyObject *self, PyObject *args)
     }
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = write_each(fd, pieces.bufs, pieces.offsets, pieces.n);
+    err = write_each(fd, &pieces);
     Py_END_ALLOW_THREADS
     release_pieces(&pieces);
     return err ? raise_errno(err, NULL) : Py_NewRef(Py_None);
@@ -488,7 +616,7 @@ put(PyObject *self, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL;
-    Pieces pieces = {NULL, NULL, 0};
+    Pieces pieces = {NULL, NULL, NULL, 0};
     Expectation e = {NULL, {0}};
     size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
     char *entry = PyMem_Malloc(entry_len);
@@ -511,7 +639,7 @@ put(PyObject *self, PyObject *args)
     } else {
         err = reserve_room(lock_fd, budget_fd, temp, nbytes, force, 1, &fd, &full, &failed);
         if (!err && !full) {
-            err = write_each(fd, pieces.bufs, pieces.offsets, pieces.n);
+            err = write_each(fd, &pieces);
             if (err) {
                 failed = temp;
             } else {

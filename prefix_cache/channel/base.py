@@ -39,6 +39,7 @@ from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
                                          OmniPrefixCacheChannelProducerError,
                                          OmniPrefixCacheChannelTimeoutError)
+from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.devices.base import check_timeout, poll_until
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,11 @@ class StageChannel(ABC):
     def spec(self) -> str:
         """The string `open_channel` takes in another process to reach this same namespace."""
 
-    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *, start: int = 0,
-            final: bool = True, aborted: bool = False,
+    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor | PoolRows], *,
+            start: int = 0, final: bool = True, aborted: bool = False,
             meta: Mapping[str, Any] | None = None) -> None:
-        """Publishes `outputs` (CPU tensors by key, each as many rows) for `request_id`, behind
+        """Publishes `outputs` (CPU tensors or `PoolRows` by key, each as many rows; the caller
+        holds pool rows until the put returns, or until it lets them go) for `request_id`, behind
         any unconsumed entries of the same id: a whole entry, or with `final=False` a chunk of
         one, rows of positions `start, start + 1, ...` (then the next chunk starts where this
         one ends, up to one with `final=True`). `aborted` marks a request that ended early;
@@ -134,8 +136,8 @@ class StageChannel(ABC):
         stands = self._streams.get(request_id, 0)
         if entry.final and start == 0 and request_id not in self._streams:
             return stands  # a whole entry: its keys may be of any shape
-        counts = {key: rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() else None
-                  for key, rows in entry.outputs.items()}
+        counts = {key: rows.shape[0] if isinstance(rows, (torch.Tensor, PoolRows))
+                  and len(rows.shape) else None for key, rows in entry.outputs.items()}
         if len(set(counts.values())) > 1:
             raise ValueError(f"request {request_id}: the keys of a chunk must have as many rows "
                              f"each (its positions), got {counts}")
@@ -192,8 +194,10 @@ class StageChannel(ABC):
             self._maybe_sweep()
             if self._put_now(entry.request_id, encoded, force=not bounded, final=entry.final):
                 return
-            reservation = (self._wait_for_room(entry.request_id, encoded.nbytes) if bounded
-                           else self._reserve(encoded.nbytes, force=True))
+            reservation = self._reserve(encoded.nbytes, force=not bounded)
+            if reservation is None:  # no room: the wait must not hold a pool's rows
+                encoded = encoded.owned()
+                reservation = self._wait_for_room(entry.request_id, encoded.nbytes)
             try:
                 self._publish(entry.request_id, encoded, reservation, final=entry.final)
             except BaseException:

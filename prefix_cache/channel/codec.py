@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.devices.base import NUMPY_DTYPES
 
 MAGIC = b"OPCSTG\x00\x01"
@@ -44,10 +45,21 @@ class StageEntry:
 
 
 class EncodedEntry(NamedTuple):
-    """An entry's wire form as pieces to write at their offsets; the gaps between them are zeros."""
+    """An entry's wire form as pieces to write at their offsets; the gaps between them are zeros.
+    A piece is (offset, bytes), or (offset, `PoolRows`): rows a writer reads from the pool in
+    place and lays end to end from the offset."""
 
     nbytes: int
-    pieces: list[tuple[int, memoryview]]  # (offset, bytes), ascending; the header first
+    pieces: list[tuple[int, memoryview | PoolRows]]  # ascending offsets; the header first
+
+    def owned(self) -> EncodedEntry:
+        """The same wire form with every pool's rows copied into memory of its own (and the
+        pool's rows let go): for a writer that may wait before it writes."""
+        if all(not isinstance(data, PoolRows) for _, data in self.pieces):
+            return self
+        return EncodedEntry(self.nbytes, [(offset, memoryview(data.byte_copy().reshape(-1))
+                                           if isinstance(data, PoolRows) else data)
+                                          for offset, data in self.pieces])
 
 
 def _align(n: int) -> int:
@@ -78,14 +90,20 @@ def _raw_bytes(key: str, value: Any) -> np.ndarray:
 
 
 def encode(entry: StageEntry) -> EncodedEntry:
-    """The entry's wire form; tensor bytes are referenced, not copied (non-contiguous ones are)."""
+    """The entry's wire form; tensor bytes are referenced, not copied (non-contiguous ones are),
+    and `PoolRows` are left in the pool for the writer to read in place."""
     rows, payloads, offset = [], [], 0
     for key, value in entry.outputs.items():
-        raw = _raw_bytes(key, value)
+        if isinstance(value, PoolRows):
+            payloads.append((offset, value))
+            nbytes = value.nbytes
+        else:
+            raw = _raw_bytes(key, value)
+            payloads.append((offset, memoryview(raw)))
+            nbytes = raw.size
         rows.append({"key": key, "dtype": str(value.dtype).removeprefix("torch."),
                      "shape": list(value.shape), "offset": offset})
-        payloads.append((offset, memoryview(raw)))
-        offset = _align(offset + raw.size)
+        offset = _align(offset + nbytes)
     header = {"request_id": entry.request_id, "aborted": bool(entry.aborted),
               "published_at": entry.published_at, "meta": entry.meta, "tensors": rows,
               "error": entry.error, "start": entry.start, "final": bool(entry.final)}
@@ -100,13 +118,17 @@ def encode(entry: StageEntry) -> EncodedEntry:
 
 
 def join(encoded: EncodedEntry) -> torch.Tensor:
-    """The wire form as one contiguous uint8 tensor (a copy), for stores that take one buffer."""
+    """The wire form as one contiguous uint8 tensor (a copy, pool rows read once and let go),
+    for stores that take one buffer."""
     out = torch.empty(encoded.nbytes, dtype=torch.uint8)
     dst, end = out.numpy(), 0
-    for offset, piece in encoded.pieces:
+    for offset, data in encoded.pieces:
         dst[end:offset] = 0
-        dst[offset:offset + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
-        end = offset + piece.nbytes
+        end = offset + data.nbytes
+        if isinstance(data, PoolRows):
+            data.copy_into(dst[offset:end].reshape(len(data.slots), data.row_bytes))
+        else:
+            dst[offset:end] = np.frombuffer(data, dtype=np.uint8)
     dst[end:] = 0
     return out
 

@@ -600,16 +600,17 @@ class MooncakeChannel(StageChannel):
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: int, *,
                  final: bool) -> None:
         head = self.entry_key(request_id)
+        data = join(encoded)  # a pool's rows read (and let go) before any store call
         with self._id_locks.hold(head):  # a chain's next index is taken by one put at a time
-            self._append(head, request_id, encoded, reservation)
+            self._append(head, request_id, data, reservation)
         if final:
             self._fulfil(head)
 
-    def _append(self, head: str, request_id: str, encoded: EncodedEntry,
+    def _append(self, head: str, request_id: str, data: torch.Tensor,
                 reservation: int) -> None:
         chain = self._chain_for(head, request_id)
         key = chain.key(head, chain.next)
-        self._put_bytes(key, join(encoded), f"the entry for request {request_id}")
+        self._put_bytes(key, data, f"the entry for request {request_id}")
         grown = replace(chain, next=chain.next + 1, deadline=time.time() + self.ttl_s)
         try:
             self._write_tail(head, grown, request_id)

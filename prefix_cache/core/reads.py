@@ -3,12 +3,15 @@
 A read is planned on the engine thread against the pool's current claims, then
 resolved by whichever thread gets to it first (the prefetch thread, the caller
 of `materialize`, or a writer about to reuse its slots): it waits for its
-producer tasks to land and gathers its rows into a tensor of its own.
+producer tasks to land and gathers its rows into a tensor of its own. A
+request's read at its finish may instead be held: its rows stay in the pool,
+pinned, for the channel's writer to read in place.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import queue
 import threading
@@ -23,6 +26,7 @@ from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.core.latch import Latch
 from prefix_cache.core.output_buffers import OutputBuffers
+from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.core.runs import runs_slots
 from prefix_cache.core.tasks import TaskTable, WriteTask
 
@@ -49,7 +53,8 @@ class RowRead:
     rows of `width` and is allocated (from `OutputBuffers`) by the thread that resolves it.
 
     Invariant: while PLANNED or RESOLVING it holds its rows (see ReadPlanner), so no
-    write claims its slots and the rows it gathers are the ones it was planned on.
+    write claims its slots and the rows it gathers, or a writer reads in place while it is
+    held (`hold`), are the ones it was planned on.
     """
 
     def __init__(self, what: str, key: str, slots: np.ndarray | Callable[[], np.ndarray],
@@ -86,26 +91,58 @@ class RowRead:
                 release: Callable[[RowRead], None]) -> None:
         """Gather the rows (or wait for the thread doing it), then `release` them; raise if
         they cannot be had."""
-        with self._lock:
-            mine = self.state is ReadState.PLANNED
-            if mine:
-                self.state = ReadState.RESOLVING
-        if not mine:
+        if not self._claim():
             self._wait(timeout_s)
             return
         try:
             for task in self.producers:
                 task.wait(timeout_s)
             self._gather(pool, outputs)
-            self.state = ReadState.DONE
         except BaseException as exc:
-            self.error = exc
-            self.state = ReadState.FAILED
-        finally:
-            self.producers = []
-            release(self)
-            self.done.set()
+            self._end(ReadState.FAILED, release, exc)
+        else:
+            self._end(ReadState.DONE, release)
         self._raise_if_failed()
+
+    def hold(self, pool: PrefixBlockPool, shape: tuple[int, ...], timeout_s: float,
+             release: Callable[[RowRead], None]) -> PoolRows | None:
+        """Claim the read and wait for its producers, leaving its rows in the pool for a writer
+        to read in place: they are held (RESOLVING) until their `let_go`, which ends the read
+        DONE without `out`. None where another thread resolves it (`resolve` then waits for
+        its tensor). Raises if the rows cannot be had. For reads of hit rows alone (`shape`:
+        theirs, `(len(slots), *feat)`)."""
+        if not self._claim():
+            return None
+        try:
+            for task in self.producers:
+                task.wait(timeout_s)
+        except BaseException as exc:
+            self._end(ReadState.FAILED, release, exc)
+            self._raise_if_failed()
+        slots = self.slots if self.present is None else np.where(self.present, self.slots, -1)
+        return PoolRows(pool.keys[self.key].storage.byte_rows,
+                        np.ascontiguousarray(slots, dtype=np.int64), shape, self.dtype,
+                        functools.partial(self._end, ReadState.DONE, release))
+
+    def _claim(self) -> bool:
+        """Whether this thread resolves the read (PLANNED -> RESOLVING)."""
+        with self._lock:
+            mine = self.state is ReadState.PLANNED
+            if mine:
+                self.state = ReadState.RESOLVING
+        return mine
+
+    def _end(self, state: ReadState, release: Callable[[RowRead], None],
+             error: BaseException | None = None) -> None:
+        """RESOLVING -> `state` (DONE or FAILED with `error`), the rows released and waiters
+        woken; once: a later call does nothing."""
+        with self._lock:
+            if self.state is not ReadState.RESOLVING:
+                return
+            self.error, self.state = error, state
+        self.producers = []
+        release(self)
+        self.done.set()
 
     def fail(self, error: BaseException) -> None:
         """A read that cannot be served, failed before it holds anything: resolving it raises
@@ -266,6 +303,9 @@ class ReadPlanner:
 
     def resolve(self, read: RowRead) -> None:
         read.resolve(self._pool, self.outputs, self._timeout_s, self.release)
+
+    def hold(self, read: RowRead, shape: tuple[int, ...]) -> PoolRows | None:
+        return read.hold(self._pool, shape, self._timeout_s, self.release)
 
     def cancel(self, read: RowRead) -> None:
         read.cancel(self.release)

@@ -2,8 +2,9 @@
 
 Planned on the engine thread while the view still holds the request's blocks: the reads pin
 their slots, so a block the scheduler hands to a new tenant is not overwritten before they
-are gathered (the writer resolves a pinned read first, see `ReadPlanner`). Gathered by the
-thread that delivers the rows, one read per key the request has rows of.
+are read (the writer resolves a pinned read first, see `ReadPlanner`). Read by the thread
+that delivers the rows, one read per key the request has rows of: in place, by the channel's
+writer (`hold`: one copy, pool to entry), or gathered into tensors (`resolve`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prefix_cache.config import HIDDEN_KEY
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import StepHits
+from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.core.reads import ReadPlanner, RowRead
 from prefix_cache.errors import OmniPrefixCacheError
 
@@ -35,27 +37,49 @@ class RequestRows:
         self._reads = reads
         self._feat_shapes = feat_shapes
         self._planner = planner
+        self._held: list[PoolRows] = []  # rows `hold` left in the pool, until `cancel`
 
     @property
     def keys(self) -> list[str]:
         return list(self._reads)
 
+    def hold(self) -> dict[str, torch.Tensor | PoolRows]:
+        """The rows per key, `[num_rows, *feat]`, for one writer: a read this thread claims
+        stays in the pool, pinned, for the writer to read in place (`PoolRows`) until
+        `cancel()`; one another thread gathered first is its tensor. Raises naming the request
+        if a row was lost (its write failed), every read let go."""
+        out: dict[str, torch.Tensor | PoolRows] = {}
+        try:
+            for key, read in self._reads.items():
+                shape = (self.num_rows, *self._feat_shapes[key])
+                rows = self._planner.hold(read, shape)
+                if rows is not None:
+                    self._held.append(rows)
+                    out[key] = rows
+                    continue
+                self._planner.resolve(read)  # another thread's: wait for its tensor
+                # a view only where it reshapes: a torch op may hand the GIL to the engine thread
+                out[key] = read.out if read.out.shape == shape else read.out.view(shape)
+        except BaseException:
+            self.cancel()
+            raise
+        return out
+
     def resolve(self) -> dict[str, torch.Tensor]:
         """The rows per key, `[num_rows, *feat]` tensors the caller owns; raises naming the
         request if a row was lost (its write failed). Either way every read is let go."""
-        out = {}
         try:
-            for key, read in self._reads.items():
-                self._planner.resolve(read)
-                shape = (self.num_rows, *self._feat_shapes[key])
-                # a view only where it reshapes: a torch op may hand the GIL to the engine thread
-                out[key] = read.out if read.out.shape == shape else read.out.view(shape)
+            return {key: rows.gather() if isinstance(rows, PoolRows) else rows
+                    for key, rows in self.hold().items()}
         finally:
             self.cancel()
-        return out
 
     def cancel(self) -> None:
-        """Let go of the reads not resolved yet (nobody will gather them)."""
+        """Let go of the rows `hold` left in the pool, and of the reads not resolved yet
+        (nobody will gather them)."""
+        for rows in self._held:
+            rows.let_go()
+        self._held.clear()
         for read in self._reads.values():
             self._planner.cancel(read)
 

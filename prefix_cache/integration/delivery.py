@@ -39,7 +39,8 @@ streams positions again.
 
 A request held whole (`hold`, the cache's stage when not streaming) gets no rows by step:
 its rows are read back from the pool at its finish (`publish_read`), every position from 0
-at once, and published as an entry added up by steps would be.
+at once, and published as an entry added up by steps would be. The sink's writer reads them
+from the pool in place (one copy, pool to entry); they stay pinned until the put returns.
 
 A request whose finish will never be heard (the stage shuts down first) is not
 left for its consumer to time out on: `fail_held` publishes a failure naming the
@@ -58,6 +59,7 @@ from typing import Any, Protocol
 
 import torch
 
+from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 logger = logging.getLogger(__name__)
@@ -66,8 +68,8 @@ logger = logging.getLogger(__name__)
 class StageSink(Protocol):
     """Where finished requests' rows go (a `prefix_cache.channel.StageChannel`)."""
 
-    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor], *, start: int = 0,
-            final: bool = True, aborted: bool = False,
+    def put(self, request_id: str, outputs: Mapping[str, torch.Tensor | PoolRows], *,
+            start: int = 0, final: bool = True, aborted: bool = False,
             meta: Mapping[str, Any] | None = None) -> None: ...
 
     def fail(self, request_id: str, cause: str) -> None: ...
@@ -77,13 +79,14 @@ class StageSink(Protocol):
 
 class RowsReadBack(Protocol):
     """A finished request's rows of positions `[0, num_rows)`, read back whole at its finish
-    (`prefix_cache.core.request_reads.RequestRows`); `rows_cut` more positions were computed
-    by a step whose tokens the scheduler discarded."""
+    (`prefix_cache.core.request_reads.RequestRows`): held in the pool for the sink's writer
+    (`hold`) until `cancel`; `rows_cut` more positions were computed by a step whose tokens
+    the scheduler discarded."""
 
     num_rows: int
     rows_cut: int
 
-    def resolve(self) -> Mapping[str, torch.Tensor]: ...
+    def hold(self) -> Mapping[str, torch.Tensor | PoolRows]: ...
 
     def cancel(self) -> None: ...
 
@@ -332,14 +335,17 @@ class StageDelivery:
             if not done:
                 self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
             return
-        read, num_rows, cause = {}, 0, None
-        if rows is not None:
-            num_rows = rows.num_rows
-            try:
-                read = dict(rows.resolve())
-            except Exception as exc:  # a write that failed: this request fails alone
-                read, cause = {}, f"its rows could not be read back: {type(exc).__name__}: {exc}"
-        self._put_entry(request, read, num_rows, 0, cause)
+        if rows is None:
+            self._put_entry(request, {}, 0, 0, None)
+            return
+        try:  # the sink's writer reads the rows from the pool in place: one copy
+            read, cause = dict(rows.hold()), None
+        except Exception as exc:  # a write that failed: this request fails alone
+            read, cause = {}, f"its rows could not be read back: {type(exc).__name__}: {exc}"
+        try:
+            self._put_entry(request, read, rows.num_rows, 0, cause)
+        finally:
+            rows.cancel()  # the pool's rows, let go once the put returns
 
     def pop(self, req_id: str, start: int = 0) -> tuple[dict[str, torch.Tensor], int]:
         """`req_id`'s rows per key from position `start` on (where its last chunk ended, when
