@@ -49,6 +49,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -246,6 +247,10 @@ class ShmChannel(StageChannel):
         the handle that created it (its close removes the namespace)."""
         self.directory = directory
         self._root = str(directory)  # the puts' paths are strings: a Path costs µs to build
+        #: temp names: this handle's random token, then the process and a count (os.urandom
+        #: per put would hand the GIL over once more)
+        self._temp_token = secrets.token_hex(8)
+        self._temp_count = itertools.count()
         fds: list[int] = []
         try:
             key_fd = self._open_private(_KEY_FILE, os.O_RDONLY)
@@ -591,7 +596,8 @@ class ShmChannel(StageChannel):
 
     def _temp_path(self) -> str:
         """A new temp file's path (`_TEMP_PREFIX`): a put's room until it is published."""
-        return f"{self._root}/{_TEMP_PREFIX}{secrets.token_hex(8)}"
+        return (f"{self._root}/{_TEMP_PREFIX}{self._temp_token}-{os.getpid()}-"
+                f"{next(self._temp_count)}")
 
     def _take(self, request_id: str) -> torch.Tensor | None:
         try:
