@@ -73,8 +73,6 @@ def _raw_bytes(key: str, value: Any) -> np.ndarray:
     engine thread and wait to take it back (`benchmarks/gil_handovers.py`). A contiguous tensor
     of a dtype numpy has takes one (`numpy`); the conjugate and negative bits exist on complex
     tensors only."""
-    if not isinstance(key, str):
-        raise TypeError(f"stage output key {key!r} is not a str")
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         raise TypeError(f"stage output {key!r} is not a dense tensor: {type(value).__name__}")
     if value.device.type != "cpu":
@@ -94,6 +92,8 @@ def encode(entry: StageEntry) -> EncodedEntry:
     and `PoolRows` are left in the pool for the writer to read in place."""
     rows, payloads, offset = [], [], 0
     for key, value in entry.outputs.items():
+        if not isinstance(key, str):
+            raise TypeError(f"stage output key {key!r} is not a str")
         if isinstance(value, PoolRows):
             payloads.append((offset, value))
             nbytes = value.nbytes
