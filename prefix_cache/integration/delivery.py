@@ -128,7 +128,8 @@ class _Part:
 
 def _rows(parts: list[_Part], start: int, end: int) -> dict[str, torch.Tensor]:
     """The rows of positions `start..end - 1` per key, which `parts` cover; a key missing from
-    a part reads zeros there, as absent mm rows do on a prefix hit."""
+    a part reads zeros there, as absent mm rows do on a prefix hit. Rows of one part are a view
+    of it (a chunk of one step's rows: the channel's writer copies them once)."""
     like = {key: rows for p in reversed(parts) for key, rows in p.source.items()}
     out = {}
     for key, ref in like.items():
@@ -138,7 +139,8 @@ def _rows(parts: list[_Part], start: int, end: int) -> dict[str, torch.Tensor]:
             if lo < hi:
                 pieces.append(p.rows(key, lo, hi) if key in p.source else
                               ref.new_zeros((hi - lo, *ref.shape[1:])))
-        out[key] = torch.cat(pieces) if pieces else ref.new_zeros((0, *ref.shape[1:]))
+        out[key] = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
+                    else ref.new_zeros((0, *ref.shape[1:])))
     return out
 
 
