@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,6 +30,7 @@ from prefix_cache.channel import (OmniPrefixCacheChannelProducerError,
                                   OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
 from prefix_cache.channel import _shm
 from prefix_cache.channel.shm import NAMESPACE_PREFIX, RECLAIM_GRACE_S, ShmChannel
+from prefix_cache.core.pool_rows import PoolRows
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="flock and fork: Linux")
 
@@ -211,14 +213,35 @@ def _put_2(channel: StageChannel) -> None:
     channel.put("r", _marked(2))
 
 
+def _put_2_counted_full(channel: StageChannel) -> None:
+    """A put that finds the namespace full by its count, recounts from the files and finds
+    room: reserve, write and publish, three `_shm` calls."""
+    assert isinstance(channel, ShmChannel)
+    channel._maybe_sweep()  # the handle's first sweep, which would recount, is past
+    with channel._locked():
+        channel._write_budget(channel._read_budget()._replace(used=channel.capacity_bytes))
+    channel.put("r", _marked(2))
+
+
+def _put_2_from_a_pool(channel: StageChannel) -> None:
+    """A put of rows read in place from a pool (in reverse slot order: an iovec a row)."""
+    rows = _marked(2)[HIDDEN_KEY].flip(0).contiguous()
+    pool = rows.numpy().view(np.uint8).reshape(len(rows), -1)
+    channel.put("r", {HIDDEN_KEY: PoolRows(pool, np.arange(len(rows))[::-1].copy(),
+                                           tuple(rows.shape), rows.dtype, lambda: None)})
+
+
 def _take(channel: StageChannel) -> None:
     channel.get("r", timeout_s=5)
 
 
+_PUTS = (_put_2, _put_2_counted_full, _put_2_from_a_pool)
 _SCENARIOS: dict[str, tuple[Callable[[StageChannel], None], list[int], list[int],
                             list[list[int]]]] = {
     "put": (_put_2, [1], [3], [[1, 2, 3], [1, 3]]),
     "first put": (_put_2, [], [3], [[2, 3], [3]]),
+    "put into a namespace counted full": (_put_2_counted_full, [1], [3], [[1, 2, 3], [1, 3]]),
+    "put of pool rows": (_put_2_from_a_pool, [1], [3], [[1, 2, 3], [1, 3]]),
     "take": (_take, [1, 2], [3], [[1, 2, 3], [2, 3]]),
     "last take": (_take, [1], [3], [[1, 3], [3]]),
 }
@@ -280,8 +303,11 @@ def test_a_process_killed_at_any_step_leaves_the_ids_other_entries_whole(
     stale stays, and the budget counts exactly the unconsumed entries."""
     operation, before, after, orders = _SCENARIOS[scenario]
     steps = _steps_of(scenario, tmp_path)
-    if operation is _put_2:  # a put's system calls are `_shm`'s: each is a step of its own
+    if operation in _PUTS:  # a put's system calls are `_shm`'s: each is a step of its own
         assert any(inner for _, inner in steps), f"no `_shm` system call traced: {steps}"
+    if operation is _put_2_counted_full:  # the put that waits for room takes three calls
+        assert {f"{_shm.__name__}.{name}" for name in ("reserve", "write", "publish")} \
+            <= {name for name, _ in steps}, steps
     kills = [(step, inner) for step, (_, made) in enumerate(steps) for inner in range(made + 1)]
     for step, inner in [*kills, (len(steps), 0)]:
         where = (f"{scenario} killed before step {step} of {len(steps)} "
