@@ -61,15 +61,15 @@ def test_steps_return_before_finished_requests_rows_are_read_back(
                 reads = plan(requests_standing)
                 for req_id, rows in reads.items():
                     record("planned", req_id)
-                    resolve = rows.resolve
+                    hold = rows.hold
 
-                    def slow_resolve(req_id: str = req_id, resolve: Any = resolve) -> Any:
+                    def slow_hold(req_id: str = req_id, hold: Any = hold) -> Any:
                         time.sleep(SLOW_S)  # a device copy that takes its time
-                        out = resolve()
+                        out = hold()
                         record("read", req_id)
                         return out
 
-                    rows.resolve = slow_resolve
+                    rows.hold = slow_hold
                 return reads
 
             def timed_step() -> Any:
