@@ -2,11 +2,12 @@
 them by self time.
 
     PYTHONPATH=. python3 benchmarks/output_jobs_profile.py [--model tiny|small] [--passes 20]
-        [--top 30]
+        [--top 30] [--stream]
 
 The cache's engine runs M8's stage-1 workload (16 requests of 256 tokens, 16 generated) from a
 cold prefix cache, in-process, `--passes` times after a warm-up; every job of the output thread
-(announcing requests, reading back and publishing finished ones) runs under cProfile. Printed:
+(announcing requests, reading back and publishing finished ones; with `--stream`, the stage
+streams: materializing each step and publishing its chunks) runs under cProfile. Printed:
 the jobs' wall time per engine step and per publishing job (profiled, so read them side by
 side with another tree's, not as absolute costs), then the `--top` functions by self time, µs
 per engine step.
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", choices=("tiny", "small"))
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--stream", action="store_true", help="a streaming stage (a chunk a step)")
     args = parser.parse_args()
     profile = cProfile.Profile()
     jobs = {"on": False, "count": 0, "s": 0.0, "publishing": 0, "publishing_s": 0.0}
@@ -60,7 +62,7 @@ def main() -> None:
     steps = 0
     with tempfile.TemporaryDirectory() as tmp, open_channel() as channel:
         engine = start_thinker(model.write(Path(tmp) / "thinker"), channel, prefix_caching=True,
-                               shape=shape)
+                               shape=shape, stage_options={"stream": args.stream})
         warm_up(engine, channel, requests=requests)
         jobs["on"] = True
         for _ in range(args.passes):

@@ -26,12 +26,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefix_cache import devices
-from prefix_cache.config import ModelCachePolicy, PrefixCacheConfig
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.core import _core
-from prefix_cache.core.adapter import translate_step
+from prefix_cache.core.adapter import allocated_blocks, translate_step
 from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
@@ -98,6 +99,7 @@ class OmniPrefixCacheManager:
         self._started = False  # a first step was seen: the policy is fixed
         self._progress: dict[str, int] = {}  # live request -> positions its saved steps reach
         self._pending: _PendingStep | None = None
+        self._tracks_allocations = False  # see track_allocations
         self._steps: dict[int, StepRecord] = {}
         self._closed = False
         timeout = config.staging_claim_timeout_s
@@ -151,6 +153,10 @@ class OmniPrefixCacheManager:
                     "no tokens included, is saved (then materialized or discarded)")
             events = translate_step(scheduler_output, self.group_id)
             self._started = True
+            if self._tracks_allocations and (allocated := allocated_blocks(
+                    scheduler_output, events, self.config.block_size, self.group_id)):
+                with self._lock:  # before a block copy's claim, which then counts
+                    self.pool.mark_allocated(np.asarray(allocated, dtype=np.int64))
             if events.finished or events.block_copies:
                 with keeping_tensors():  # a retiring write's launch, a block's host copy
                     for req_id in events.finished:  # first, whatever the rest raises
@@ -285,6 +291,48 @@ class OmniPrefixCacheManager:
                 self._deferred.retire(req_id)
             return plan_request_rows(self.pool, self._reads, self._deferred, self._lock,
                                      planned)
+
+    def track_allocations(self) -> None:
+        """From the first step on, note which blocks vLLM gives new tenants, so that
+        `plan_hit_rows` can tell a step's hits that earlier steps wrote from a prefix vLLM cached
+        in the step under way. Call before the first step."""
+        self._check_usable("track_allocations")
+        if self._started:
+            raise OmniPrefixCacheUnmatchError(
+                "track_allocations called after the first step: the blocks allocated before it "
+                "are unknown")
+        self._tracks_allocations = True
+
+    def plan_hit_rows(self) -> dict[str, RequestRows]:
+        """Pin the rows of the current step's prefix hits that earlier steps wrote, each
+        request's positions `[0, h)` of every key it has rows of, for another thread to read as
+        soon as their writes land: a streaming stage publishes them as the request's first
+        chunk while the step's forward runs. A hit on any block that no write has filled since
+        vLLM gave it its tenant (one this very step fills, vLLM having cached it at scheduling)
+        is left to the step's own reads. Needs `track_allocations`; between `new_step_starts`
+        and `save_outputs`."""
+        self._check_usable("plan_hit_rows")
+        if not self._tracks_allocations:
+            raise OmniPrefixCacheUnmatchError(
+                "plan_hit_rows needs track_allocations() before the first step: without it, a "
+                "block vLLM gave a new tenant in this step would read as its former tenant's")
+        if self._pending is None:
+            raise OmniPrefixCacheUnmatchError(
+                "plan_hit_rows called outside a step: call it after new_step_starts")
+        hits = self._pending.hits
+        if not len(hits):
+            return {}
+        with self._lock:
+            written = self.pool.written_since_allocated(hits.slots)
+            if HIDDEN_KEY in self.pool.keys:  # never absent (see plan_request_rows)
+                written &= self.pool.present(HIDDEN_KEY, hits.slots)
+        whole = np.logical_and.reduceat(written, hits.bounds[:-1])
+        planned = [(req_id, hits.slots_of(i), 0) for i, req_id in enumerate(hits.req_ids)
+                   if whole[i]]
+        if not planned:
+            return {}
+        with keeping_tensors():  # a live request's deferred write a hit shares is launched
+            return plan_request_rows(self.pool, self._reads, self._deferred, self._lock, planned)
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""

@@ -67,8 +67,10 @@ class StepDriver:
         self.batch = list(self.scheduled)
         return SimpleNamespace(
             finished_req_ids=set(finished), scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached or {}),
-                                                  resumed_req_ids=set()),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=list(cached or {}), resumed_req_ids=set(),
+                new_block_ids=[(list(new_blocks[r]),) if r in (new_blocks or {}) else None
+                               for r in cached or {}]),
             num_scheduled_tokens=dict(self.scheduled))
 
     def outputs(self, width: int, dtype: torch.dtype = torch.float32, salt: int = 0

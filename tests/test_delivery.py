@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from prefix_cache import OmniPrefixCacheError
+from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 
 
@@ -136,3 +138,48 @@ def test_a_requests_first_rows_tell_the_sink_to_expect_it_once() -> None:
     delivery.add("a", 4, rows(4, 5), 1)
     delivery.add("b", 0, {}, 3)  # positions without rows: a request all the same
     assert sink.expected == ["ext-a", "ext-b"]
+
+
+class ReadBack:
+    """Rows read back as `RequestRows` hands them, without a pool: `hold` gives `held` (or
+    raises `error`, as a lost row does); `cancel` is counted."""
+
+    def __init__(self, held: dict[str, torch.Tensor], error: Exception | None = None) -> None:
+        self.held, self.error = held, error
+        self.num_rows = next(iter(held.values())).shape[0]
+        self.rows_cut = 0
+        self.cancels = 0
+
+    def hold(self) -> dict[str, torch.Tensor]:
+        if self.error is not None:
+            raise self.error
+        return self.held
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+def test_a_streamed_hit_is_its_first_chunk_then_steps_follow_and_a_resumed_one_is_not_again(
+        ) -> None:
+    """A prefix hit's cached rows go out alone, as the first chunk, and the step's rows (which
+    come from position 0 again, hit rows first) from where they end; a hit of a request seen
+    before (resumed after preemption) publishes nothing; a hit whose rows cannot be read fails
+    that request alone, by name. Every hit's rows are let go."""
+    with open_channel() as channel:
+        delivery = StageDelivery(channel, stream_every=1)
+        delivery.note_prompts({"a": 6, "b": 6})
+        hit = ReadBack(rows(0, 4))
+        delivery.publish_hits("a", hit)
+        delivery.add("a", 0, rows(0, 6), 6)  # the step: hit rows, then its own
+        again = ReadBack(rows(0, 4))
+        delivery.publish_hits("a", again)  # resumed: its positions went out already
+        lost = ReadBack(rows(0, 4), OmniPrefixCacheError("a row was lost to a failed write"))
+        delivery.publish_hits("b", lost)
+        delivery.finish(FinishedRequest("a", "a", prompt_len=6))
+        chunks = list(channel.stream("a", timeout_s=5))
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request b: .*prefix hit's 4 cached rows failed: .*lost"):
+            channel.get("b", timeout_s=5)
+    assert [(c.start, c.rows["hidden"].shape[0]) for c in chunks] == [(0, 4), (4, 2), (6, 0)]
+    assert torch.equal(chunks[0].rows["hidden"], rows(0, 4)["hidden"])
+    assert hit.cancels and again.cancels and lost.cancels

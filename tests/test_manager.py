@@ -321,6 +321,54 @@ def test_rows_held_for_the_channel_stay_until_let_go_though_a_new_tenant_writes_
         assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
 
 
+def test_a_steps_hits_that_earlier_steps_wrote_are_read_before_its_forward(backend):
+    """What a streaming stage's first chunk relies on (`plan_hit_rows`, at the step's start):
+    a hit on blocks earlier steps wrote reads them at once; a hit on a block vLLM cached in the
+    step under way (filled by its forward) is left to the step, though the pool still holds
+    the block's former tenant's rows, which would read as present."""
+    manager, d = make(backend)
+    manager.track_allocations()
+    a, z = list(range(40, 48)), [7, 7, 7, 7]
+    c = list(range(90, 98))
+    with manager:
+        manager.discard_step(run_step(manager, d, d.step(new=[("a", a, [1, 2], 0, 8),
+                                                              ("z", z, [4], 0, 4)]),
+                                      backend.device, materialize=False))
+        b = a + [5, 5, 5, 5]
+        manager.new_step_starts(d.step(new=[("b", b, [1, 2, 3], 8, 4)], finished=["a", "z"]))
+        hits = manager.plan_hit_rows()
+        assert list(hits) == ["b"] and hits["b"].num_rows == 8
+        rows = hits["b"].resolve()
+        assert torch.equal(rows[HIDDEN_KEY], token_rows(a, 2))
+        assert torch.equal(rows["mm_feature"], token_rows(a, 16, salt=1))
+        manager.discard_step(manager.save_outputs(
+            d.outputs(2).to(backend.device), {"mm_feature": d.outputs(16, salt=1).to(
+                backend.device)}, num_tokens_unpadded=4, num_tokens_padded=4))
+        d.advance()
+        # block 4, z's until now, goes to c, which fills it in this step; e hits it at once
+        e = c[:4] + [6, 6, 6, 6]
+        manager.new_step_starts(d.step(new=[("c", c, [4, 5], 0, 8), ("e", e, [4, 6], 4, 4)]))
+        assert manager.plan_hit_rows() == {}
+        sid = manager.save_outputs(d.outputs(2).to(backend.device),
+                                   {"mm_feature": d.outputs(16, salt=1).to(backend.device)},
+                                   num_tokens_unpadded=12, num_tokens_padded=12)
+        got = manager.materialize(sid, ["e"])  # the step's own reads serve it
+        assert torch.equal(got.hidden_states["e"], token_rows(e, 2))
+        d.advance()
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
+
+
+def test_hits_read_before_the_forward_need_allocations_tracked_from_the_first_step(backend):
+    manager, d = make(backend)
+    with manager:
+        manager.new_step_starts(d.step(new=[("a", [1, 2, 3, 4], [1], 0, 4)]))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="plan_hit_rows needs "
+                                                              "track_allocations"):
+            manager.plan_hit_rows()
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="after the first step"):
+            manager.track_allocations()
+
+
 def test_steps_saved_without_reads_are_only_discarded_and_read_back_at_the_finish(backend):
     """A stage that reads every request back at its finish saves steps with
     `plan_reads=False`: its hits hold no slots, `materialize` refuses such a step by name, and

@@ -1,5 +1,5 @@
 """Streamed stage outputs on vLLM's real engine (`additional_config["prefix_cache"]["stream"]`):
-each request's chunks arrive while it runs, a prefix hit's first chunk carries the cached rows,
+each request's chunks arrive while it runs, a prefix hit's first chunk is the cached rows alone,
 and the chunks joined are the rows the same engine publishes whole (bitwise on CPU; on a GPU,
 whose engine schedules asynchronously by default, within the demo's tolerance); an abort mid-stream
 ends the stream with a final chunk marked aborted. Rows recomputed after preemption are never
@@ -93,8 +93,8 @@ def test_streamed_chunks_join_to_the_whole_entrys_rows_and_a_hit_comes_first(
         starts = [c.start for c, _ in chunks]
         assert len(chunks) >= 3 and chunks[-1][0].final, request_id  # while it ran
         assert starts == sorted(set(starts)) and starts[0] == 0
-        if request_id.startswith("hit"):  # the cached rows, with the first step's
-            assert chunks[0][0].rows[HIDDEN_KEY].shape[0] >= len(PREFIX)
+        if request_id.startswith("hit"):  # the cached rows alone, ahead of any step's
+            assert chunks[0][0].rows[HIDDEN_KEY].shape[0] == len(PREFIX)
         arrived = [t for _, t in chunks]
         assert arrived[-1] > arrived[0]
 

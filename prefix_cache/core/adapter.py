@@ -129,3 +129,17 @@ def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
         resumed_starts=resumed_starts,
         num_scheduled_tokens=dict(scheduled),
     )
+
+
+def allocated_blocks(scheduler_output: Any, events: StepEvents, block_size: int,
+                     group_id: int = 0) -> list[int]:
+    """The blocks vLLM gave new tenants in this step: a (re)started request's blocks past its
+    prefix hit, and a running request's `new_block_ids`."""
+    blocks = [b for req in events.started + events.resumed_starts
+              for b in req.block_ids[req.num_computed_tokens // block_size:]]
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    new_blocks = getattr(cached, "new_block_ids", None) or ()
+    for req_id, added in zip(getattr(cached, "req_ids", ()), new_blocks):
+        if added is not None and req_id not in events.resumed:
+            blocks.extend(_group_blocks(added, group_id, req_id))
+    return blocks

@@ -8,7 +8,6 @@ step costs the host O(runs + blocks), whatever its token count.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections.abc import Iterable
@@ -96,7 +95,10 @@ class PrefixBlockPool:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self._backend = backend
-        self._claims = itertools.count(1)
+        self._next_claim = 1  # what `claim` returns next
+        #: per block, the first claim its latest allocation by vLLM can carry (`mark_allocated`;
+        #: 0: never seen allocated)
+        self._allocated_at = np.zeros(num_blocks, dtype=np.int64)
         self._claim = Tiers(num_blocks, block_size)
         #: per block, its newest slot-tier claim since its block-tier claim (0: none)
         self._newest_slot_claim = np.zeros(num_blocks, dtype=np.int64)
@@ -111,7 +113,7 @@ class PrefixBlockPool:
     def claim(self, runs: np.ndarray) -> int:
         """A new tenant takes the slots of `runs` (prefix_cache.core.runs): every older row there
         stops counting. Returns its claim."""
-        claim = next(self._claims)
+        claim, self._next_claim = self._next_claim, self._next_claim + 1
         _core.fill_tiers(runs, self.block_size, self._newest_slot_claim, self._claim.slots,
                          self._claim.blocks, claim)
         return claim
@@ -124,6 +126,17 @@ class PrefixBlockPool:
             key = self.keys[name]
             _core.fill_tiers(runs, self.block_size, None, key.version.slots, key.version.blocks,
                              claim, key.producer.slots, key.producer.blocks, producer)
+
+    def mark_allocated(self, blocks: np.ndarray) -> None:
+        """vLLM gave `blocks` to new tenants, whose rows no claim made so far holds."""
+        self._allocated_at[blocks] = self._next_claim
+
+    def written_since_allocated(self, slots: np.ndarray) -> np.ndarray:
+        """Mask of `slots` claimed by a write since their block's latest allocation
+        (`mark_allocated`): rows of its current tenant, not of one before. A block filled in
+        the step under way (a hit on it is a prefix vLLM only just cached) has none."""
+        claims = self.claims_at(slots)
+        return (claims >= self._allocated_at[slots // self.block_size]) & (claims != 0)
 
     def claims_at(self, slots: np.ndarray) -> np.ndarray:
         """The claim each of `slots` carries (0: never claimed)."""

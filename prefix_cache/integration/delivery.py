@@ -29,8 +29,9 @@ many rows stand, and its row is cut whether it arrived before the finish or not.
 
 A streaming stage (`stream_every`) publishes a request's rows as chunks while it
 runs, once `stream_every` new positions stand, and once its prompt's positions all
-stand: its first chunk carries a prefix hit's rows with the first step's, each
-later one the positions since, and the final chunk, at the finish, the rest. A
+stand: a prefix hit's cached rows are its first chunk, as soon as they are read
+(`publish_hits`, while the step's forward runs), each later chunk the positions
+since, and the final chunk, at the finish, the rest. A
 prompt position stands once computed (a prompt token is never a stop token); a
 later one, fed a sampled token, one step after: an asynchronous scheduler feeds a
 stop token in the step it already has in flight, and that row is cut at the
@@ -272,6 +273,35 @@ class StageDelivery:
             self.fail_requests([req_id], f"publishing the chunk of its positions {sent}.."
                                          f"{stands - 1} failed: {type(exc).__name__}: {exc}")
             return
+        with self._lock:
+            self._chunks += 1
+
+    def publish_hits(self, req_id: str, rows: RowsReadBack) -> None:
+        """Streaming: a request's prefix hit, its cached rows of positions `[0, rows.num_rows)`,
+        published at once as its first chunk (read from the pool in place), ahead of any step's
+        rows; its consumer is told of it first. A request seen already (resumed after
+        preemption: its positions went out before) only lets them go, as does a stage that is
+        not streaming or has stopped."""
+        h = rows.num_rows
+        with self._lock:
+            fresh = (self.streaming and self._sink is not None and self._stopped is None
+                     and h > 0 and req_id not in self._parts and req_id not in self._broken
+                     and req_id not in self._published_early)
+            if fresh:  # the step's rows join from position h on
+                self._parts[req_id] = [_Part(h, h, {})]
+                self._streamed[req_id] = h
+        if not fresh:
+            rows.cancel()
+            return
+        self._expect([req_id])
+        try:
+            self._sink.put(self._external_id(req_id), rows.hold(), start=0, final=False)
+        except Exception as exc:  # a full /dev/shm, a store gone, a row lost: this request alone
+            self.fail_requests([req_id], f"publishing its prefix hit's {h} cached rows failed: "
+                                         f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            rows.cancel()  # the pool's rows, let go once the put returns
         with self._lock:
             self._chunks += 1
 

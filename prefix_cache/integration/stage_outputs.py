@@ -18,8 +18,10 @@ With the cache, `begin_step` is the manager's `new_step_starts` and `save_step` 
   (`plan_request_rows`), and the output thread reads them back and publishes them. Nothing is
   handed over per step, nor read (steps are saved with `plan_reads=False`): that hand-over
   cost the engine step more than its work;
-- a streaming stage: `end_step` queues `materialize` on the output thread, which hands each
-  request's rows to `StageDelivery` step by step, for its chunks.
+- a streaming stage: `begin_step` pins the rows of the step's prefix hits
+  (`plan_hit_rows`), which the output thread publishes at once as each request's first chunk,
+  while the forward runs; `end_step` queues `materialize` on the output thread, which hands
+  each request's rows to `StageDelivery` step by step, for its chunks.
 
 Without the cache (prefix caching off), `save_step` starts device->host copies of the step's
 per-token rows and the output thread waits for them and hands them over the same way. There,
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 from prefix_cache.config import ModelCachePolicy
-from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
+from prefix_cache.integration.delivery import FinishedRequest, RowsReadBack, StageDelivery
 from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.manager import OmniPrefixCacheManager
@@ -121,6 +123,8 @@ class StageOutputDriver:
         self._at_finish = cache is not None and not delivery.streaming and callable(
             getattr(cache.view, "request_positions_runs", None))
         self._finished_early: set[str] = set()  # read at `finish_now`; the runner's to come
+        if cache is not None and delivery.streaming:  # a hit's rows go out before its forward
+            cache.track_allocations()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -139,6 +143,8 @@ class StageOutputDriver:
                     self.cache.new_step_starts(scheduler_output)
                 if self.delivery.streaming:
                     self.delivery.note_prompts(scheduled_prompt_lens(scheduler_output))
+                    if self.cache is not None:
+                        self._publish_hits(self.cache.plan_hit_rows())
                 self._step, self._in_step = None, True
             except Exception as exc:
                 self._engine_fault("starting a step", exc)
@@ -180,6 +186,14 @@ class StageOutputDriver:
         self._submit(f"publishing {len(requests)} finished requests", [r.req_id for r in requests],
                      lambda: [self.delivery.publish_read(r, reads.get(r.req_id), early=early)
                               for r in requests], step_rows=True)
+
+    def _publish_hits(self, hits: Mapping[str, RowsReadBack]) -> None:
+        """A streaming stage's prefix hits: the output thread publishes each request's cached
+        rows as its first chunk as soon as they are read, while the step's forward runs."""
+        if hits:
+            self._submit(f"publishing the prefix hits of {len(hits)} requests", list(hits),
+                         lambda: [self.delivery.publish_hits(req_id, rows)
+                                  for req_id, rows in hits.items()])
 
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
                   num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
