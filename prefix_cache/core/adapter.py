@@ -134,12 +134,14 @@ def translate_step(scheduler_output: Any, group_id: int = 0) -> StepEvents:
 def allocated_blocks(scheduler_output: Any, events: StepEvents, block_size: int,
                      group_id: int = 0) -> list[int]:
     """The blocks vLLM gave new tenants in this step: a (re)started request's blocks past its
-    prefix hit, and a running request's `new_block_ids`."""
-    blocks = [b for req in events.started + events.resumed_starts
-              for b in req.block_ids[req.num_computed_tokens // block_size:]]
+    prefix hit, and a running request's `new_block_ids` (all of a resumed one's where its hit is
+    not known: marking a block too many only costs a hit on it its early read)."""
+    restarts = events.started + events.resumed_starts
+    blocks = [b for req in restarts for b in req.block_ids[req.num_computed_tokens // block_size:]]
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     new_blocks = getattr(cached, "new_block_ids", None) or ()
+    restarted = {req.req_id for req in events.resumed_starts}
     for req_id, added in zip(getattr(cached, "req_ids", ()), new_blocks):
-        if added is not None and req_id not in events.resumed:
+        if added is not None and req_id not in restarted:
             blocks.extend(_group_blocks(added, group_id, req_id))
     return blocks
