@@ -32,7 +32,7 @@
 #include <unistd.h>
 
 /* Crash tests only (tests/test_channel_shm_crash.py kills a process before each system call of
- * a put or a take): every open, close, flock, fchmod, ftruncate, pwrite, rename and unlink here
+ * a put or a take): every open, close, flock, fchmod, ftruncate, pwritev, rename and unlink here
  * is a step; `die_before_step(n)` makes the process exit, status 1, just before the n-th step
  * from then on, and `steps()` counts the steps made. */
 static atomic_long steps_made, die_at;
@@ -92,22 +92,36 @@ read_budget(int fd, Budget *b)
     return 0;
 }
 
+/* `iov[0..k)` in full at `at`, resuming after a short write; 0, or -1 with errno set. */
 static int
-write_all(int fd, const char *data, size_t n, off_t offset)
+writev_all(int fd, struct iovec *iov, int k, off_t at)
 {
-    while (n > 0) {
-        ssize_t put = STEP(pwrite(fd, data, n, offset));
+    while (k > 0) {
+        ssize_t put = STEP(pwritev(fd, iov, k, at));
         if (put < 0) {
             if (errno == EINTR) {
                 continue;
             }
             return -1;
         }
-        data += put;
-        n -= (size_t)put;
-        offset += put;
+        at += put;
+        for (; k > 0 && (size_t)put >= iov->iov_len; iov++, k--) {
+            put -= (ssize_t)iov->iov_len;
+        }
+        if (k > 0) {
+            iov->iov_base = (char *)iov->iov_base + put;
+            iov->iov_len -= (size_t)put;
+        }
     }
     return 0;
+}
+
+/* `n` bytes of `data` in full at `offset`; 0, or -1 with errno set. */
+static int
+write_all(int fd, const char *data, size_t n, off_t offset)
+{
+    struct iovec one = {(void *)data, n};
+    return writev_all(fd, &one, 1, offset);
 }
 
 static int
@@ -271,30 +285,6 @@ return_room(int lock_fd, int budget_fd, const char *temp, uint64_t nbytes)
         write_budget(budget_fd, &b);
     }
     lock(lock_fd, LOCK_UN);
-}
-
-/* `iov[0..k)` in full at `at`, resuming after a short write; 0, or -1 with errno set. */
-static int
-writev_all(int fd, struct iovec *iov, int k, off_t at)
-{
-    while (k > 0) {
-        ssize_t put = STEP(pwritev(fd, iov, k, at));
-        if (put < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            return -1;
-        }
-        at += put;
-        for (; k > 0 && (size_t)put >= iov->iov_len; iov++, k--) {
-            put -= (ssize_t)iov->iov_len;
-        }
-        if (k > 0) {
-            iov->iov_base = (char *)iov->iov_base + put;
-            iov->iov_len -= (size_t)put;
-        }
-    }
-    return 0;
 }
 
 #define ROW_RUNS 1024  /* iovecs a pwritev takes (Linux's IOV_MAX) */
