@@ -79,10 +79,10 @@ class StageSink(Protocol):
 
 
 class RowsReadBack(Protocol):
-    """A finished request's rows of positions `[0, num_rows)`, read back whole at its finish
-    (`prefix_cache.core.request_reads.RequestRows`): held in the pool for the sink's writer
-    (`hold`) until `cancel`; `rows_cut` more positions were computed by a step whose tokens
-    the scheduler discarded."""
+    """A request's rows of positions `[0, num_rows)` read from the pool, whole at its finish or
+    a prefix hit's at its first step (`prefix_cache.core.request_reads.RequestRows`): held
+    there for the sink's writer (`hold`) until `cancel`; `rows_cut` more positions were
+    computed by a step whose tokens the scheduler discarded."""
 
     num_rows: int
     rows_cut: int
