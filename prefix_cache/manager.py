@@ -332,7 +332,8 @@ class OmniPrefixCacheManager:
         if not planned:
             return {}
         with keeping_tensors():  # a live request's deferred write a hit shares is launched
-            return plan_request_rows(self.pool, self._reads, self._deferred, self._lock, planned)
+            return plan_request_rows(self.pool, self._reads, self._deferred, self._lock, planned,
+                                     "the prefix hit")
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""

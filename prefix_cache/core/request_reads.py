@@ -1,8 +1,9 @@
-"""A request's rows read back from the pool at its finish: every position it computed, hits too.
+"""A request's rows read back from the pool: all its positions at its finish, or its prefix hit's.
 
-Planned on the engine thread while the view still holds the request's blocks: the reads pin
-their slots, so a block the scheduler hands to a new tenant is not overwritten before they
-are read (the writer resolves a pinned read first, see `ReadPlanner`). Read by the thread
+Planned on the engine thread while the view still holds the request's blocks (a streaming
+stage's prefix hit: at the step's start, `plan_hit_rows`); the reads pin their slots, so a
+block the scheduler hands to a new tenant is not overwritten before they are read (the
+writer resolves a pinned read first, see `ReadPlanner`). Read by the thread
 that delivers the rows, one read per key the request has rows of: in place, by the channel's
 writer (`hold`: one copy, pool to entry), or gathered into tensors (`resolve`).
 """
@@ -85,8 +86,8 @@ class RequestRows:
 
 
 def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: DeferredWriter,
-                      lock: threading.Lock, requests: Sequence[tuple[str, np.ndarray, int]]
-                      ) -> dict[str, RequestRows]:
+                      lock: threading.Lock, requests: Sequence[tuple[str, np.ndarray, int]],
+                      what: str = "the finish") -> dict[str, RequestRows]:
     """Per `(request, slots of its positions from 0, rows cut)`, its rows of every key it has
     rows of (present, or lost to a failed write: those fail its read), the pool looked up once
     per key for all of them. Hidden rows are never absent: a position without one fails the
@@ -106,7 +107,7 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Def
                         pool.present(key, hits.slots) | pool.lost(key, hits.slots), starts)
                     chosen = np.flatnonzero(has_rows).tolist()
                 planned = planner.plan_hits(key, hits.select(chosen), [
-                    (f"the finish of request {hits.req_ids[i]}", 0) for i in chosen]) \
+                    (f"{what} of request {hits.req_ids[i]}", 0) for i in chosen]) \
                     if chosen else []
                 for i, read in zip(chosen, planned):
                     reads[hits.req_ids[i]][key] = read
