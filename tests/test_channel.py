@@ -795,7 +795,7 @@ class _Pool:
 def test_pool_rows_go_into_the_entry_as_the_pool_holds_them(channel: StageChannel) -> None:
     """A finish's read-back hands the channel its rows where the pool holds them: the entry
     has the rows of its slots in order, runs and single rows alike, zeros at absent rows (slot
-    -1), beside tensors of other keys."""
+    -1), beside tensors of other keys; a streamed chunk may be such rows too."""
     hidden, mm = _Pool(4096, 64, torch.bfloat16, 1), _Pool(64, 16, torch.float32, 2)
     hidden_slots = [*range(100, 1400), *range(5, 9), 4000, 3, -1, *range(2000, 1000, -1)]
     mm_slots = [-1, 7, -1, -1, 8, 9, 10, -1]
@@ -806,6 +806,13 @@ def test_pool_rows_go_into_the_entry_as_the_pool_holds_them(channel: StageChanne
     assert torch.equal(got[HIDDEN_KEY], hidden.expected(hidden_slots))
     assert torch.equal(got["mm"], mm.expected(mm_slots))
     assert torch.equal(got["codec_ids"], codes)
+    # a streamed request's first chunk from the pool (a prefix hit's), its next from a step
+    step_rows = torch.ones(3, 64, dtype=torch.bfloat16)
+    channel.put("req-hit", {HIDDEN_KEY: hidden.take([8, 9, 10, 11])}, final=False)
+    channel.put("req-hit", {HIDDEN_KEY: step_rows}, start=4)
+    chunks = list(channel.stream("req-hit", timeout_s=5))
+    assert [(c.start, c.final) for c in chunks] == [(0, False), (4, True)]
+    assert torch.equal(chunks[0].rows[HIDDEN_KEY], hidden.expected([8, 9, 10, 11]))
 
 
 def test_a_put_that_waits_for_room_lets_the_pool_rows_go_before_it_waits(new_spec: str) -> None:
