@@ -66,7 +66,3 @@ class PoolRows:
         out = np.empty((len(self.slots), self.row_bytes), dtype=np.uint8)
         self.copy_into(out)
         return out
-
-    def gather(self) -> torch.Tensor:
-        """The rows in a tensor of their own, of `shape` and `dtype`; lets the pool's go."""
-        return torch.from_numpy(self.byte_copy()).view(self.dtype).view(self.shape)

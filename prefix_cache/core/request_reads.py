@@ -52,15 +52,12 @@ class RequestRows:
         out: dict[str, torch.Tensor | PoolRows] = {}
         try:
             for key, read in self._reads.items():
-                shape = (self.num_rows, *self._feat_shapes[key])
-                rows = self._planner.hold(read, shape)
-                if rows is not None:
+                rows = self._planner.hold(read, self._shape(key))
+                if rows is None:  # another thread's: wait for its tensor
+                    out[key] = self._gathered(key, read)
+                else:
                     self._held.append(rows)
                     out[key] = rows
-                    continue
-                self._planner.resolve(read)  # another thread's: wait for its tensor
-                # a view only where it reshapes: a torch op may hand the GIL to the engine thread
-                out[key] = read.out if read.out.shape == shape else read.out.view(shape)
         except BaseException:
             self.cancel()
             raise
@@ -70,10 +67,20 @@ class RequestRows:
         """The rows per key, `[num_rows, *feat]` tensors the caller owns; raises naming the
         request if a row was lost (its write failed). Either way every read is let go."""
         try:
-            return {key: rows.gather() if isinstance(rows, PoolRows) else rows
-                    for key, rows in self.hold().items()}
+            return {key: self._gathered(key, read) for key, read in self._reads.items()}
         finally:
             self.cancel()
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        return (self.num_rows, *self._feat_shapes[key])
+
+    def _gathered(self, key: str, read: RowRead) -> torch.Tensor:
+        """`read`'s rows in a tensor of their own (gathered here, or by the thread that got to
+        it first)."""
+        self._planner.resolve(read)
+        shape = self._shape(key)
+        # a view only where it reshapes: a torch op may hand the GIL to the engine thread
+        return read.out if read.out.shape == shape else read.out.view(shape)
 
     def cancel(self) -> None:
         """Let go of the rows `hold` left in the pool, and of the reads not resolved yet
