@@ -553,7 +553,7 @@ publish(PyObject *self, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL;
-    Expectation e;
+    Expectation e = {NULL, {0}};
     size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
     char *entry = PyMem_Malloc(entry_len);
     if (entry == NULL) {
@@ -573,10 +573,8 @@ publish(PyObject *self, PyObject *args)
         }
         Py_END_ALLOW_THREADS
         result = err ? raise_errno(err, failed) : PyLong_FromUnsignedLongLong(seq);
-        release_expectation(&e);
-    } else {
-        release_expectation(&e);
     }
+    release_expectation(&e);
     PyMem_Free(entry);
     Py_DECREF(temp_obj);
     Py_DECREF(marker_obj);
