@@ -11,6 +11,7 @@ import gc
 import hashlib
 import multiprocessing
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import torch
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheError
 from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheChannelFullError,
                                   OmniPrefixCacheChannelTimeoutError,
-                                  StageChannel, open_channel)
+                                  StageChannel, StageChunk, open_channel)
 from prefix_cache.channel import base as channel_base
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
 from prefix_cache.channel import mooncake as mooncake_module
@@ -813,6 +814,26 @@ def test_pool_rows_go_into_the_entry_as_the_pool_holds_them(channel: StageChanne
     chunks = list(channel.stream("req-hit", timeout_s=5))
     assert [(c.start, c.final) for c in chunks] == [(0, False), (4, True)]
     assert torch.equal(chunks[0].rows[HIDDEN_KEY], hidden.expected([8, 9, 10, 11]))
+
+
+def test_shm_pool_rows_that_cannot_be_read_fail_their_entry_alone() -> None:
+    """A chunk whose pool rows name a slot past the pool is refused, naming its request,
+    before any file is made; the chunks put with it are published."""
+    pool = _Pool(64, 8, torch.float32, 4)
+    with open_channel("shm") as channel:
+        failures = channel.put_all([
+            ("req-a", StageChunk({HIDDEN_KEY: pool.take([1, 2])}, 0, final=True)),
+            ("req-b", StageChunk({HIDDEN_KEY: pool.take([3, 64])}, 0, final=True)),
+            ("req-c", StageChunk({HIDDEN_KEY: pool.take([5])}, 0, final=True)),
+        ])
+        assert failures[0] is None and failures[2] is None
+        assert isinstance(failures[1], ValueError)
+        assert re.search(r"request req-b: .*reads slot 64, outside the pool's 64 rows",
+                         str(failures[1]))
+        assert torch.equal(channel.get("req-a", timeout_s=5)[HIDDEN_KEY], pool.expected([1, 2]))
+        assert torch.equal(channel.get("req-c", timeout_s=5)[HIDDEN_KEY], pool.expected([5]))
+        assert channel.used_bytes() == 0
+        assert not any(p.name.startswith(".tmp-") for p in channel.directory.iterdir())
 
 
 def test_a_put_that_waits_for_room_lets_the_pool_rows_go_before_it_waits(new_spec: str) -> None:

@@ -27,7 +27,8 @@ import torch
 
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import (OmniPrefixCacheChannelProducerError,
-                                  OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
+                                  OmniPrefixCacheChannelTimeoutError, StageChannel, StageChunk,
+                                  open_channel)
 from prefix_cache.channel import _shm
 from prefix_cache.channel.shm import NAMESPACE_PREFIX, RECLAIM_GRACE_S, ShmChannel
 from prefix_cache.core.pool_rows import PoolRows
@@ -181,7 +182,7 @@ def test_a_forked_child_registers_a_producer_of_its_own() -> None:
 #: steps, `_shm.steps`).
 _STEP_CALLS = [(os, "open"), (os, "close"), (os, "rename"), (os, "unlink"), (os, "pwrite"),
                (os, "write"), (os, "ftruncate"), (os, "fchmod"), (fcntl, "flock"),
-               (_shm, "put"), (_shm, "reserve"), (_shm, "write"), (_shm, "publish"),
+               (_shm, "put_all"), (_shm, "reserve"), (_shm, "write"), (_shm, "publish"),
                (_shm, "expect")]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["torch", "prefix_cache.channel.shm"])
@@ -231,17 +232,25 @@ def _put_2_from_a_pool(channel: StageChannel) -> None:
                                            tuple(rows.shape), rows.dtype, lambda: None)})
 
 
+def _put_2_beside_another_id(channel: StageChannel) -> None:
+    """Puts of two ids in one call (a streaming step's chunks): one lock for both."""
+    failures = channel.put_all([("r", StageChunk(_marked(2), 0, final=True)),
+                                ("s", StageChunk(_marked(7), 0, final=True))])
+    assert failures == [None, None]
+
+
 def _take(channel: StageChannel) -> None:
     channel.get("r", timeout_s=5)
 
 
-_PUTS = (_put_2, _put_2_counted_full, _put_2_from_a_pool)
+_PUTS = (_put_2, _put_2_counted_full, _put_2_from_a_pool, _put_2_beside_another_id)
 _SCENARIOS: dict[str, tuple[Callable[[StageChannel], None], list[int], list[int],
                             list[list[int]]]] = {
     "put": (_put_2, [1], [3], [[1, 2, 3], [1, 3]]),
     "first put": (_put_2, [], [3], [[2, 3], [3]]),
     "put into a namespace counted full": (_put_2_counted_full, [1], [3], [[1, 2, 3], [1, 3]]),
     "put of pool rows": (_put_2_from_a_pool, [1], [3], [[1, 2, 3], [1, 3]]),
+    "puts of two ids together": (_put_2_beside_another_id, [1], [3], [[1, 2, 3], [1, 3]]),
     "take": (_take, [1, 2], [3], [[1, 2, 3], [2, 3]]),
     "last take": (_take, [1], [3], [[1, 3], [3]]),
 }
@@ -281,11 +290,11 @@ def _steps_of(scenario: str, root: Path) -> list[tuple[str, int]]:
     return [(name, end - made) for (name, made), end in zip(calls, ends)]
 
 
-def _drain(channel: StageChannel) -> list[int]:
+def _drain(channel: StageChannel, request_id: str = "r") -> list[int]:
     marks = []
     while True:
         try:
-            marks.append(_mark(channel.get("r", timeout_s=0.05)))
+            marks.append(_mark(channel.get(request_id, timeout_s=0.05)))
         except OmniPrefixCacheChannelTimeoutError:
             return marks
 
@@ -326,6 +335,7 @@ def test_a_process_killed_at_any_step_leaves_the_ids_other_entries_whole(
             channel._sweep()
             used, unconsumed = channel.used_bytes(), _entry_bytes(channel)
             assert _drain(channel) in orders, where
+            assert _drain(channel, "s") in ([], [7]), where  # the id put beside, if any
             assert used == unconsumed, where
             channel._sweep()
             assert channel.used_bytes() == 0, where

@@ -157,3 +157,48 @@ def test_a_full_channel_holds_chunk_by_chunk(new_spec: str) -> None:
         channel.put("req-c", positions(big, 2 * big), start=big, final=True)
         assert next(chunks).final
 
+
+
+def test_put_all_publishes_each_chunk_and_fails_a_refused_one_alone(
+        channel: StageChannel) -> None:
+    """A streaming step's chunks, put together: each is published as its own put would be,
+    and one refused (a gap, an id twice) fails alone, its stream where it was."""
+    channel.put("req-1", positions(0, 4), start=0, final=False)
+    failures = channel.put_all([
+        ("req-1", StageChunk(positions(4, 6), 4, final=False)),
+        ("req-2", StageChunk(positions(0, 3), 0, final=True, meta={"n": 3})),
+        ("req-3", StageChunk(positions(2, 5), 2, final=False)),  # positions 0..1 missing
+        ("req-2", StageChunk(positions(3, 4), 3, final=True)),  # an id once a call
+        ("req-4", StageChunk(positions(0, 2), 0, final=False)),
+    ])
+    assert failures[:2] == [None, None] and failures[4] is None
+    assert isinstance(failures[2], OmniPrefixCacheChannelError)
+    assert "request req-3: a chunk from position 2 is refused" in str(failures[2])
+    assert isinstance(failures[3], ValueError) and "request req-2" in str(failures[3])
+    entry = channel.get_entry("req-2", timeout_s=5)
+    assert torch.equal(entry.outputs[HIDDEN_KEY], positions(0, 3)[HIDDEN_KEY])
+    assert entry.meta == {"n": 3}
+    channel.put_all([("req-1", StageChunk(positions(6, 7), 6, final=True)),
+                     ("req-3", StageChunk(positions(0, 1), 0, final=True)),
+                     ("req-4", StageChunk(positions(2, 3), 2, final=True))])
+    for request_id, end in (("req-1", 7), ("req-3", 1), ("req-4", 3)):
+        assert torch.equal(channel.get(request_id, timeout_s=5)[HIDDEN_KEY],
+                           positions(0, end)[HIDDEN_KEY]), request_id
+
+
+def test_put_all_publishes_what_has_room_at_once_and_the_rest_waits_bounded(
+        new_spec: str) -> None:
+    """Chunks the capacity holds are published together; one it does not hold waits up to
+    the channel's full wait and fails alone."""
+    with open_channel(new_spec + "&capacity=8192&wait=0.3") as channel:
+        big = 40  # about 2.2 KiB a chunk: three fit, the fourth does not
+        failures = channel.put_all([(f"req-{i}", StageChunk(positions(0, big), 0, final=False))
+                                    for i in range(4)])
+        assert failures[:3] == [None, None, None]
+        assert isinstance(failures[3], OmniPrefixCacheChannelFullError)
+        assert "request req-3" in str(failures[3])
+        assert next(channel.stream("req-0", timeout_s=5)).start == 0  # room again
+        assert channel.put_all([("req-3", StageChunk(positions(0, big), 0, final=True))]) \
+            == [None]
+        assert torch.equal(channel.get("req-3", timeout_s=5)[HIDDEN_KEY],
+                           positions(0, big)[HIDDEN_KEY])

@@ -47,7 +47,7 @@ SITES: dict[str, tuple[Any, str]] = {
     "deliver": (StageDelivery, "publish_read"),  # a finished request's entry, whole
     "read back": (RequestRows, "hold"),  # its rows, held in the pool for the channel's writer
     "encode": (channel_base, "encode"),
-    "channel write": (ShmChannel, "_put_now"),  # a put into a namespace with room
+    "channel write": (ShmChannel, "_put_now_all"),  # puts into a namespace with room
     "save": (OmniPrefixCacheManager, "save_outputs"),  # on the engine thread
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +184,42 @@ def test_a_streamed_hit_is_its_first_chunk_then_steps_follow_and_a_resumed_one_i
     assert [(c.start, c.rows["hidden"].shape[0]) for c in chunks] == [(0, 4), (4, 2), (6, 0)]
     assert torch.equal(chunks[0].rows["hidden"], rows(0, 4)["hidden"])
     assert hit.cancels and again.cancels and lost.cancels
+
+
+def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_request_alone(
+        ) -> None:
+    """A streaming step's requests' chunks are put together (`put_all`); a chunk the channel
+    cannot take (larger than its capacity) fails its request, by name, and the others stream
+    on."""
+    def step(*spans: tuple[int, int]) -> dict[str, torch.Tensor]:  # each request's positions
+        parts = [rows(start, end) for start, end in spans]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    with open_channel("shm://?capacity=4096&wait=0.1") as channel:
+        puts: list[list[str]] = []
+        put_all = channel.put_all
+
+        def recorded(chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
+            puts.append([request_id for request_id, _ in chunks])
+            return put_all(chunks)
+
+        channel.put_all = recorded  # type: ignore[method-assign]
+        delivery = StageDelivery(channel, stream_every=1)
+        delivery.note_prompts({"a": 2, "big": 600, "c": 2})
+        delivery.add_step([("a", 0, 0, 2), ("big", 0, 2, 602), ("c", 0, 602, 604)],
+                          step((0, 2), (0, 600), (0, 2)))
+        for position in (2, 3):  # a sampled token's row stands a step later
+            delivery.add_step([("a", position, 0, 1), ("c", position, 1, 2)],
+                              step((position, position + 1), (position, position + 1)))
+        for rid in ("a", "big", "c"):
+            delivery.finish(FinishedRequest(rid, rid, prompt_len=2))
+        assert puts == [["a", "big", "c"], ["a", "c"], ["a"], ["c"]]  # the steps', the finishes
+        for rid in ("a", "c"):
+            chunks = list(channel.stream(rid, timeout_s=5))
+            assert [c.start for c in chunks] == [0, 2, 3]
+            assert torch.equal(torch.cat([c.rows["hidden"] for c in chunks]),
+                               rows(0, 4)["hidden"])
+        with pytest.raises(OmniPrefixCacheChannelError, match="request big: .*chunk of its "
+                           "positions 0..599 failed: OmniPrefixCacheChannelFullError"):
+            channel.get("big", timeout_s=5)
+    assert delivery.stats()["delivery_failed"] == 1

@@ -4,19 +4,22 @@
  * A put made of Python calls gives the GIL up at each of its twenty-odd system calls (flock,
  * open, fchmod, ftruncate, pread and pwrite of the budget, pwrite of the entry, rename, the
  * expectation's read and unlink) and takes it back after each: on an engine's output thread,
- * every one of those hand-overs makes the engine thread wait for the GIL again. Here a put is
- * one call (`put`) where the namespace has room, three (`reserve`, `write`, `publish`) where it
- * waits for room, and a step's expectations one. The protocol is the one
- * `prefix_cache.channel.shm` documents; its Python keeps the rare paths (a full namespace's
- * recount, sweeps, takes). `put` locks a descriptor of `.lock` it opens itself (flock excludes
- * separate open files, threads included); around the others, which lock the handle's shared
- * descriptor, the caller holds the handle's thread lock (all but `write`).
+ * every one of those hand-overs makes the engine thread wait for the GIL again. Here puts
+ * are one call (`put_all`) where the namespace has room, however many entries they are (a
+ * streaming step's chunks: the namespace lock taken twice for all of them, the budget read and
+ * written twice), three (`reserve`, `write`, `publish`) for an entry that waits for room, and a
+ * step's expectations one. The protocol is the one `prefix_cache.channel.shm` documents; its
+ * Python keeps the rare paths (a full namespace's recount, sweeps, takes). `put_all` locks a
+ * descriptor of `.lock` it opens itself (flock excludes separate open files, threads
+ * included); around the others, which lock the handle's shared descriptor, the caller holds
+ * the handle's thread lock (all but `write`).
  *
  * An entry's rows may be a pool's, named by slot (`write`): they go from the pool into the
  * entry's file by pwritev, one copy, with no gathered copy between.
  *
- * Errors raise OSError (its errno's subclass) naming the file; a call that raises leaves no
- * file of its own behind and releases the namespace lock.
+ * Errors raise OSError (its errno's subclass) naming the file (`put_all` returns each entry's
+ * instead, the others going on); a call that fails leaves no file of its own behind and
+ * releases the namespace lock.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -175,116 +178,6 @@ static int
 fs_path(PyObject *obj, PyObject **out)
 {
     return PyUnicode_FSConverter(obj, out);  /* a new bytes object, or 0 with an error set */
-}
-
-/* The steps of a put, without the GIL; each returns 0 or an errno, setting `*failed` to the
- * file it names (NULL: none). */
-
-/* Under the namespace lock (taken unless `take_lock` is 0: the caller holds it): unless `force`
- * or the budget has room for `nbytes` more, sets `*full` and changes nothing; else creates
- * `temp` (exclusive), flocks it, sizes it and counts its bytes, setting `*fd`. */
-static int
-reserve_room(int lock_fd, int budget_fd, const char *temp, uint64_t nbytes, int force,
-             int take_lock, int *fd, int *full, const char **failed)
-{
-    int err = 0;
-    Budget b = {0, 0, 0};
-    *fd = -1;
-    *full = 0;
-    if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
-        return errno;
-    }
-    if (read_budget(budget_fd, &b) < 0) {
-        err = errno;
-    } else if (!force && b.used + nbytes > b.capacity) {
-        *full = 1;
-    } else if ((*fd = create_private(temp, 1)) < 0) {
-        err = errno, *failed = temp;
-    } else if (lock(*fd, LOCK_EX) < 0 || STEP(ftruncate(*fd, (off_t)nbytes)) < 0) {
-        err = errno, *failed = temp;
-    } else {
-        b.used += nbytes;
-        if (write_budget(budget_fd, &b) < 0) {
-            err = errno;
-        }
-    }
-    if (err && *fd >= 0) {
-        STEP(close(*fd));
-        STEP(unlink(temp));
-        *fd = -1;
-    }
-    if (take_lock) {
-        lock(lock_fd, LOCK_UN);
-    }
-    return err;
-}
-
-/* Under the namespace lock: the id's marker, the next sequence number, the rename into place
- * (`*renamed` once done), and the end of this handle's expectation (`expect_path` NULL: none). */
-static int
-publish_entry(int lock_fd, int budget_fd, const char *temp, const char *marker, char *entry,
-              size_t entry_len, const char *prefix, const char *expect_path,
-              const Py_buffer *expectation, uint64_t *seq, int *renamed, const char **failed)
-{
-    int err = 0;
-    Budget b = {0, 0, 0};
-    *renamed = 0;
-    if (lock(lock_fd, LOCK_EX) < 0) {
-        return errno;
-    }
-    int marker_fd = create_private(marker, 1);
-    if (marker_fd >= 0) {
-        STEP(close(marker_fd));
-    } else if (errno != EEXIST) {
-        err = errno, *failed = marker;
-    }
-    if (!err && read_budget(budget_fd, &b) < 0) {
-        err = errno;
-    }
-    if (!err) {
-        *seq = b.next_seq;
-        snprintf(entry, entry_len, "%s%llu", prefix, (unsigned long long)b.next_seq);
-        b.next_seq += 1;
-        if (write_budget(budget_fd, &b) < 0) {
-            err = errno;
-        } else if (STEP(rename(temp, entry)) < 0) {
-            err = errno, *failed = temp;
-        } else {
-            *renamed = 1;
-        }
-    }
-    if (!err && expect_path) {  /* ended only if this handle's record is still the one there */
-        int efd = STEP(open(expect_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-        if (efd >= 0) {
-            char seen[4096];
-            size_t want = (size_t)expectation->len;
-            ssize_t got = want < sizeof seen ? read(efd, seen, want + 1) : -1;
-            STEP(close(efd));
-            if (got == (ssize_t)want && memcmp(seen, expectation->buf, want) == 0 &&
-                    STEP(unlink(expect_path)) < 0 && errno != ENOENT) {
-                err = errno, *failed = expect_path;
-            }
-        } else if (errno != ENOENT) {
-            err = errno, *failed = expect_path;
-        }
-    }
-    lock(lock_fd, LOCK_UN);
-    return err;
-}
-
-/* A reservation given back: its file removed and its bytes uncounted, under the lock. */
-static void
-return_room(int lock_fd, int budget_fd, const char *temp, uint64_t nbytes)
-{
-    Budget b;
-    if (lock(lock_fd, LOCK_EX) < 0) {
-        return;
-    }
-    if (STEP(unlink(temp)) == 0 && read_budget(budget_fd, &b) == 0) {
-        b.used = b.used > nbytes ? b.used - nbytes : 0;
-        write_budget(budget_fd, &b);
-    }
-    lock(lock_fd, LOCK_UN);
 }
 
 #define ROW_RUNS 1024  /* iovecs a pwritev takes (Linux's IOV_MAX) */
@@ -480,6 +373,294 @@ release_expectation(Expectation *e)
     Py_CLEAR(e->path);
 }
 
+/* One entry of a put, from its room to its place: borrowed with the GIL held, then taken
+ * through the phases below without it. Invariant: `fd` >= 0 exactly while this call holds
+ * the entry's temp file (created, flocked, sized and counted in the budget). */
+typedef struct {
+    PyObject *refused;  /* the exception that refused it before any system call, or NULL */
+    PyObject *temp, *marker, *prefix;  /* fs paths as bytes (marker and prefix: NULL unless
+                                        * it is to be published) */
+    unsigned long long nbytes;
+    Pieces pieces;
+    Expectation expect;
+    char *entry;  /* its place: `prefix` + its sequence number */
+    size_t entry_len;
+    int fd;
+    int full;  /* no room counted for it: nothing made */
+    int renamed;  /* in place: published */
+    int err;  /* 0, or the errno that stopped it */
+    const char *failed;  /* the file `err` names (NULL: none) */
+    uint64_t seq;
+} Put;
+
+static void
+init_put(Put *p)
+{
+    memset(p, 0, sizeof *p);
+    p->fd = -1;
+}
+
+static void
+fail_put(Put *p, int err, const char *failed)
+{
+    p->err = err;
+    p->failed = failed;
+}
+
+/* Whether `p` is written and its room still held, to be placed. */
+static int
+ready(const Put *p)
+{
+    return p->fd >= 0 && !p->err;
+}
+
+/* Its temp file: created (exclusive), flocked (its writer lives while the lock is held) and
+ * sized; 0, or an errno with nothing left behind. */
+static int
+open_room(Put *p)
+{
+    const char *temp = PyBytes_AS_STRING(p->temp);
+    p->fd = create_private(temp, 1);
+    if (p->fd < 0) {
+        return errno;
+    }
+    if (lock(p->fd, LOCK_EX) < 0 || STEP(ftruncate(p->fd, (off_t)p->nbytes)) < 0) {
+        int err = errno;
+        STEP(close(p->fd));
+        STEP(unlink(temp));
+        p->fd = -1;
+        return err;
+    }
+    return 0;
+}
+
+/* Under the namespace lock (taken here unless `take_lock` is 0: the caller holds it), room for
+ * each of `puts` in turn, with one read and one write of the budget: unless `force` or the
+ * budget has room for its bytes, it is marked `full` and nothing is made; else its temp file
+ * (`open_room`), counted. */
+static void
+reserve_puts(int lock_fd, int budget_fd, int force, int take_lock, Put *puts, Py_ssize_t n)
+{
+    Budget b = {0, 0, 0};
+    int err = 0, counted = 0;
+    if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
+        err = errno;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            fail_put(&puts[i], err, NULL);
+        }
+        return;
+    }
+    if (read_budget(budget_fd, &b) < 0) {
+        err = errno;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Put *p = &puts[i];
+        if (p->refused) {
+            continue;
+        }
+        if (err) {
+            fail_put(p, err, NULL);
+        } else if (!force && b.used + p->nbytes > b.capacity) {
+            p->full = 1;
+        } else if ((p->err = open_room(p)) != 0) {
+            p->failed = PyBytes_AS_STRING(p->temp);
+        } else {
+            b.used += p->nbytes;
+            counted = 1;
+        }
+    }
+    if (counted && write_budget(budget_fd, &b) < 0) {  /* uncounted, so none may stay */
+        err = errno;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (puts[i].fd >= 0) {
+                STEP(close(puts[i].fd));
+                STEP(unlink(PyBytes_AS_STRING(puts[i].temp)));
+                puts[i].fd = -1;
+                fail_put(&puts[i], err, NULL);
+            }
+        }
+    }
+    if (take_lock) {
+        lock(lock_fd, LOCK_UN);
+    }
+}
+
+/* Each reserved entry's pieces into its temp file, without the namespace lock: the file is
+ * this call's alone. */
+static void
+write_puts(Put *puts, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Put *p = &puts[i];
+        if (ready(p) && (p->err = write_each(p->fd, &p->pieces)) != 0) {
+            p->failed = PyBytes_AS_STRING(p->temp);
+        }
+    }
+}
+
+/* Its marker unless it exists, its rename into place, and the end of its handle's
+ * expectation if that is still the record there (under the namespace lock, numbered). */
+static void
+place_put(Put *p)
+{
+    const char *marker = PyBytes_AS_STRING(p->marker), *temp = PyBytes_AS_STRING(p->temp);
+    int marker_fd = create_private(marker, 1);
+    if (marker_fd >= 0) {
+        STEP(close(marker_fd));
+    } else if (errno != EEXIST) {
+        fail_put(p, errno, marker);
+        return;
+    }
+    snprintf(p->entry, p->entry_len, "%s%llu", PyBytes_AS_STRING(p->prefix),
+             (unsigned long long)p->seq);
+    if (STEP(rename(temp, p->entry)) < 0) {
+        fail_put(p, errno, temp);
+        return;
+    }
+    p->renamed = 1;
+    if (p->expect.path == NULL) {
+        return;
+    }
+    const char *expect_path = PyBytes_AS_STRING(p->expect.path);
+    int efd = STEP(open(expect_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+    if (efd < 0) {
+        if (errno != ENOENT) {
+            fail_put(p, errno, expect_path);
+        }
+        return;
+    }
+    char seen[4096];
+    size_t want = (size_t)p->expect.record.len;
+    ssize_t got = want < sizeof seen ? read(efd, seen, want + 1) : -1;
+    STEP(close(efd));
+    if (got == (ssize_t)want && memcmp(seen, p->expect.record.buf, want) == 0 &&
+            STEP(unlink(expect_path)) < 0 && errno != ENOENT) {
+        fail_put(p, errno, expect_path);
+    }
+}
+
+/* Under the namespace lock: each written entry numbered (one read and one write of the budget
+ * for all, before any rename, so no number is handed out twice) and placed (`place_put`). */
+static void
+publish_puts(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n && !ready(&puts[i])) {
+        i++;
+    }
+    if (i == n) {
+        return;
+    }
+    Budget b = {0, 0, 0};
+    int err = 0;
+    if (lock(lock_fd, LOCK_EX) < 0) {
+        err = errno;
+        for (; i < n; i++) {
+            if (ready(&puts[i])) {
+                fail_put(&puts[i], err, NULL);
+            }
+        }
+        return;
+    }
+    if (read_budget(budget_fd, &b) < 0) {
+        err = errno;
+    } else {
+        for (Py_ssize_t j = i; j < n; j++) {
+            if (ready(&puts[j])) {
+                puts[j].seq = b.next_seq++;
+            }
+        }
+        if (write_budget(budget_fd, &b) < 0) {
+            err = errno;
+        }
+    }
+    for (; i < n; i++) {
+        if (!ready(&puts[i])) {
+            continue;
+        }
+        if (err) {
+            fail_put(&puts[i], err, NULL);
+        } else {
+            place_put(&puts[i]);
+        }
+    }
+    lock(lock_fd, LOCK_UN);
+}
+
+/* Whether `p` failed while its room was held and before its rename: the room is to return. */
+static int
+lost(const Put *p)
+{
+    return p->fd >= 0 && p->err && !p->renamed;
+}
+
+/* Under the namespace lock, the rooms of entries `lost` given back: their temp files removed
+ * and their bytes uncounted. Where the lock cannot be had, each is left a dead writer's temp
+ * file once closed, which the next recount removes and uncounts. */
+static void
+return_rooms(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n && !lost(&puts[i])) {
+        i++;
+    }
+    if (i == n || lock(lock_fd, LOCK_EX) < 0) {
+        return;
+    }
+    uint64_t freed = 0;
+    for (; i < n; i++) {
+        if (lost(&puts[i]) && STEP(unlink(PyBytes_AS_STRING(puts[i].temp))) == 0) {
+            freed += puts[i].nbytes;
+        }
+    }
+    Budget b;
+    if (freed && read_budget(budget_fd, &b) == 0) {
+        b.used = b.used > freed ? b.used - freed : 0;
+        write_budget(budget_fd, &b);
+    }
+    lock(lock_fd, LOCK_UN);
+}
+
+/* `p`'s paths to its place (`marker`, `prefix` and the expectation's, taken here) and the
+ * room for its numbered name; 0, or -1 with an error set. */
+static int
+borrow_place(Put *p, PyObject *marker, PyObject *prefix, PyObject *expect_path,
+             PyObject *expectation)
+{
+    if (!fs_path(marker, &p->marker) || !fs_path(prefix, &p->prefix) ||
+            borrow_expectation(expect_path, expectation, &p->expect) < 0) {
+        return -1;
+    }
+    p->entry_len = (size_t)PyBytes_GET_SIZE(p->prefix) + 24;
+    p->entry = PyMem_Malloc(p->entry_len);
+    if (p->entry == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void
+release_put(Put *p)
+{
+    release_pieces(&p->pieces);
+    release_expectation(&p->expect);
+    PyMem_Free(p->entry);
+    p->entry = NULL;
+    Py_CLEAR(p->temp);
+    Py_CLEAR(p->marker);
+    Py_CLEAR(p->prefix);
+    Py_CLEAR(p->refused);
+}
+
+/* An OSError (its errno's subclass) for `err` naming `path` (NULL: none), not raised. */
+static PyObject *
+os_error(int err, const char *path)
+{
+    return path ? PyObject_CallFunction(PyExc_OSError, "iss", err, strerror(err), path)
+                : PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+}
+
 PyDoc_STRVAR(reserve_doc,
 "reserve(lock_fd, budget_fd, temp_path, nbytes, force, take_lock) -> int\n\n"
 "A put's room: under the namespace lock (taken here unless `take_lock` is False: the caller\n"
@@ -491,19 +672,17 @@ static PyObject *
 reserve(PyObject *self, PyObject *args)
 {
     int lock_fd, budget_fd, force, take_lock;
-    PyObject *temp_obj;
-    unsigned long long nbytes;
-    if (!PyArg_ParseTuple(args, "iiO&Kpp:reserve", &lock_fd, &budget_fd, fs_path, &temp_obj,
-                          &nbytes, &force, &take_lock)) {
+    Put p;
+    init_put(&p);
+    if (!PyArg_ParseTuple(args, "iiO&Kpp:reserve", &lock_fd, &budget_fd, fs_path, &p.temp,
+                          &p.nbytes, &force, &take_lock)) {
         return NULL;
     }
-    const char *temp = PyBytes_AS_STRING(temp_obj), *failed = NULL;
-    int fd, full, err;
     Py_BEGIN_ALLOW_THREADS
-    err = reserve_room(lock_fd, budget_fd, temp, nbytes, force, take_lock, &fd, &full, &failed);
+    reserve_puts(lock_fd, budget_fd, force, take_lock, &p, 1);
     Py_END_ALLOW_THREADS
-    PyObject *result = err ? raise_errno(err, failed) : PyLong_FromLong(full ? -1 : fd);
-    Py_DECREF(temp_obj);
+    PyObject *result = p.err ? raise_errno(p.err, p.failed) : PyLong_FromLong(p.full ? -1 : p.fd);
+    release_put(&p);  /* the descriptor is the caller's now */
     return result;
 }
 
@@ -535,8 +714,8 @@ write_pieces(PyObject *self, PyObject *args)
 PyDoc_STRVAR(publish_doc,
 "publish(lock_fd, budget_fd, fd, temp_path, marker_path, entry_prefix, expectation_path,\n"
 "        expectation) -> int\n\n"
-"Under the namespace lock: create the id's marker `marker_path` unless it exists, take the\n"
-"next sequence number from the budget, rename the written temp file `temp_path` to\n"
+"Under the namespace lock: take the next sequence number from the budget, create the id's\n"
+"marker `marker_path` unless it exists, rename the written temp file `temp_path` to\n"
 "`entry_prefix` + that number, and remove `expectation_path` if its contents are exactly\n"
 "`expectation` (the expectation this handle wrote; None: none to end). Then closes `fd`, the\n"
 "reservation's descriptor (on error the caller still owns it and the reservation). Returns\n"
@@ -545,115 +724,134 @@ PyDoc_STRVAR(publish_doc,
 static PyObject *
 publish(PyObject *self, PyObject *args)
 {
-    int lock_fd, budget_fd, fd;
-    PyObject *temp_obj, *marker_obj, *prefix_obj, *expect_path, *expect_record;
-    if (!PyArg_ParseTuple(args, "iiiO&O&O&OO:publish", &lock_fd, &budget_fd, &fd, fs_path,
-                          &temp_obj, fs_path, &marker_obj, fs_path, &prefix_obj,
-                          &expect_path, &expect_record)) {
+    int lock_fd, budget_fd;
+    PyObject *marker, *prefix, *expect_path, *expectation;
+    Put p;
+    init_put(&p);
+    if (!PyArg_ParseTuple(args, "iiiO&OOOO:publish", &lock_fd, &budget_fd, &p.fd, fs_path,
+                          &p.temp, &marker, &prefix, &expect_path, &expectation)) {
         return NULL;
     }
     PyObject *result = NULL;
-    Expectation e = {NULL, {0}};
-    size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
-    char *entry = PyMem_Malloc(entry_len);
-    if (entry == NULL) {
-        PyErr_NoMemory();
-    } else if (borrow_expectation(expect_path, expect_record, &e) == 0) {
-        const char *failed = NULL;
-        uint64_t seq = 0;
-        int err, renamed;
+    if (borrow_place(&p, marker, prefix, expect_path, expectation) == 0) {
         Py_BEGIN_ALLOW_THREADS
-        err = publish_entry(lock_fd, budget_fd, PyBytes_AS_STRING(temp_obj),
-                            PyBytes_AS_STRING(marker_obj), entry, entry_len,
-                            PyBytes_AS_STRING(prefix_obj),
-                            e.path ? PyBytes_AS_STRING(e.path) : NULL, &e.record, &seq,
-                            &renamed, &failed);
-        if (!err) {
-            STEP(close(fd));
+        publish_puts(lock_fd, budget_fd, &p, 1);
+        if (!p.err) {
+            STEP(close(p.fd));
         }
         Py_END_ALLOW_THREADS
-        result = err ? raise_errno(err, failed) : PyLong_FromUnsignedLongLong(seq);
+        result = p.err ? raise_errno(p.err, p.failed) : PyLong_FromUnsignedLongLong(p.seq);
     }
-    release_expectation(&e);
-    PyMem_Free(entry);
-    Py_DECREF(temp_obj);
-    Py_DECREF(marker_obj);
-    Py_DECREF(prefix_obj);
+    release_put(&p);
     return result;
 }
 
-PyDoc_STRVAR(put_doc,
-"put(lock_path, budget_fd, temp_path, nbytes, force, pieces, marker_path, entry_prefix,\n"
-"    expectation_path, expectation) -> int\n\n"
-"A whole put in one call, where there is room now: `reserve`, `write` and `publish`, the\n"
-"namespace lock taken on a descriptor of `lock_path` of this call's own (so no thread lock is\n"
-"needed: flock excludes separate open files, threads included). Returns the sequence number,\n"
-"or -1 with nothing changed where the budget has no room for `nbytes` (unless `force`). A\n"
-"failure before the entry is renamed into place gives its room back.");
+/* Entry `i` of put_all's: (temp_path, nbytes, pieces, marker_path, entry_prefix,
+ * expectation_path, expectation). One whose pieces or paths are refused keeps the exception
+ * (`refused`) and is left out of the phases: the others go on. -1 where `item` is no such tuple
+ * at all (an error set). */
+static int
+borrow_put(PyObject *item, Put *p)
+{
+    PyObject *pieces, *marker, *prefix, *expect_path, *expectation;
+    if (!PyArg_ParseTuple(item, "O&KOOOOO:put_all", fs_path, &p->temp, &p->nbytes, &pieces,
+                          &marker, &prefix, &expect_path, &expectation)) {
+        return -1;
+    }
+    if (borrow_pieces("put_all", pieces, &p->pieces) < 0 ||
+            borrow_place(p, marker, prefix, expect_path, expectation) < 0) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL) {
+            PyException_SetTraceback(value, traceback);
+        }
+        p->refused = value;
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(put_all_doc,
+"put_all(lock_path, budget_fd, force, entries) -> list\n\n"
+"Whole puts in one call, where there is room now: each of `entries`, a tuple (temp_path,\n"
+"nbytes, pieces, marker_path, entry_prefix, expectation_path, expectation), reserved, written\n"
+"and published as `reserve`, `write` and `publish` do, the namespace lock taken twice for all\n"
+"of them (around the reservations, then around the renames) on a descriptor of `lock_path` of\n"
+"this call's own, so no thread lock is needed (flock excludes separate open files, threads\n"
+"included). Returns, per entry in order, its sequence number; -1 where the budget had no\n"
+"room for it (unless `force`), nothing changed for it; or the exception that failed it, not\n"
+"raised (an OSError naming the file; a pieces error): its room was given back and the others\n"
+"went on.");
 
 static PyObject *
-put(PyObject *self, PyObject *args)
+put_all(PyObject *self, PyObject *args)
 {
     int budget_fd, force;
-    unsigned long long nbytes;
-    PyObject *lock_obj, *temp_obj, *pieces_obj, *marker_obj, *prefix_obj, *expect_path;
-    PyObject *expect_record;
-    if (!PyArg_ParseTuple(args, "O&iO&KpOO&O&OO:put", fs_path, &lock_obj, &budget_fd,
-                          fs_path, &temp_obj, &nbytes, &force, &pieces_obj, fs_path,
-                          &marker_obj, fs_path, &prefix_obj, &expect_path, &expect_record)) {
+    PyObject *lock_obj, *entries;
+    if (!PyArg_ParseTuple(args, "O&ipO:put_all", fs_path, &lock_obj, &budget_fd, &force,
+                          &entries)) {
         return NULL;
     }
-    PyObject *result = NULL;
-    Pieces pieces = {NULL, NULL, NULL, 0};
-    Expectation e = {NULL, {0}};
-    size_t entry_len = (size_t)PyBytes_GET_SIZE(prefix_obj) + 24;
-    char *entry = PyMem_Malloc(entry_len);
-    if (entry == NULL) {
+    PyObject *result = NULL, *seq = PySequence_Fast(entries, "put_all: entries must be a "
+                                                    "sequence of tuples");
+    Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : 0, borrowed = 0;
+    Put *puts = seq ? PyMem_Calloc((size_t)(n ? n : 1), sizeof *puts) : NULL;
+    if (seq != NULL && puts == NULL) {
         PyErr_NoMemory();
+    }
+    if (puts == NULL) {
         goto done;
     }
-    if (borrow_pieces("put", pieces_obj, &pieces) < 0 ||
-            borrow_expectation(expect_path, expect_record, &e) < 0) {
-        goto done;
+    for (; borrowed < n; borrowed++) {
+        init_put(&puts[borrowed]);
+        if (borrow_put(PySequence_Fast_GET_ITEM(seq, borrowed), &puts[borrowed]) < 0) {
+            borrowed++;
+            goto done;
+        }
     }
-    const char *lock_path = PyBytes_AS_STRING(lock_obj), *temp = PyBytes_AS_STRING(temp_obj);
-    const char *failed = NULL;
-    uint64_t seq = 0;
-    int err = 0, full = 0, fd = -1, renamed = 0;
+    const char *lock_path = PyBytes_AS_STRING(lock_obj);
     Py_BEGIN_ALLOW_THREADS
     int lock_fd = STEP(open(lock_path, O_RDWR | O_NOFOLLOW | O_CLOEXEC));
     if (lock_fd < 0) {
-        err = errno, failed = lock_path;
+        int err = errno;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            fail_put(&puts[i], err, lock_path);
+        }
     } else {
-        err = reserve_room(lock_fd, budget_fd, temp, nbytes, force, 1, &fd, &full, &failed);
-        if (!err && !full) {
-            err = write_each(fd, &pieces);
-            if (err) {
-                failed = temp;
-            } else {
-                err = publish_entry(lock_fd, budget_fd, temp, PyBytes_AS_STRING(marker_obj),
-                                    entry, entry_len, PyBytes_AS_STRING(prefix_obj),
-                                    e.path ? PyBytes_AS_STRING(e.path) : NULL, &e.record,
-                                    &seq, &renamed, &failed);
+        reserve_puts(lock_fd, budget_fd, force, 1, puts, n);
+        write_puts(puts, n);
+        publish_puts(lock_fd, budget_fd, puts, n);
+        return_rooms(lock_fd, budget_fd, puts, n);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (puts[i].fd >= 0) {  /* published or given back: its flock goes with it */
+                STEP(close(puts[i].fd));
+                puts[i].fd = -1;
             }
-            if (err && !renamed) {
-                return_room(lock_fd, budget_fd, temp, nbytes);
-            }
-            STEP(close(fd));  /* published or given back: its flock goes with it */
         }
         STEP(close(lock_fd));
     }
     Py_END_ALLOW_THREADS
-    result = err ? raise_errno(err, failed)
-                 : PyLong_FromLongLong(full ? -1 : (long long)seq);
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        Put *p = &puts[i];
+        PyObject *item = p->refused ? Py_NewRef(p->refused)
+            : p->err ? os_error(p->err, p->failed)
+            : PyLong_FromLongLong(p->full ? -1 : (long long)p->seq);
+        if (item == NULL) {
+            Py_CLEAR(result);
+        } else {
+            PyList_SET_ITEM(result, i, item);
+        }
+    }
 done:
-    PyMem_Free(entry);
-    release_pieces(&pieces);
-    release_expectation(&e);
+    for (Py_ssize_t i = 0; i < borrowed; i++) {
+        release_put(&puts[i]);
+    }
+    PyMem_Free(puts);
+    Py_XDECREF(seq);
     Py_DECREF(lock_obj);
-    Py_DECREF(temp_obj);
-    Py_DECREF(marker_obj);
-    Py_DECREF(prefix_obj);
     return result;
 }
 
@@ -773,7 +971,7 @@ static PyMethodDef shm_methods[] = {
     {"reserve", reserve, METH_VARARGS, reserve_doc},
     {"write", write_pieces, METH_VARARGS, write_doc},
     {"publish", publish, METH_VARARGS, publish_doc},
-    {"put", put, METH_VARARGS, put_doc},
+    {"put_all", put_all, METH_VARARGS, put_all_doc},
     {"expect", expect, METH_VARARGS, expect_doc},
     {"die_before_step", die_before_step, METH_O, die_before_step_doc},
     {"steps", steps, METH_NOARGS, steps_doc},

@@ -58,7 +58,8 @@ CLOSE_WAIT_S = 30.0
 @dataclass(frozen=True)
 class StageChunk:
     """Rows of positions `start, start + 1, ...` of one request's entry, per key; the last
-    chunk is `final` and carries the entry's `aborted` marker and `meta`."""
+    chunk is `final` and carries the entry's `aborted` marker and `meta`. One given to
+    `put_all` may hold `PoolRows`, as `put`'s outputs may."""
 
     rows: dict[str, torch.Tensor]
     start: int
@@ -108,23 +109,59 @@ class StageChannel(ABC):
         one ends, up to one with `final=True`). `aborted` marks a request that ended early;
         `meta` is JSON. Waits up to `full_wait_s` for room; then raises
         `OmniPrefixCacheChannelFullError` and publishes nothing (the stream stays where it was)."""
+        chunk = StageChunk(outputs, start, final, aborted, meta)  # rows as put takes them
+        failure = self.put_all([(request_id, chunk)])[0]
+        if failure is not None:
+            raise failure
+
+    def put_all(self, chunks: Sequence[tuple[str, StageChunk]]) -> list[Exception | None]:
+        """Publishes each `(request_id, chunk)` as `put(request_id, chunk.rows,
+        start=chunk.start, final=chunk.final, aborted=chunk.aborted, meta=chunk.meta)` would,
+        together: on `shm`, those the namespace has room for in one call (its lock taken twice
+        for all of them), as a streaming stage puts a step's chunks. Returns, per chunk in
+        order, None where it was published, else the exception that failed it alone (it
+        published nothing, its stream stays where it was); an id may appear once."""
         self._check_open()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
-        if not isinstance(outputs, Mapping):
-            raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
-                            f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(outputs).__name__}")
-        entry = StageEntry(request_id, dict(outputs), aborted, dict(meta or {}), time.time(),
-                           start=start, final=final)
+        failures: list[Exception | None] = [None] * len(chunks)
+        entries: list[tuple[int, StageEntry, int]] = []  # (index, entry, where its stream stands)
+        now, seen = time.time(), set()
         with self._streams_lock:
-            stands = self._check_chunk(entry)
-        self._put_entry(entry, bounded=True)
+            for i, (request_id, chunk) in enumerate(chunks):
+                try:
+                    entry = self._entry(request_id, chunk, now, seen)
+                    entries.append((i, entry, self._check_chunk(entry)))
+                except (ValueError, TypeError, OmniPrefixCacheChannelError) as exc:
+                    failures[i] = exc
+        for (i, _, _), failure in zip(entries, self._put_entries([e for _, e, _ in entries],
+                                                                 bounded=True)):
+            failures[i] = failure
         with self._streams_lock:
-            if self._streams.get(request_id, 0) == stands:  # no fail() ended it meanwhile
-                if final:
+            for i, entry, stands in entries:
+                request_id = entry.request_id
+                if failures[i] is not None or self._streams.get(request_id, 0) != stands:
+                    continue  # failed, or a fail() ended its stream meanwhile
+                if entry.final:
                     self._streams.pop(request_id, None)
                 else:
-                    self._streams[request_id] = start + entry.num_rows
+                    self._streams[request_id] = entry.start + entry.num_rows
+        return failures
+
+    @staticmethod
+    def _entry(request_id: str, chunk: StageChunk, now: float, seen: set[str]) -> StageEntry:
+        """`chunk` as `request_id`'s entry published at `now` (its rows and meta copied); a
+        ValueError for an id that is not a non-empty str or is in `seen` (which it joins)
+        already, a TypeError for rows that are no mapping."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
+        if not isinstance(chunk.rows, Mapping):
+            raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
+                            f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(chunk.rows).__name__}")
+        if request_id in seen:
+            raise ValueError(f"request {request_id}: one put_all takes one chunk of an id; "
+                             f"put its next chunk in a later call")
+        seen.add(request_id)
+        return StageEntry(request_id, dict(chunk.rows), chunk.aborted, dict(chunk.meta or {}),
+                          now, start=chunk.start, final=chunk.final)
 
     def _check_chunk(self, entry: StageEntry) -> int:
         """Where `entry`'s stream stands (the position its rows must start at); a channel error
@@ -189,20 +226,54 @@ class StageChannel(ABC):
             self._expect(request_ids)
 
     def _put_entry(self, entry: StageEntry, *, bounded: bool) -> None:
-        encoded = encode(entry)
-        with self._operation(entry.request_id):  # a reservation never outlives the handle
-            self._maybe_sweep()
-            if self._put_now(entry.request_id, encoded, force=not bounded, final=entry.final):
-                return
-            reservation = self._reserve(encoded.nbytes, force=not bounded)
-            if reservation is None:  # no room: the wait must not hold a pool's rows
-                encoded = encoded.owned()
-                reservation = self._wait_for_room(entry.request_id, encoded.nbytes)
+        """`_put_entries` of one entry, raising what failed it."""
+        failure = self._put_entries([entry], bounded=bounded)[0]
+        if failure is not None:
+            raise failure
+
+    def _put_entries(self, entries: Sequence[StageEntry], *, bounded: bool
+                     ) -> list[Exception | None]:
+        """Publishes each entry (`bounded`: counted against the capacity, waiting up to
+        `full_wait_s` for room; else always): those with room now at once (`_put_now_all`),
+        the others one by one as room comes. Per entry, None or the exception that failed it."""
+        failures: list[Exception | None] = [None] * len(entries)
+        encoded: list[tuple[int, StageEntry, EncodedEntry]] = []
+        for i, entry in enumerate(entries):
             try:
-                self._publish(entry.request_id, encoded, reservation, final=entry.final)
-            except BaseException:
-                self._unreserve(reservation)
-                raise
+                encoded.append((i, entry, encode(entry)))
+            except (TypeError, ValueError) as exc:
+                failures[i] = exc
+        if not encoded:
+            return failures
+        with self._operation(encoded[0][1].request_id):  # a reservation never outlives it
+            self._maybe_sweep()
+            try:
+                placed = self._put_now_all(
+                    [(entry.request_id, data, entry.final) for _, entry, data in encoded],
+                    force=not bounded)
+            except Exception as exc:  # one failure of the backend's call fails each of them
+                placed = [exc] * len(encoded)
+            for (i, entry, data), done in zip(encoded, placed):
+                if isinstance(done, Exception):
+                    failures[i] = done
+                elif not done:
+                    try:
+                        self._put_waiting(entry, data, bounded=bounded)
+                    except Exception as exc:
+                        failures[i] = exc
+        return failures
+
+    def _put_waiting(self, entry: StageEntry, encoded: EncodedEntry, *, bounded: bool) -> None:
+        """Reserve (waiting for room where `bounded`) and publish one entry."""
+        reservation = self._reserve(encoded.nbytes, force=not bounded)
+        if reservation is None:  # no room: the wait must not hold a pool's rows
+            encoded = encoded.owned()
+            reservation = self._wait_for_room(entry.request_id, encoded.nbytes)
+        try:
+            self._publish(entry.request_id, encoded, reservation, final=entry.final)
+        except BaseException:
+            self._unreserve(reservation)
+            raise
 
     def _wait_for_room(self, request_id: str, nbytes: int) -> Any:
         """A reservation of `nbytes` of the capacity, waiting up to `full_wait_s`; else raises."""
@@ -380,11 +451,12 @@ class StageChannel(ABC):
     def _unreserve(self, reservation: Any) -> None:
         """Returns the room of a reservation whose publish failed."""
 
-    def _put_now(self, request_id: str, encoded: EncodedEntry, *, force: bool,
-                 final: bool) -> bool:
-        """Reserve and publish in one step where the backend can and there is room now (or
-        `force`); False leaves the put to `_reserve`/`_wait_for_room` and `_publish`."""
-        return False
+    def _put_now_all(self, puts: Sequence[tuple[str, EncodedEntry, bool]], *, force: bool
+                     ) -> list[bool | Exception]:
+        """Reserve and publish each `(request_id, encoded, final)` in one step where the backend
+        can and there is room now (or `force`): per put, True where published, False where it
+        is left to `_reserve`/`_wait_for_room` and `_publish`, or the exception that failed it."""
+        return [False] * len(puts)
 
     @abstractmethod
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: Any, *,

@@ -16,10 +16,11 @@ anywhere thus leaves every other entry where it was, in order; there is no chain
 empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
 removes it with the last one), so a get of an id without entries costs one `lstat`. A put's
 system calls, and a step's expectations', are made in C (`prefix_cache.channel._shm`) with the
-GIL released: one call a put where the namespace has room (`_shm.put`, on a descriptor of
-`.lock` of its own, so no thread lock), three (reserve, write, publish) where it waits for room,
-one for a step's expectations; each system call made from Python would give the GIL up and wait
-to take it back (on an engine's output thread, from the engine thread).
+GIL released: one call for the puts the namespace has room for (`_shm.put_all`, on a descriptor
+of `.lock` of its own, so no thread lock: a streaming step's chunks take the lock twice in
+all), three (reserve, write, publish) for a put that waits for room, one for a step's
+expectations; each system call made from Python would give the GIL up and wait to take it back
+(on an engine's output thread, from the engine thread).
 
 `.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
 use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
@@ -561,16 +562,23 @@ class ShmChannel(StageChannel):
         finally:
             os.close(reservation.fd)
 
-    def _put_now(self, request_id: str, encoded: EncodedEntry, *, force: bool,
-                 final: bool) -> bool:
-        try:  # one call, one GIL hand-over: on a lock descriptor of its own, no thread lock
-            seq = _shm.put(f"{self._root}/{_LOCK_FILE}", self._budget_fd, self._temp_path(),
-                           encoded.nbytes, force, encoded.pieces,
-                           *self._entry_names(request_id, final))
-        except OSError as e:
-            raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
-                                   f"({encoded.nbytes} bytes)") from e
-        return seq >= 0
+    def _put_now_all(self, puts: Sequence[tuple[str, EncodedEntry, bool]], *, force: bool
+                     ) -> list[bool | Exception]:
+        # one call, one GIL hand-over, for all of them: on a lock descriptor of its own
+        placed = _shm.put_all(f"{self._root}/{_LOCK_FILE}", self._budget_fd, force,
+                              [(self._temp_path(), encoded.nbytes, encoded.pieces,
+                                *self._entry_names(request_id, final))
+                               for request_id, encoded, final in puts])
+        results: list[bool | Exception] = []
+        for (request_id, encoded, _), seq in zip(puts, placed):
+            if isinstance(seq, OSError):
+                seq = self._gone_or(seq, f"cannot publish the entry for request {request_id} "
+                                         f"({encoded.nbytes} bytes)")
+            elif isinstance(seq, Exception):  # its pieces, refused before any system call
+                seq = ValueError(f"request {request_id}: its entry's pieces were refused: "
+                                 f"{type(seq).__name__}: {seq}")
+            results.append(seq if isinstance(seq, Exception) else seq >= 0)
+        return results
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:

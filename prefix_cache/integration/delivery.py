@@ -31,7 +31,8 @@ A streaming stage (`stream_every`) publishes a request's rows as chunks while it
 runs, once `stream_every` new positions stand, and once its prompt's positions all
 stand: a prefix hit's cached rows are its first chunk, as soon as they are read
 (`publish_hits`, while the step's forward runs), each later chunk the positions
-since, and the final chunk, at the finish, the rest. A
+since, and the final chunk, at the finish, the rest. A step's chunks go to the sink
+together (`put_all`: one call on shm), each failing its request alone. A
 prompt position stands once computed (a prompt token is never a stop token); a
 later one, fed a sampled token, one step after: an asynchronous scheduler feeds a
 stop token in the step it already has in flight, and that row is cut at the
@@ -60,6 +61,7 @@ from typing import Any, Protocol
 
 import torch
 
+from prefix_cache.channel.base import StageChunk
 from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
@@ -72,6 +74,8 @@ class StageSink(Protocol):
     def put(self, request_id: str, outputs: Mapping[str, torch.Tensor | PoolRows], *,
             start: int = 0, final: bool = True, aborted: bool = False,
             meta: Mapping[str, Any] | None = None) -> None: ...
+
+    def put_all(self, chunks: Sequence[tuple[str, StageChunk]]) -> list[Exception | None]: ...
 
     def fail(self, request_id: str, cause: str) -> None: ...
 
@@ -178,8 +182,9 @@ class StageDelivery:
 
     def stats(self) -> dict[str, int]:
         """Requests and bytes held (waiting for their finish), requests published so far and
-        the chunks streamed before their final ones, requests whose entry failed (published as failures), and rows cut from entries (fed
-        by steps whose tokens the scheduler discarded)."""
+        the chunks streamed before their final ones, requests whose entry failed (published as
+        failures), and rows cut from entries (fed by steps whose tokens the scheduler
+        discarded)."""
         with self._lock:
             held = sum(p.nbytes() for parts in self._parts.values() for p in parts)
             return {"delivery_requests_held": len(self._parts) + len(self._held_whole),
@@ -241,40 +246,47 @@ class StageDelivery:
         if first_seen:
             self._expect(first_seen)
         if self.streaming:
-            for req_id in added:
-                self._stream(req_id)
+            self._stream(added)
 
-    def _stream(self, req_id: str) -> None:
-        """Publish `req_id`'s positions that stand since its last chunk, once there are
-        `stream_every` of them or they complete its prompt (see the module docstring for which
-        stand); a chunk that cannot be published fails the request, as its entry would."""
+    def _stream(self, req_ids: Sequence[str]) -> None:
+        """Publish, for each of `req_ids`, its positions that stand since its last chunk, once
+        there are `stream_every` of them or they complete its prompt (see the module docstring
+        for which stand): all in one put (`put_all`). A chunk that cannot be published fails
+        its request, as its entry would."""
         if self._sink is None:
             return
+        chunks, spans = [], []
         with self._lock:
-            parts = self._parts.get(req_id)
-            sent = self._streamed.get(req_id, 0)
-            prompt_len = self._prompt_lens.get(req_id, 0)
-            end = parts[-1].end if parts else 0
-            stands = end if end <= prompt_len else end - 1
-            if stands - sent < self._stream_every and not sent < prompt_len <= stands:
-                return
-            rows = _rows(parts, sent, stands)
-            if not rows:  # no key emitted yet: nothing to read the positions' zeros by
-                return
-            self._streamed[req_id] = stands
-            # what is left from `stands` on; at least the last part, emptied: the next rows
-            # join it, and a final chunk without rows still has its keys
-            self._parts[req_id] = [p.trimmed(stands, p.end) if p.start < stands else p
-                                   for p in parts if p.end > stands or p is parts[-1]]
-        external_id = self._external_id(req_id)
-        try:
-            self._sink.put(external_id, rows, start=sent, final=False)
-        except Exception as exc:  # a full /dev/shm, a store gone: this request fails alone
-            self.fail_requests([req_id], f"publishing the chunk of its positions {sent}.."
-                                         f"{stands - 1} failed: {type(exc).__name__}: {exc}")
+            for req_id in req_ids:
+                parts = self._parts.get(req_id)
+                sent = self._streamed.get(req_id, 0)
+                prompt_len = self._prompt_lens.get(req_id, 0)
+                end = parts[-1].end if parts else 0
+                stands = end if end <= prompt_len else end - 1
+                if stands - sent < self._stream_every and not sent < prompt_len <= stands:
+                    continue
+                rows = _rows(parts, sent, stands)
+                if not rows:  # no key emitted yet: nothing to read the positions' zeros by
+                    continue
+                self._streamed[req_id] = stands
+                # what is left from `stands` on; at least the last part, emptied: the next rows
+                # join it, and a final chunk without rows still has its keys
+                self._parts[req_id] = [p.trimmed(stands, p.end) if p.start < stands else p
+                                       for p in parts if p.end > stands or p is parts[-1]]
+                chunks.append((self._external_id(req_id), StageChunk(rows, sent, final=False)))
+                spans.append((req_id, sent, stands))
+        if not chunks:
             return
+        try:
+            failures: Sequence[Exception | None] = self._sink.put_all(chunks)
+        except Exception as exc:  # the sink itself failed: each chunk's request fails
+            failures = [exc] * len(chunks)
+        for (req_id, sent, stands), exc in zip(spans, failures):
+            if exc is not None:  # a full /dev/shm, a store gone: this request fails alone
+                self.fail_requests([req_id], f"publishing the chunk of its positions {sent}.."
+                                             f"{stands - 1} failed: {type(exc).__name__}: {exc}")
         with self._lock:
-            self._chunks += 1
+            self._chunks += sum(exc is None for exc in failures)
 
     def publish_hits(self, req_id: str, rows: RowsReadBack) -> None:
         """Streaming: a request's prefix hit, its cached rows of positions `[0, rows.num_rows)`,
