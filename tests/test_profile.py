@@ -62,6 +62,25 @@ def test_shares_charge_each_sample_to_its_innermost_owner() -> None:
     assert set(summary.cache_threads) == {"output"}
 
 
+def test_the_gil_wait_is_bounded_by_the_engine_threads_own_process_only() -> None:
+    """A multiprocess engine: the engine-core process's scheduler holds its own GIL, which
+    the worker process's engine thread never waits for; its output thread's it may."""
+    core, worker = 'process 7:"VLLM::EngineCore";', 'process 7:"x";process 9:"VLLM::Worker";'
+    step = "Worker.execute_model (vllm/v1/worker/gpu_worker.py:2)"
+    all_text = (f"{worker}thread (1): MainThread;{step} 100\n"
+                f"{worker}thread (2): omni-stage-outputs;OutputThread._run "
+                f"(/repo/prefix_cache/integration/output_thread.py:2) 100\n"
+                f"{core}thread (1): MainThread;EngineCore.step (vllm/v1/engine/core.py:1) 100\n")
+    gil = (f"{worker}thread (1): MainThread;{step} 50\n"
+           f"{worker}thread (2): omni-stage-outputs;OutputThread._run "
+           f"(/repo/prefix_cache/integration/output_thread.py:2) 10\n"
+           f"{core}thread (1): MainThread;EngineCore.step (vllm/v1/engine/core.py:1) 70\n")
+    summary = summarize(all_text, "", gil, seconds=1.0)
+    assert summary.engine_thread == "9/1"
+    assert summary.engine_gil == pytest.approx(0.50)
+    assert summary.others_gil == pytest.approx(0.10)  # not the engine core's 70
+
+
 def test_no_gil_holder_seen_reads_not_available_and_the_table_lines_up() -> None:
     plain = summarize("thread (1): MainThread;LLMEngine.step (vllm/v1/engine/llm_engine.py:1)"
                       ";Worker.execute_model (vllm/v1/worker/gpu_worker.py:2) 8\n", "", "", 0.5)

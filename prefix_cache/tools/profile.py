@@ -17,8 +17,10 @@ engine): the cache's calls into vLLM count as vLLM's, vLLM's calls into the cach
 cache's. The cache's scheduler mixin is `prefix_cache/integration/workers/finishes.py`.
 
 The GIL wait is bounded, not sampled: a thread waits for the GIL only while another thread
-holds it, so the share of ticks at which a thread other than the engine thread holds the GIL
-bounds the engine thread's wait from above (it waits less where it was in GIL-free native
+of its process holds it (each process has its own GIL: a multiprocess engine's engine-core
+process and its workers', sampled together, do not wait for each other's), so the share of
+ticks at which a thread of the engine thread's process other than itself holds the GIL bounds
+the engine thread's wait from above (it waits less where it was in GIL-free native
 code, a kernel launch or a torch op, meanwhile). py-spy cannot tell a thread waiting for the
 GIL from one in GIL-free native code, nor does its `--idle` mark which samples were idle.
 
@@ -115,6 +117,11 @@ def parse_collapsed(text: str) -> list[Stack]:
     return stacks
 
 
+def _process(thread: str | None) -> str:
+    """The process of a `Stack.thread` ("" in a single process's profile)."""
+    return (thread or "").rpartition("/")[0]
+
+
 def _by_thread(stacks: Iterable[Stack]) -> Counter[str]:
     counts: Counter[str] = Counter()
     for stack in stacks:
@@ -177,7 +184,8 @@ def summarize(all_text: str, active_text: str, gil_text: str, seconds: float,
         hooks=share(s for s in stacks if s.in_step and s.owner == "cache"),
         scheduler_mixin=share(s for s in stacks if s.in_scheduler_mixin),
         engine_gil=held[engine] / ticks if gil_seen and engine else None,
-        others_gil=sum(n for t, n in held.items() if t != engine) / ticks if gil_seen else None,
+        others_gil=sum(n for t, n in held.items() if t != engine
+                       and _process(t) == _process(engine)) / ticks if gil_seen else None,
         cache_threads=cache_threads)
 
 

@@ -1,6 +1,7 @@
 """M9 on vLLM's real engine: what streaming stage 1's rows buys stage 2, and what it costs.
 
-    python -m prefix_cache.tools.stream_bench [--runs N] [--json PATH]
+    python -m prefix_cache.tools.stream_bench [--runs N] [--json PATH] [--every N]
+        [--profile DIR [--profile-seconds S]]
 
 Stage 1 (the thinker, with the cache) generates 64 tokens per request; stage 2
 (a plain talker on `prompt_embeds`) starts on the thinker's prompt rows, as soon
@@ -16,7 +17,8 @@ at a time, so the later two of each run hit the prefix cache. Figures:
   polls and takes are not stage 1's client work).
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
-`stream: N`).
+`stream: N`). `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
+and off, and prints where stage 1's threads spent them (`prefix_cache.tools.profile`).
 
 Each figure is the median over `runs` runs made back to back, on and off interleaved, with
 the smallest and largest beside it; both thinkers and the talker are started once, warmed up,
@@ -26,6 +28,8 @@ and their prefix caches emptied before every run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import multiprocessing
 import queue
 import statistics
@@ -41,9 +45,11 @@ from prefix_cache.channel import StageChannel
 from prefix_cache.tools.bench_report import Metric, metric_json, report
 from prefix_cache.tools.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.engine_loop import EngineLoop
-from prefix_cache.tools.engines import Engine
+from prefix_cache.tools.engines import Engine, engine_core_pid
 from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
 from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, greedy_params
+from prefix_cache.tools.profile import ProfileSummary, format_table
+from prefix_cache.tools.profile_capture import find_py_spy, profile_engine
 from prefix_cache.tools.stream_demo import StreamWorkload
 from prefix_cache.tools.stream_pipeline import StreamRequest, run_stages
 from prefix_cache.tools.streaming import RowStream
@@ -122,10 +128,11 @@ def decode_steps(thinker: Engine, drainer: Drainer, requests: Sequence[StreamReq
     return loop.step_seconds
 
 
-def measure(*, runs: int, progress: Callable[[str], None], every: int | None = None
-            ) -> dict[str, Any]:
+def measure(*, runs: int, progress: Callable[[str], None], every: int | None = None,
+            profile_dir: Path | None = None, profile_seconds: float = 10.0) -> dict[str, Any]:
     """Every run's figures, streaming on (a chunk every step, or every `every` positions)
-    and off, on this machine's vLLM platform."""
+    and off, on this machine's vLLM platform. With `profile_dir`, M9c's decode steps are then
+    profiled there, streaming on and off, `profile_seconds` of them each (`profile_capture`)."""
     from vllm.platforms import current_platform
 
     from prefix_cache.channel import open_channel
@@ -171,6 +178,10 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
                     steps[streaming].append(statistics.median(decode_steps(
                         thinkers[streaming], drainer,
                         WORKLOAD.requests(f"m9c-{i}-{mode(streaming)}"), streaming)))
+            profiles = {} if profile_dir is None else {
+                mode(streaming): _profile_decode(thinkers[streaming], drainer, streaming, cold,
+                                                 profile_dir, profile_seconds, progress)
+                for streaming in (True, False)}
         finally:
             drainer.close()
             for engine in (*thinkers.values(), talker):
@@ -183,7 +194,26 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
             "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
             "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
             "hit_ratio_per_request": spread([c / s for c, s in zip(hit_chunk, hit_step)]),
-            "step_s": {mode(k): spread(v) for k, v in steps.items()}}
+            "step_s": {mode(k): spread(v) for k, v in steps.items()}, "profile": profiles}
+
+
+def _profile_decode(thinker: Engine, drainer: Drainer, streaming: bool, cold: Callable[[], None],
+                    out_dir: Path, seconds: float, progress: Callable[[str], None]
+                    ) -> ProfileSummary | None:
+    """M9c's decode steps, streaming on or off, run again and again for `seconds` under py-spy
+    (its engine-core process and children; the drainer's process is not sampled)."""
+    progress(f"profiling M9c's decode steps, streaming {mode(streaming)} ({seconds:g} s of "
+             f"passes under py-spy) ...")
+    passes = itertools.count()
+
+    def run_pass(_after_step: Callable[[], None] | None) -> None:
+        cold()
+        decode_steps(thinker, drainer, WORKLOAD.requests(
+            f"profile-{mode(streaming)}-{next(passes)}"), streaming)
+
+    return profile_engine(run_pass, pid=engine_core_pid(thinker),
+                          prefix=out_dir / f"m9c-{mode(streaming)}", seconds=seconds,
+                          in_process=False)
 
 
 def ms(figure: dict[str, Any]) -> str:
@@ -221,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream a chunk every N positions (the stage option stream: N) "
                              "instead of every step")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after the runs, profile M9c's decode steps, streaming on and off, "
+                             "into DIR: py-spy per thread of stage 1's engine-core process "
+                             "(needs py-spy); prints where its threads spent the window")
+    parser.add_argument("--profile-seconds", type=float, default=10.0, metavar="S",
+                        help="seconds of decode passes each mode runs under py-spy (default 10)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
@@ -228,22 +264,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--every must be >= 1, got {args.every}")
     if args.json and (problem := unwritable(args.json)):
         parser.error(problem)
+    if args.profile:
+        if find_py_spy() is None:
+            parser.error("--profile needs py-spy, beside this Python or on PATH")
+        try:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--profile {args.profile}: cannot make that folder ({exc.strerror})")
     log_path = new_log_path("stream-bench")
     with output_to_log(log_path) as terminal:
         def say(msg: str) -> None:
             print(f"[stream bench] {msg}", file=terminal, flush=True)
 
         try:
-            m9 = measure(runs=args.runs, progress=say, every=args.every)
+            m9 = measure(runs=args.runs, progress=say, every=args.every,
+                         profile_dir=args.profile and Path(args.profile),
+                         profile_seconds=args.profile_seconds)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             traceback.print_exc()
             say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
             return 1
+    profiles = m9.pop("profile")
     results = {"device": m9["device"], "commit": source_commit(), "machine": machine(m9["device"]),
                "metrics": {name: metric_json(STREAM_METRICS[name], metric, m9["device"])
                            for name, metric in metrics(m9).items()},
                "m9": m9}
+    if profiles:
+        results["profile"] = {name: summary and dataclasses.asdict(summary)
+                              for name, summary in profiles.items()}
     print(report(results, STREAM_METRICS), flush=True)
+    if profiles:
+        print(f"\nwhere stage 1's threads spent M9c's decode steps, streaming on and off "
+              f"(py-spy, share of its ticks; see prefix_cache/tools/profile.py):\n"
+              f"{format_table(profiles)}\nprofiles (raw py-spy stacks): {args.profile}",
+              flush=True)
     print(f"\nvLLM's logs and warnings: {log_path}")
     if args.json:
         write_json(args.json, results)
