@@ -62,10 +62,12 @@ _STRANDED: list[tuple[PrefixBlockPool, StagingPool]] = []
 
 @dataclass
 class _PendingStep:
-    """What `new_step_starts` learned, waiting for this step's `save_outputs`."""
+    """What `new_step_starts` learned, waiting for this step's `save_outputs`; `handed_over`:
+    requests whose hit rows `plan_hit_rows` read, which the step does not read again."""
 
     num_scheduled_tokens: Mapping[str, int]
     hits: StepHits
+    handed_over: frozenset[str] = frozenset()
 
 
 class OmniPrefixCacheManager:
@@ -228,7 +230,7 @@ class OmniPrefixCacheManager:
                                   lambda: len(self._tasks))
         try:
             record = self._writer.save(step_id, slot, outputs, layout, pending.hits,
-                                       device_slots, plan_reads)
+                                       device_slots, plan_reads, pending.handed_over)
         except BaseException:
             self.staging.release(slot, ("step", step_id))  # a launched write keeps its own
             raise
@@ -309,8 +311,10 @@ class OmniPrefixCacheManager:
         soon as their writes land: a streaming stage publishes them as the request's first
         chunk while the step's forward runs. A hit on any block that no write has filled since
         vLLM gave it its tenant (one this very step fills, vLLM having cached it at scheduling)
-        is left to the step's own reads. Needs `track_allocations`; between `new_step_starts`
-        and `save_outputs`."""
+        is left to the step's own reads. The rows pinned here are the caller's to hand over:
+        the step does not read them again, so its `materialize` gives these requests' rows from
+        position h on (the step's own), not from 0. Needs `track_allocations`; between
+        `new_step_starts` and `save_outputs`."""
         self._check_usable("plan_hit_rows")
         if not self._tracks_allocations:
             raise OmniPrefixCacheUnmatchError(
@@ -332,8 +336,10 @@ class OmniPrefixCacheManager:
         if not planned:
             return {}
         with keeping_tensors():  # a live request's deferred write a hit shares is launched
-            return plan_request_rows(self.pool, self._reads, self._deferred, self._lock, planned,
+            rows = plan_request_rows(self.pool, self._reads, self._deferred, self._lock, planned,
                                      "the prefix hit")
+        self._pending.handed_over = frozenset(rows)
+        return rows
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""

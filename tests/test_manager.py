@@ -325,7 +325,8 @@ def test_a_steps_hits_that_earlier_steps_wrote_are_read_before_its_forward(backe
     """What a streaming stage's first chunk relies on (`plan_hit_rows`, at the step's start):
     a hit on blocks earlier steps wrote reads them at once; a hit on a block vLLM cached in the
     step under way (filled by its forward) is left to the step, though the pool still holds
-    the block's former tenant's rows, which would read as present."""
+    the block's former tenant's rows, which would read as present. Rows read early are the
+    caller's to hand over: the step's materialize gives that request's rows from its hit's end."""
     manager, d = make(backend)
     manager.track_allocations()
     a, z = list(range(40, 48)), [7, 7, 7, 7]
@@ -341,9 +342,10 @@ def test_a_steps_hits_that_earlier_steps_wrote_are_read_before_its_forward(backe
         rows = hits["b"].resolve()
         assert torch.equal(rows[HIDDEN_KEY], token_rows(a, 2))
         assert torch.equal(rows["mm_feature"], token_rows(a, 16, salt=1))
-        manager.discard_step(manager.save_outputs(
-            d.outputs(2).to(backend.device), {"mm_feature": d.outputs(16, salt=1).to(
-                backend.device)}, num_tokens_unpadded=4, num_tokens_padded=4))
+        sid = manager.save_outputs(d.outputs(2).to(backend.device), {"mm_feature": d.outputs(
+            16, salt=1).to(backend.device)}, num_tokens_unpadded=4, num_tokens_padded=4)
+        got = manager.materialize(sid, ["b"])  # its hit rows were handed over: not read again
+        assert torch.equal(got.hidden_states["b"], token_rows(b, 2)[8:])
         d.advance()
         # block 4, z's until now, goes to c, which fills it in this step; e hits it at once
         e = c[:4] + [6, 6, 6, 6]

@@ -89,9 +89,11 @@ class StepWriter:
                 self._pool.install(pool_key)
 
     def save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
-             hits: StepHits, device_slots: torch.Tensor | None, plan_reads: bool) -> StepRecord:
+             hits: StepHits, device_slots: torch.Tensor | None, plan_reads: bool,
+             handed_over: frozenset[str] = frozenset()) -> StepRecord:
         """Copy what outlives the call, then claim the step's slots and launch its write;
-        plan its reads unless it will only be discarded.
+        plan its reads unless it will only be discarded, and its hits' but those of
+        `handed_over` (read already, by `plan_hit_rows`).
 
         Everything that can fail for want of memory runs before the claim, so a
         failure there leaves the pool as it was.
@@ -144,7 +146,8 @@ class StepWriter:
                             {}, host_rows, {}, leftover, readable=plan_reads)
         hits = hits.select([i for i, req_id in enumerate(hits.req_ids) if req_id in layout])
         if plan_reads:
-            self._step_reads.plan(record, immediate.keys(), claim, task, hits)
+            self._step_reads.plan(record, immediate.keys(), claim, task, hits.select(
+                [i for i, req_id in enumerate(hits.req_ids) if req_id not in handed_over]))
         self._stats.add(rows_saved=n, miss_tokens=n, hit_tokens=sum(hits.tokens),
                         hit_requests=len(hits), bytes_saved=n * sum(
                             self._pool.keys[key].row_bytes for key in outputs.shapes))
