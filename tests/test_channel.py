@@ -857,6 +857,37 @@ def test_a_put_that_waits_for_room_lets_the_pool_rows_go_before_it_waits(new_spe
         assert torch.equal(channel.get("req-c", timeout_s=5)[HIDDEN_KEY], want)
 
 
+def test_shm_a_backlog_drains_with_one_scan_and_handles_taking_in_turn_each_get_the_oldest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer behind its producer (a streamed entry's chunks, then `get`) takes them
+    without a scan of the namespace per chunk; a second handle taking from the same backlog
+    meanwhile makes neither miss an entry nor take one out of order."""
+    scans = 0
+    entry_seqs = ShmChannel._entry_seqs
+
+    def counted(self: ShmChannel, name: str) -> list[int]:
+        nonlocal scans
+        scans += 1
+        return entry_seqs(self, name)
+
+    monkeypatch.setattr(ShmChannel, "_entry_seqs", counted)
+    with open_channel("shm") as channel, open_channel(channel.spec) as other:
+        for start in range(300):
+            channel.put("req-b", _marked(start, rows=1), start=start, final=start == 299)
+        got = channel.get("req-b", timeout_s=5)
+        assert [int(v) for v in got[HIDDEN_KEY][:, 0]] == list(range(300))
+        assert scans <= 3
+        for mark in range(6):
+            channel.put("req-t", _marked(mark))
+        taken = [_mark(handle.get("req-t", timeout_s=5))
+                 for handle in (channel, other, other, channel, channel, other)]
+        assert taken == list(range(6))  # each handle's kept numbers skip what the other took
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+            channel.get("req-t", timeout_s=0.1)
+        assert not any(p.name.split(".")[0] == p.name and not p.name.startswith(".")
+                       for p in channel.directory.iterdir())  # no marker left behind
+
+
 def test_shm_capacity_defaults_to_a_share_of_free_space_and_belongs_to_the_namespace() -> None:
     with open_channel("shm") as owner:
         st = os.statvfs(owner.directory)

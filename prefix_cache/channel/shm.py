@@ -264,6 +264,9 @@ class ShmChannel(StageChannel):
             self._budget_fd, self._lock_fd = fds
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
+            #: per id, the numbers of its entries a take's scan found after the one it took,
+            #: newest first (see `_take_oldest`; under the lock)
+            self._later: dict[str, list[int]] = {}
             self._lock_files = [owner] if owner else []  # the owner's and the producer's
             self._watch: DirectoryWatch | None = None  # readers' wake-ups, opened on first wait
             self._watch_pid = 0  # the process `_watch` was opened in
@@ -519,6 +522,7 @@ class ShmChannel(StageChannel):
         ids left without entries, and recounts the bytes in use from the files, which it
         returns (caller holds the lock)."""
         expired_before = time.time() - self.ttl_s
+        self._later.clear()  # an id a reader gave up on is not kept longer than a sweep
         used, chains, markers = 0, set(), []
         for f in list(os.scandir(self.directory)):
             entry = _ENTRY_RE.fullmatch(f.name)
@@ -630,26 +634,44 @@ class ShmChannel(StageChannel):
     def _take_oldest(self, name: str, expired_before: float) -> tuple[int, int] | None:
         """Claims the id's oldest unexpired entry, freeing expired ones before it, and removes
         the id's marker if no entry is left (caller holds the lock): its descriptor and size,
-        or None."""
-        if not os.path.lexists(self.directory / name):
+        or None.
+
+        The id's later entries a scan of the namespace finds are kept for the next takes
+        (`_later`): entries are numbered in publish order, so none published since is older,
+        and a backlog drains with one scan, not one per entry. One that another handle took
+        (or a sweep freed) since is passed over; where the kept ones run out, it scans again."""
+        marker = f"{self._root}/{name}"
+        if not os.path.lexists(marker):
+            self._later.pop(name, None)
             return None
-        entries, taken = self._entries(name), None
-        while entries and taken is None:
-            taken = self._claim(entries.pop(0), expired_before)
-        if not entries:
-            os.unlink(self.directory / name)
+        seqs, scanned, taken = self._later.pop(name, []), False, None
+        while taken is None:
+            if not seqs:
+                if scanned:
+                    break
+                seqs, scanned = self._entry_seqs(name), True
+                continue
+            taken = self._claim(f"{marker}.{seqs.pop()}", expired_before)
+        if seqs:
+            self._later[name] = seqs
+        elif scanned:  # no entry is left: none can be published while the lock is held
+            os.unlink(marker)
         return taken
 
-    def _entries(self, name: str) -> list[Path]:
-        """The id's entries, oldest first (caller holds the lock)."""
-        seqs = [int(entry[2]) for f in os.scandir(self.directory)
-                if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[1] == name and entry[2]]
-        return [self.directory / f"{name}.{seq}" for seq in sorted(seqs)]
+    def _entry_seqs(self, name: str) -> list[int]:
+        """The numbers of the id's entries, newest first (caller holds the lock)."""
+        return sorted((int(entry[2]) for f in os.scandir(self.directory)
+                       if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[1] == name
+                       and entry[2]), reverse=True)
 
-    def _claim(self, path: Path, expired_before: float) -> tuple[int, int] | None:
+    def _claim(self, path: str, expired_before: float) -> tuple[int, int] | None:
         """Unlinks the entry at `path` and uncounts it (caller holds the lock): its descriptor
-        and size, or None if it had expired (then it is freed, as a sweep would)."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        and size; None if it had expired (then it is freed, as a sweep would) or is gone
+        (another handle took it)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
         os.unlink(path)
         st = os.fstat(fd)
         self._add_used(-st.st_size)
