@@ -888,6 +888,27 @@ def test_shm_a_backlog_drains_with_one_scan_and_handles_taking_in_turn_each_get_
                        for p in channel.directory.iterdir())  # no marker left behind
 
 
+def test_put_all_lets_a_written_entrys_pool_rows_go_before_another_waits_for_room(
+        new_spec: str) -> None:
+    """A step's finished entries put together: the pool rows of one written at once are let go
+    while another of the same call still waits for room, so no new tenant of those slots waits
+    for the channel's consumer."""
+    pool = _Pool(256, 8, torch.float32, 5)
+    with open_channel(new_spec + "&capacity=8192&wait=30") as channel:
+        channel.put("req-a", _marked(1, rows=100))
+        put = threading.Thread(target=channel.put_all, args=([
+            ("req-p", StageChunk({HIDDEN_KEY: pool.take(list(range(10)))}, 0, final=True)),
+            ("req-c", StageChunk(_marked(3, rows=150), 0, final=True))],))
+        put.start()
+        assert pool.let_go.wait(5) and put.is_alive()  # req-p written and let go; req-c waits
+        assert _mark(channel.get("req-a", timeout_s=5)) == 1  # room for req-c
+        put.join(10)
+        assert not put.is_alive() and pool.let_gos == 1
+        assert torch.equal(channel.get("req-p", timeout_s=5)[HIDDEN_KEY],
+                           pool.expected(list(range(10))))
+        assert _mark(channel.get("req-c", timeout_s=5)) == 3
+
+
 def test_shm_capacity_defaults_to_a_share_of_free_space_and_belongs_to_the_namespace() -> None:
     with open_channel("shm") as owner:
         st = os.statvfs(owner.directory)

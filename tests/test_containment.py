@@ -44,7 +44,7 @@ class InjectedFault(RuntimeError):
 
 #: Where a fault strikes: (owner, attribute) of the function that raises in its place.
 SITES: dict[str, tuple[Any, str]] = {
-    "deliver": (StageDelivery, "publish_read"),  # a finished request's entry, whole
+    "deliver": (StageDelivery, "publish_reads"),  # a step's finished requests' entries, whole
     "read back": (RequestRows, "hold"),  # its rows, held in the pool for the channel's writer
     "encode": (channel_base, "encode"),
     "channel write": (ShmChannel, "_put_now_all"),  # puts into a namespace with room
@@ -111,15 +111,19 @@ def engine_and_channel(thinker_model_dir: Path) -> Iterator[tuple[Engine, StageC
             engine.close()
 
 
-@pytest.mark.parametrize("site", ["deliver", "read back", "encode", "channel write"])
+#: The call of each site that faults: a publishing one. A step's finishes are one call of
+#: `publish_reads`, and its second is the runner's own finish of the requests the scheduler
+#: published first, which publishes nothing.
+@pytest.mark.parametrize("site, call", [("deliver", 1), ("read back", 2), ("encode", 2),
+                                        ("channel write", 2)])
 def test_a_fault_fails_the_entries_it_touched_and_the_engine_goes_on_exact(
-        engine_and_channel: tuple[Engine, StageChannel], site: str) -> None:
+        engine_and_channel: tuple[Engine, StageChannel], site: str, call: int) -> None:
     engine, channel = engine_and_channel
     engine.engine.reset_prefix_cache()
-    with fault_at(site, lambda call: call == 2) as raised:
+    with fault_at(site, lambda count: count == call) as raised:
         outs = generate(engine, prompts(0, 4))
         faulted = collect(channel, outs)
-    assert raised == [2]
+    assert raised == [call]
     failures = {r: v for r, v in faulted.items() if isinstance(v, str)}
     assert failures, f"the fault at {site} failed no entry"
     for req_id, message in failures.items():

@@ -78,6 +78,10 @@ class Recording:
     def put(self, request_id: str, outputs: dict, **kwargs: object) -> None:
         self.put_ids.append(request_id)
 
+    def put_all(self, chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
+        self.put_ids.extend(request_id for request_id, _ in chunks)
+        return [None] * len(chunks)
+
     def fail(self, request_id: str, cause: str) -> None:
         self.failures[request_id] = cause
 
@@ -223,3 +227,36 @@ def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_req
                            "positions 0..599 failed: OmniPrefixCacheChannelFullError"):
             channel.get("big", timeout_s=5)
     assert delivery.stats()["delivery_failed"] == 1
+
+
+def test_a_steps_finished_requests_read_back_go_in_one_put_and_each_fails_alone() -> None:
+    """Requests held whole that finish in one step are published together (`put_all`): one
+    whose rows cannot be read, and one larger than the channel holds, fail alone, by name;
+    every read's rows are let go."""
+    with open_channel("shm://?capacity=4096&wait=0.1") as channel:
+        puts: list[list[str]] = []
+        put_all = channel.put_all
+
+        def recorded(chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
+            puts.append([request_id for request_id, _ in chunks])
+            return put_all(chunks)
+
+        channel.put_all = recorded  # type: ignore[method-assign]
+        delivery = StageDelivery(channel)
+        delivery.hold(["a", "lost", "big", "c"])
+        reads = {"a": ReadBack(rows(0, 3)), "big": ReadBack(rows(0, 600)),
+                 "lost": ReadBack(rows(0, 3), OmniPrefixCacheError("a row was lost")),
+                 "c": ReadBack(rows(0, 2))}
+        delivery.publish_reads([(FinishedRequest(r, r, 2), reads[r]) for r in reads])
+        assert puts == [["a", "big", "c"]]
+        assert torch.equal(channel.get("a", timeout_s=5)["hidden"], rows(0, 3)["hidden"])
+        assert torch.equal(channel.get("c", timeout_s=5)["hidden"], rows(0, 2)["hidden"])
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request lost: .*could not be read back: .*a row was lost"):
+            channel.get("lost", timeout_s=5)
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request big: .*publishing its 600 rows failed: .*exceeds"):
+            channel.get("big", timeout_s=5)
+    assert all(read.cancels == 1 for read in reads.values())
+    assert delivery.stats()["delivery_published"] == 2
+    assert delivery.stats()["delivery_failed"] == 2

@@ -90,6 +90,13 @@ class FullOnce:
             raise OSError(28, "No space left on device")
         self.channel.put(request_id, *args, **kwargs)
 
+    def put_all(self, chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
+        others = [(request_id, chunk) for request_id, chunk in chunks
+                  if request_id != self.failing]
+        published = iter(self.channel.put_all(others))
+        return [OSError(28, "No space left on device") if request_id == self.failing
+                else next(published) for request_id, _ in chunks]
+
     def fail(self, request_id: str, cause: str) -> None:
         self.channel.fail(request_id, cause)
 

@@ -118,9 +118,10 @@ class StageChannel(ABC):
         """Publishes each `(request_id, chunk)` as `put(request_id, chunk.rows,
         start=chunk.start, final=chunk.final, aborted=chunk.aborted, meta=chunk.meta)` would,
         together: on `shm`, those the namespace has room for in one call (its lock taken twice
-        for all of them), as a streaming stage puts a step's chunks. Returns, per chunk in
-        order, None where it was published, else the exception that failed it alone (it
-        published nothing, its stream stays where it was); an id may appear once."""
+        for all of them), as a stage puts a step's chunks or finished entries. Returns, per
+        chunk in order, None where it was published, else the exception that failed it alone
+        (it published nothing, its stream stays where it was); an id may appear once. Pool
+        rows of a chunk published at once are let go before any other waits for room."""
         self._check_open()
         failures: list[Exception | None] = [None] * len(chunks)
         entries: list[tuple[int, StageEntry, int]] = []  # (index, entry, where its stream stands)
@@ -253,6 +254,9 @@ class StageChannel(ABC):
                     force=not bounded)
             except Exception as exc:  # one failure of the backend's call fails each of them
                 placed = [exc] * len(encoded)
+            for (_, _, data), done in zip(encoded, placed):
+                if done is True:  # written: no pool's rows wait for a later entry's room
+                    data.let_go()
             for (i, entry, data), done in zip(encoded, placed):
                 if isinstance(done, Exception):
                     failures[i] = done

@@ -52,6 +52,12 @@ class EncodedEntry(NamedTuple):
     nbytes: int
     pieces: list[tuple[int, memoryview | PoolRows]]  # ascending offsets; the header first
 
+    def let_go(self) -> None:
+        """Let the pool's rows go: they were written, or copied."""
+        for _, data in self.pieces:
+            if isinstance(data, PoolRows):
+                data.let_go()
+
     def owned(self) -> EncodedEntry:
         """The same wire form with every pool's rows copied into memory of its own (and the
         pool's rows let go): for a writer that may wait before it writes."""

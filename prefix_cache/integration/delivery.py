@@ -40,9 +40,10 @@ finish, so no chunk may carry it. A request recomputed after preemption never
 streams positions again.
 
 A request held whole (`hold`, the cache's stage when not streaming) gets no rows by step:
-its rows are read back from the pool at its finish (`publish_read`), every position from 0
-at once, and published as an entry added up by steps would be. The sink's writer reads them
-from the pool in place (one copy, pool to entry); they stay pinned until the put returns.
+its rows are read back from the pool at its finish (`publish_reads`), every position from 0
+at once, and published as an entry added up by steps would be, a step's finishes in one put.
+The sink's writer reads them from the pool in place (one copy, pool to entry); they stay
+pinned until the put returns.
 
 A request whose finish will never be heard (the stage shuts down first) is not
 left for its consumer to time out on: `fail_held` publishes a failure naming the
@@ -106,6 +107,18 @@ class FinishedRequest:
     external_id: str
     prompt_len: int | None
     rows_standing: int | None = None
+
+
+@dataclass(frozen=True)
+class _FinalEntry:
+    """A request's final entry to put: its rows of positions `sent..num_rows - 1` (a chunk's
+    worth where it streamed), or the `cause` its failure names instead."""
+
+    request: FinishedRequest
+    rows: Mapping[str, torch.Tensor | PoolRows]
+    num_rows: int
+    sent: int
+    cause: str | None
 
 
 @dataclass(slots=True)
@@ -348,7 +361,7 @@ class StageDelivery:
 
     def hold(self, req_ids: Sequence[str]) -> list[str]:
         """Of a step's requests, those seen first, now held until their finish, whose rows are
-        then read back whole (`publish_read`) instead of added by step; `announce` tells the
+        then read back whole (`publish_reads`) instead of added by step; `announce` tells the
         sink of them. Returns them (none in most steps: one set lookup)."""
         with self._lock:
             if self._held_whole.issuperset(req_ids):
@@ -362,34 +375,38 @@ class StageDelivery:
         """Tell the sink this stage will publish each of `req_ids` (see `_expect`)."""
         self._expect(req_ids)
 
-    def publish_read(self, request: FinishedRequest, rows: RowsReadBack | None, *,
-                     early: bool = False) -> None:
-        """`finish` (`early`: `finish_early`) of a request held whole: publish `rows` read
-        back (None: it has none the view still held), unless published already; rows that
-        cannot be read are published as its failure, naming why."""
-        with self._lock:
-            done = not self._first_finish(request.req_id, early)
-            self._held_whole.discard(request.req_id)
-            stopped = self._stopped
-            if rows is not None and not done and stopped is None:
-                self._rows_cut += rows.rows_cut
-        if done or stopped is not None:
-            if rows is not None:
-                rows.cancel()
-            if not done:
-                self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
-            return
-        if rows is None:
-            self._put_entry(request, {}, 0, 0, None)
-            return
-        try:  # the sink's writer reads the rows from the pool in place: one copy
-            read, cause = dict(rows.hold()), None
-        except Exception as exc:  # a write that failed: this request fails alone
-            read, cause = {}, f"its rows could not be read back: {type(exc).__name__}: {exc}"
+    def publish_reads(self, reads: Sequence[tuple[FinishedRequest, RowsReadBack | None]], *,
+                      early: bool = False) -> None:
+        """`finish` (`early`: `finish_early`) of requests held whole, a step's together: publish
+        each one's `rows` read back (None: it has none the view still held), unless published
+        already, all in one put (`put_all`); rows that cannot be read are published as that
+        request's failure, naming why. Every read's rows are let go once the put returns."""
+        entries: list[_FinalEntry] = []
         try:
-            self._put_entry(request, read, rows.num_rows, 0, cause)
+            for request, rows in reads:
+                with self._lock:
+                    done = not self._first_finish(request.req_id, early)
+                    self._held_whole.discard(request.req_id)
+                    stopped = self._stopped
+                    if rows is not None and not done and stopped is None:
+                        self._rows_cut += rows.rows_cut
+                if done or stopped is not None:
+                    if not done:
+                        self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
+                elif rows is None:
+                    entries.append(_FinalEntry(request, {}, 0, 0, None))
+                else:
+                    try:  # the sink's writer reads the rows from the pool in place: one copy
+                        held, cause = dict(rows.hold()), None
+                    except Exception as exc:  # a write that failed: this request fails alone
+                        held, cause = {}, (f"its rows could not be read back: "
+                                           f"{type(exc).__name__}: {exc}")
+                    entries.append(_FinalEntry(request, held, rows.num_rows, 0, cause))
+            self._put_entries(entries)
         finally:
-            rows.cancel()  # the pool's rows, let go once the put returns
+            for _, rows in reads:  # the pool's rows, let go once the put returns
+                if rows is not None:
+                    rows.cancel()
 
     def pop(self, req_id: str, start: int = 0) -> tuple[dict[str, torch.Tensor], int]:
         """`req_id`'s rows per key from position `start` on (where its last chunk ended, when
@@ -483,29 +500,41 @@ class StageDelivery:
                 self._rows_cut += num_rows - request.rows_standing
             num_rows = max(request.rows_standing, sent)  # chunks carry only rows that stand
             rows = {key: r[:num_rows - sent] for key, r in rows.items()}
-        self._put_entry(request, rows, num_rows, sent, cause)
+        self._put_entries([_FinalEntry(request, rows, num_rows, sent, cause)])
 
-    def _put_entry(self, request: FinishedRequest, rows: Mapping[str, torch.Tensor],
-                   num_rows: int, sent: int, cause: str | None) -> None:
-        """Put the request's final entry (positions `sent..num_rows - 1`), or its failure
-        where there is a `cause` (or a break) or the put fails."""
-        with self._lock:
-            cause = self._broken.pop(request.req_id, None) or cause
+    def _put_entries(self, entries: Sequence[_FinalEntry]) -> None:
+        """Put each request's final entry, all in one put (`put_all`), or its failure where it
+        has a `cause` (or a break) or its put fails."""
+        chunks: list[tuple[str, StageChunk]] = []
+        failures: list[tuple[FinishedRequest, str]] = []
+        putting: list[_FinalEntry] = []
+        for entry in entries:
+            request = entry.request
+            with self._lock:
+                cause = self._broken.pop(request.req_id, None) or entry.cause
+            if cause is not None:
+                failures.append((request, cause))
+                continue
+            aborted = request.prompt_len is None or entry.num_rows < request.prompt_len
+            chunks.append((request.external_id, StageChunk(
+                entry.rows, entry.sent, final=True, aborted=aborted,
+                meta={"prompt_len": request.prompt_len, "num_rows": entry.num_rows})))
+            putting.append(entry)
         if self._sink is None:
             return
-        if cause is None:
-            aborted = request.prompt_len is None or num_rows < request.prompt_len
+        if chunks:
             try:
-                self._sink.put(request.external_id, rows, start=sent, final=True,
-                               aborted=aborted,
-                               meta={"prompt_len": request.prompt_len, "num_rows": num_rows})
-            except Exception as exc:  # a full /dev/shm, a store gone: this entry fails alone
-                cause = f"publishing its {num_rows} rows failed: {type(exc).__name__}: {exc}"
-        if cause is None:
+                put_failures: Sequence[Exception | None] = self._sink.put_all(chunks)
+            except Exception as exc:  # the sink itself failed: each entry fails
+                put_failures = [exc] * len(chunks)
+            for entry, exc in zip(putting, put_failures):
+                if exc is not None:  # a full /dev/shm, a store gone: this entry fails alone
+                    failures.append((entry.request, f"publishing its {entry.num_rows} rows "
+                                                    f"failed: {type(exc).__name__}: {exc}"))
             with self._lock:
-                self._published += 1
-            return
-        self._fail(request.external_id, request.req_id, cause)
+                self._published += sum(exc is None for exc in put_failures)
+        for request, cause in failures:
+            self._fail(request.external_id, request.req_id, cause)
 
     def _fail(self, external_id: str, req_id: str, cause: str,
               log_level: int = logging.ERROR) -> None:

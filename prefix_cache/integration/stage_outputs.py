@@ -184,8 +184,9 @@ class StageOutputDriver:
         except Exception as exc:
             self._engine_fault("reading back finished requests' rows", exc)
         self._submit(f"publishing {len(requests)} finished requests", [r.req_id for r in requests],
-                     lambda: [self.delivery.publish_read(r, reads.get(r.req_id), early=early)
-                              for r in requests], step_rows=True)
+                     lambda: self.delivery.publish_reads(
+                         [(r, reads.get(r.req_id)) for r in requests], early=early),
+                     step_rows=True)
 
     def _publish_hits(self, hits: Mapping[str, RowsReadBack]) -> None:
         """A streaming stage's prefix hits: the output thread publishes each request's cached
