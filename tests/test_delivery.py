@@ -190,6 +190,19 @@ def test_a_streamed_hit_is_its_first_chunk_then_steps_follow_and_a_resumed_one_i
     assert hit.cancels and again.cancels and lost.cancels
 
 
+def record_put_alls(channel: Any) -> list[list[str]]:
+    """The ids of each `put_all` call `channel` takes from now on, a list a call."""
+    puts: list[list[str]] = []
+    put_all = channel.put_all
+
+    def recorded(chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
+        puts.append([request_id for request_id, _ in chunks])
+        return put_all(chunks)
+
+    channel.put_all = recorded
+    return puts
+
+
 def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_request_alone(
         ) -> None:
     """A streaming step's requests' chunks are put together (`put_all`); a chunk the channel
@@ -200,14 +213,7 @@ def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_req
         return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
     with open_channel("shm://?capacity=4096&wait=0.1") as channel:
-        puts: list[list[str]] = []
-        put_all = channel.put_all
-
-        def recorded(chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
-            puts.append([request_id for request_id, _ in chunks])
-            return put_all(chunks)
-
-        channel.put_all = recorded  # type: ignore[method-assign]
+        puts = record_put_alls(channel)
         delivery = StageDelivery(channel, stream_every=1)
         delivery.note_prompts({"a": 2, "big": 600, "c": 2})
         delivery.add_step([("a", 0, 0, 2), ("big", 0, 2, 602), ("c", 0, 602, 604)],
@@ -234,14 +240,7 @@ def test_a_steps_finished_requests_read_back_go_in_one_put_and_each_fails_alone(
     whose rows cannot be read, and one larger than the channel holds, fail alone, by name;
     every read's rows are let go."""
     with open_channel("shm://?capacity=4096&wait=0.1") as channel:
-        puts: list[list[str]] = []
-        put_all = channel.put_all
-
-        def recorded(chunks: Sequence[tuple[str, Any]]) -> list[Exception | None]:
-            puts.append([request_id for request_id, _ in chunks])
-            return put_all(chunks)
-
-        channel.put_all = recorded  # type: ignore[method-assign]
+        puts = record_put_alls(channel)
         delivery = StageDelivery(channel)
         delivery.hold(["a", "lost", "big", "c"])
         reads = {"a": ReadBack(rows(0, 3)), "big": ReadBack(rows(0, 600)),
@@ -260,3 +259,18 @@ def test_a_steps_finished_requests_read_back_go_in_one_put_and_each_fails_alone(
     assert all(read.cancels == 1 for read in reads.values())
     assert delivery.stats()["delivery_published"] == 2
     assert delivery.stats()["delivery_failed"] == 2
+
+
+def test_requests_of_one_external_id_finishing_together_are_published_in_order() -> None:
+    """A client that reuses an id: two of its requests finishing in one step each get their
+    entry, in order, in two puts (a put takes an id once)."""
+    with open_channel() as channel:
+        puts = record_put_alls(channel)
+        delivery = StageDelivery(channel)
+        delivery.hold(["r-1", "r-2", "s"])
+        delivery.publish_reads([(FinishedRequest("r-1", "r", 2), ReadBack(rows(0, 2))),
+                                (FinishedRequest("s", "s", 2), ReadBack(rows(0, 3))),
+                                (FinishedRequest("r-2", "r", 2), ReadBack(rows(0, 4)))])
+        assert puts == [["r", "s"], ["r"]]
+        assert [len(channel.get("r", timeout_s=5)["hidden"]) for _ in range(2)] == [2, 4]
+        assert len(channel.get("s", timeout_s=5)["hidden"]) == 3

@@ -290,10 +290,7 @@ class StageDelivery:
                 spans.append((req_id, sent, stands))
         if not chunks:
             return
-        try:
-            failures: Sequence[Exception | None] = self._sink.put_all(chunks)
-        except Exception as exc:  # the sink itself failed: each chunk's request fails
-            failures = [exc] * len(chunks)
+        failures = self._put_all(chunks)
         for (req_id, sent, stands), exc in zip(spans, failures):
             if exc is not None:  # a full /dev/shm, a store gone: this request fails alone
                 self.fail_requests([req_id], f"publishing the chunk of its positions {sent}.."
@@ -523,10 +520,7 @@ class StageDelivery:
         if self._sink is None:
             return
         if chunks:
-            try:
-                put_failures: Sequence[Exception | None] = self._sink.put_all(chunks)
-            except Exception as exc:  # the sink itself failed: each entry fails
-                put_failures = [exc] * len(chunks)
+            put_failures = self._put_all(chunks)
             for entry, exc in zip(putting, put_failures):
                 if exc is not None:  # a full /dev/shm, a store gone: this entry fails alone
                     failures.append((entry.request, f"publishing its {entry.num_rows} rows "
@@ -535,6 +529,24 @@ class StageDelivery:
                 self._published += sum(exc is None for exc in put_failures)
         for request, cause in failures:
             self._fail(request.external_id, request.req_id, cause)
+
+    def _put_all(self, chunks: Sequence[tuple[str, StageChunk]]) -> list[Exception | None]:
+        """The sink's `put_all`, in as few calls as keep each id once a call (a client may
+        reuse an id: its entries go in order); per chunk, what failed it (a failure of the
+        sink itself fails each chunk of its call)."""
+        failures: list[Exception | None] = []
+        start = 0
+        while start < len(chunks):
+            end, ids = start, set()
+            while end < len(chunks) and chunks[end][0] not in ids:
+                ids.add(chunks[end][0])
+                end += 1
+            try:
+                failures += self._sink.put_all(chunks[start:end])
+            except Exception as exc:
+                failures += [exc] * (end - start)
+            start = end
+        return failures
 
     def _fail(self, external_id: str, req_id: str, cause: str,
               log_level: int = logging.ERROR) -> None:
