@@ -205,9 +205,9 @@ def record_put_alls(channel: Any) -> list[list[str]]:
 
 def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_request_alone(
         ) -> None:
-    """A streaming step's requests' chunks are put together (`put_all`); a chunk the channel
-    cannot take (larger than its capacity) fails its request, by name, and the others stream
-    on."""
+    """A streaming step's requests' chunks are put together (`put_all`), and so are the final
+    chunks of requests retired together; a chunk the channel cannot take (larger than its
+    capacity) fails its request, by name, and the others stream on."""
     def step(*spans: tuple[int, int]) -> dict[str, torch.Tensor]:  # each request's positions
         parts = [rows(start, end) for start, end in spans]
         return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
@@ -221,9 +221,8 @@ def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_req
         for position in (2, 3):  # a sampled token's row stands a step later
             delivery.add_step([("a", position, 0, 1), ("c", position, 1, 2)],
                               step((position, position + 1), (position, position + 1)))
-        for rid in ("a", "big", "c"):
-            delivery.finish(FinishedRequest(rid, rid, prompt_len=2))
-        assert puts == [["a", "big", "c"], ["a", "c"], ["a"], ["c"]]  # the steps', the finishes
+        delivery.finish_all([FinishedRequest(rid, rid, prompt_len=2) for rid in ("a", "big", "c")])
+        assert puts == [["a", "big", "c"], ["a", "c"], ["a", "c"]]  # the steps', the finishes
         for rid in ("a", "c"):
             chunks = list(channel.stream(rid, timeout_s=5))
             assert [c.start for c in chunks] == [0, 2, 3]

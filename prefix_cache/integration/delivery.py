@@ -420,18 +420,20 @@ class StageDelivery:
     def finish(self, request: FinishedRequest) -> None:
         """The runner retired `request`: publish its rows under its external id (unless
         `finish_early` did), then free them."""
-        with self._lock:
-            if not self._first_finish(request.req_id, early=False):
-                return
-        self._publish(request)
+        self.finish_all([request])
 
     def finish_early(self, request: FinishedRequest) -> None:
         """The scheduler retired `request` before the runner heard of it: publish it now
         (unless its failure was published already: held when the stage stopped)."""
+        self.finish_all([request], early=True)
+
+    def finish_all(self, requests: Sequence[FinishedRequest], *, early: bool = False) -> None:
+        """`finish` (`early`: `finish_early`) of a step's retired requests, their entries in
+        one put (`put_all`)."""
         with self._lock:
-            if not self._first_finish(request.req_id, early=True):
-                return
-        self._publish(request)
+            publishing = [r for r in requests if self._first_finish(r.req_id, early)]
+        if publishing:
+            self._publish(publishing)
 
     def _first_finish(self, req_id: str, early: bool) -> bool:
         """Whether this finish publishes `req_id`: not where it was published already (by the
@@ -476,28 +478,32 @@ class StageDelivery:
             self._stopped = cause
         return self.fail_held(cause)
 
-    def _publish(self, request: FinishedRequest) -> None:
-        """Put the request's entry; if that fails, put a failure in its place (its consumer's
-        get raises, naming the cause) and go on: one request's failure is its own."""
+    def _publish(self, requests: Sequence[FinishedRequest]) -> None:
+        """Put the requests' entries; where one fails, put a failure in its place (its
+        consumer's get raises, naming the cause) and go on: one request's failure is its own."""
         with self._lock:
             stopped = self._stopped
         if stopped is not None:  # said once, when the stage stopped: not again per request
-            self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
+            for request in requests:
+                self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
             return
-        with self._lock:
-            sent = self._streamed.pop(request.req_id, 0)  # in chunks already
-            self._prompt_lens.pop(request.req_id, None)
-        try:
-            (rows, num_rows), cause = self.pop(request.req_id, start=sent), None
-        except Exception as exc:  # parts that do not join (a key's row shape changed)
-            rows, num_rows = {}, sent
-            cause = f"its rows could not be joined: {type(exc).__name__}: {exc}"
-        if request.rows_standing is not None and num_rows > request.rows_standing:
+        entries = []
+        for request in requests:
             with self._lock:
-                self._rows_cut += num_rows - request.rows_standing
-            num_rows = max(request.rows_standing, sent)  # chunks carry only rows that stand
-            rows = {key: r[:num_rows - sent] for key, r in rows.items()}
-        self._put_entries([_FinalEntry(request, rows, num_rows, sent, cause)])
+                sent = self._streamed.pop(request.req_id, 0)  # in chunks already
+                self._prompt_lens.pop(request.req_id, None)
+            try:
+                (rows, num_rows), cause = self.pop(request.req_id, start=sent), None
+            except Exception as exc:  # parts that do not join (a key's row shape changed)
+                rows, num_rows = {}, sent
+                cause = f"its rows could not be joined: {type(exc).__name__}: {exc}"
+            if request.rows_standing is not None and num_rows > request.rows_standing:
+                with self._lock:
+                    self._rows_cut += num_rows - request.rows_standing
+                num_rows = max(request.rows_standing, sent)  # chunks carry only rows that stand
+                rows = {key: r[:num_rows - sent] for key, r in rows.items()}
+            entries.append(_FinalEntry(request, rows, num_rows, sent, cause))
+        self._put_entries(entries)
 
     def _put_entries(self, entries: Sequence[_FinalEntry]) -> None:
         """Put each request's final entry, all in one put (`put_all`), or its failure where it

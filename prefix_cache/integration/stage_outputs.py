@@ -152,7 +152,7 @@ class StageOutputDriver:
             requests = list(finished)
             self._submit(f"publishing {len(requests)} finished requests",
                          [r.req_id for r in requests],
-                         lambda: self._publish(requests, self.delivery.finish))
+                         lambda: self.delivery.finish_all(requests))
 
     def finish_now(self, finished: Sequence[FinishedRequest]) -> None:
         """The scheduler retired these requests before the runner heard of it: publish them
@@ -164,7 +164,7 @@ class StageOutputDriver:
         requests = list(finished)
         self._submit(f"publishing {len(requests)} requests the scheduler retired",
                      [r.req_id for r in requests],
-                     lambda: self._publish(requests, self.delivery.finish_early))
+                     lambda: self.delivery.finish_all(requests, early=True))
 
     def _finish_whole(self, requests: list[FinishedRequest], *, early: bool) -> None:
         """Pin the rows of requests held whole, read back and published by the output thread
@@ -353,12 +353,6 @@ class StageOutputDriver:
             host[key] = rows
         self.delivery.add_step([(r, start, first, end) for r, first, end, start in batch.spans()],
                                host)
-
-    @staticmethod
-    def _publish(requests: list[FinishedRequest],
-                 finish: Callable[[FinishedRequest], None]) -> None:
-        for request in requests:
-            finish(request)
 
     # ------------------------------------------------------------------ lifecycle
 
