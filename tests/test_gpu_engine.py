@@ -68,7 +68,11 @@ def assert_entries_match(on: dict[str, Any], off: dict[str, Any]) -> None:
     assert on["entries"].keys() == off["entries"].keys()
     for req_id, entry in on["entries"].items():
         other = off["entries"][req_id]
-        assert entry["aborted"] == other["aborted"], req_id
+        assert entry["aborted"] == other["aborted"], (
+            f"{req_id}: aborted {entry['aborted']} with caching on, {other['aborted']} off; "
+            f"meta on {entry['meta']}, off {other['meta']}; rows on "
+            f"{ {k: tuple(v.shape) for k, v in entry['outputs'].items()} }, off "
+            f"{ {k: tuple(v.shape) for k, v in other['outputs'].items()} }")
         assert entry["outputs"].keys() == other["outputs"].keys(), req_id
         for key, rows in entry["outputs"].items():
             ref = other["outputs"][key]
