@@ -160,6 +160,31 @@ def test_a_requests_positions_from_0_are_its_step_slots_from_0(block_size: int) 
     assert view.request_positions_runs("never-added", 4) is None
 
 
+def test_a_request_the_batch_dropped_before_its_finish_reads_from_the_runners_state() -> None:
+    """An asynchronous scheduler leaves a request out of the step after its surely-last token;
+    the runner drops it from the batch but keeps its state (allocator block ids) until the
+    finish, which reads its positions from there: the slots its rows of a table in kernel
+    units (16 within 32) gave before."""
+    computed, _, blocks = workload(32, seed=5)
+    kernel = make_input_batch(16)
+    for req_id in computed:
+        add_request(kernel, req_id, computed[req_id],
+                    [k for b in blocks[req_id] for k in (2 * b, 2 * b + 1)])
+    view = FullAttentionGroupView(kernel, 32, backend=devices.get_backend("cpu"),
+                                  request_block_ids=lambda r: (blocks[r],) if r in blocks else None)
+    dropped = kernel.req_ids[0]
+    before = runs_slots(view.request_positions_runs(dropped, computed[dropped]))
+
+    kernel.remove_request(dropped)
+    kernel.condense()
+
+    assert dropped not in kernel.req_id_to_index
+    assert runs_slots(view.request_positions_runs(dropped, computed[dropped])).tolist() == \
+        before.tolist() == formula_slots(blocks, {dropped: 0}, {dropped: computed[dropped]},
+                                         [dropped], 32).tolist()
+    assert view.request_positions_runs("never-added", 4) is None
+
+
 def test_step_slots_read_num_computed_tokens_updated_in_place() -> None:
     batch = make_input_batch(16)
     add_request(batch, "a", 0, [4, 9, 2])

@@ -24,7 +24,7 @@ from prefix_cache.channel import StageChannel, StageChunk, open_channel  # noqa:
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, vllm_device  # noqa: E402
 from prefix_cache.tools.engines import EngineShape, multiprocessing_mode, start_thinker  # noqa: E402
-from tests.vllm_fixtures import thinker_model_dir  # noqa: E402,F401
+from tests.vllm_fixtures import cpu_async_scheduling, thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
 
@@ -97,6 +97,23 @@ def test_streamed_chunks_join_to_the_whole_entrys_rows_and_a_hit_comes_first(
             assert chunks[0][0].rows[HIDDEN_KEY].shape[0] == len(PREFIX)
         arrived = [t for _, t in chunks]
         assert arrived[-1] > arrived[0]
+
+
+def test_under_asynchronous_scheduling_whole_and_streamed_rows_are_the_synchronous_ones(
+        thinker_model_dir: Path) -> None:
+    """An asynchronous scheduler (a GPU engine's default) leaves a request whose last token the
+    step before surely samples out of the next step: the runner drops it from its batch a step
+    before its finish. The CPU engine made to schedule so publishes the rows it publishes
+    synchronously, whole (read back from the runner's state of the request) and streamed."""
+    if vllm_device() != "cpu":
+        pytest.skip("a GPU engine schedules asynchronously already: the test above")
+    synchronous, _ = run(thinker_model_dir, stream=False)
+    with cpu_async_scheduling():
+        whole, _ = run(thinker_model_dir, stream=False)
+        streamed, _ = run(thinker_model_dir, stream=True)
+    for request_id, rows in synchronous.items():
+        assert torch.equal(whole[request_id], rows), request_id
+        assert torch.equal(streamed[request_id], rows), request_id
 
 
 def test_an_abort_mid_stream_ends_it_with_a_final_chunk_marked_aborted(

@@ -30,7 +30,8 @@ import functools
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -225,3 +226,23 @@ def engine_runner(engine: Any) -> Any:
     VLLM_ENABLE_V1_MULTIPROCESSING=0): engine core -> executor -> worker -> runner."""
     core = engine.engine.engine_core.engine_core
     return core.model_executor.driver_worker.worker.model_runner
+
+
+@contextmanager
+def cpu_async_scheduling() -> Iterator[None]:
+    """In-process CPU engines built in the block schedule asynchronously, as vLLM's GPU engines
+    do by default (vLLM's CPU platform turns it off as "not required"): each step is scheduled
+    before the last one's output is read, and a request whose last token that step surely
+    samples is left out of it."""
+    from vllm.platforms.cpu import CpuPlatform
+    configure = CpuPlatform.__dict__["check_and_update_config"]
+
+    def asynchronous(cls: type, vllm_config: Any) -> None:
+        configure.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(asynchronous)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = configure

@@ -9,7 +9,7 @@ be mirrored.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,17 +28,25 @@ class FullAttentionGroupView:
     `u` is the table's own block unit (`table.block_size`): allocator blocks, or
     kernel blocks where the runner splits them; both give the same slot when
     `u` divides `block_size`, which the backend checks before the first step.
+
+    `request_block_ids` gives each KV-cache group's allocator block ids of a request the runner
+    still holds (its cached request state): the slots of a request the batch has dropped
+    before its finish (an asynchronous scheduler's step that does not schedule a request
+    whose last token is surely sampled leaves it out of the batch a step early).
     """
 
     def __init__(self, input_batch: Any, block_size: int, *, group_id: int = 0,
                  backend: DeviceBackend | None = None, kernel_block_size: int | None = None,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None,
+                 request_block_ids: Callable[[str], Sequence[Sequence[int]] | None] | None = None
+                 ) -> None:
         self.input_batch = input_batch
         self.block_size = block_size
         self.group_id = group_id
         self.backend = backend if backend is not None else devices.get_backend()
         self.kernel_block_size = kernel_block_size
         self.attention_backend = attention_backend
+        self._request_block_ids = request_block_ids
         self._checked = False
 
     def _table(self) -> Any:
@@ -85,10 +93,15 @@ class FullAttentionGroupView:
 
     def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
         """The slots of `req_id`'s positions `[0, num_positions)` as runs, from its row of the
-        block table; None where the batch no longer holds the request."""
+        block table, else from the runner's state of it; None where neither holds it."""
         row = self.input_batch.req_id_to_index.get(req_id)
         if row is None:
-            return None
+            held = None if self._request_block_ids is None else self._request_block_ids(req_id)
+            if held is None:
+                return None
+            return positions_slot_runs(req_id, num_positions,
+                                       np.asarray(held[self.group_id], dtype=np.int64),
+                                       self.block_size, "the runner's request state")
         table = self._table()
         return positions_slot_runs(req_id, num_positions, self._block_ids(table)[row],
                                    int(table.block_size), "the runner's batch")

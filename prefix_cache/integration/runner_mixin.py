@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -247,7 +247,13 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
     def _omni_view(self, config: Any, backend: Any) -> FullAttentionGroupView:
         kernel_sizes = getattr(self, "_kernel_block_sizes", None)
         return FullAttentionGroupView(self.input_batch, config.block_size, backend=backend,
-                                      kernel_block_size=kernel_sizes[0] if kernel_sizes else None)
+                                      kernel_block_size=kernel_sizes[0] if kernel_sizes else None,
+                                      request_block_ids=self._omni_block_ids)
+
+    def _omni_block_ids(self, req_id: str) -> Sequence[Sequence[int]] | None:
+        """Each KV-cache group's block ids of a request the runner holds, in the batch or not."""
+        state = self.requests.get(req_id)
+        return None if state is None else state.block_ids
 
     def _omni_prompt_len(self, req_id: str) -> int | None:
         state = self.requests.get(req_id)
