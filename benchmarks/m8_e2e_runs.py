@@ -5,9 +5,10 @@
 Runs `measure_m8` as the bench does, prints a line as each pipeline it runs starts (stage 1
 alone and both stages, caching on and off), then a table of each one's seconds and stage 1's
 seconds within it. The engine-core processes write to the same output, so what vLLM reports
-meanwhile falls between those lines: on a GPU, vLLM 0.26's `jit_monitor` warns of each Triton
-kernel compiled during inference ("Triton kernel JIT compilation during inference"), a
-latency spike that is vLLM's, not the cache's.
+meanwhile falls between those lines. The engines start with `jit_monitor_verbose=True`: on a
+GPU, vLLM's `jit_monitor` then warns of every Triton kernel compiled during inference ("Triton
+kernel JIT compilation during inference"; without it, only a kernel's first), a latency spike
+that is vLLM's, not the cache's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def main() -> None:
         return run
 
     pipeline_bench.run_pipeline = logged
+    for name in ("start_thinker", "start_talker"):
+        start = getattr(pipeline_bench, name)
+        setattr(pipeline_bench, name, lambda *a, start=start, **kw: start(
+            *a, **kw, jit_monitor_verbose=True))
     result = pipeline_bench.measure_m8(runs=args.runs, model=args.model, progress=print)
     print(format_table(["pipeline", "caching", "stages", "seconds", "stage 1 s"], rows))
     print(f"M8 stage 1 on/off {result['ratio']:.3f} at hit fraction "
