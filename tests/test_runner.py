@@ -208,3 +208,46 @@ def _greedy(max_tokens: int) -> Any:
     from vllm import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                           detokenize=False)
+
+
+def test_a_request_aborted_while_preempted_is_published_aborted_without_rows(
+        thinker_model_dir: Path) -> None:
+    """vLLM frees a preempted request's blocks (new tenants may overwrite them) while the V1
+    runner keeps its cached state, block ids included, until it resumes. Aborted before it
+    does, its rows cannot be read back: its entry says it was aborted and carries none, never
+    rows read from blocks that are no longer its own."""
+    from prefix_cache.tools.engines import EngineShape
+    shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
+                        max_model_len=192, long_prefill_token_threshold=32)
+    rng = random.Random(3)
+    prompts = {f"p{i}": [rng.randrange(1, 1000) for _ in range(48)] for i in range(4)}
+    preempted: list[str] = []
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True, shape=shape)
+        try:
+            scheduler = engine.engine.engine_core.engine_core.scheduler
+            schedule = scheduler.schedule
+
+            def noting_preemptions(*args: Any, **kwargs: Any) -> Any:
+                output = schedule(*args, **kwargs)
+                # vLLM's internal ids: the request's own, a random suffix added
+                preempted.extend(r.rsplit("-", 1)[0] for r in output.preempted_req_ids or ())
+                return output
+
+            scheduler.schedule = noting_preemptions
+            for request_id, prompt in prompts.items():
+                engine.engine.add_request(request_id, {"prompt_token_ids": prompt}, _greedy(100))
+            aborted = None
+            while engine.has_work():
+                engine.step()
+                if aborted is None and preempted:
+                    aborted = preempted[0]  # before any step resumes it
+                    engine.engine.abort_request([aborted])
+            assert aborted is not None, "no request was preempted: the KV cache did not run out"
+            entries = {r: channel.get_entry(r, timeout_s=10) for r in prompts}
+        finally:
+            engine.close()
+    assert entries[aborted].aborted and entries[aborted].num_rows == 0
+    for request_id, entry in entries.items():
+        if request_id != aborted:
+            assert not entry.aborted and entry.num_rows == len(prompts[request_id]) + 99

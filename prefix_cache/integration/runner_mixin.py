@@ -243,6 +243,9 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
     with the stage-output cache: put it first in the bases."""
 
     _omni_in_step = False
+    #: requests vLLM preempted and has not scheduled since: their cached state keeps the block
+    #: ids vLLM freed at the preemption
+    _omni_preempted: frozenset[str] = frozenset()
 
     def _omni_view(self, config: Any, backend: Any) -> FullAttentionGroupView:
         kernel_sizes = getattr(self, "_kernel_block_sizes", None)
@@ -251,9 +254,10 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
                                       request_block_ids=self._omni_block_ids)
 
     def _omni_block_ids(self, req_id: str) -> Sequence[Sequence[int]] | None:
-        """Each KV-cache group's block ids of a request the runner holds, in the batch or not."""
+        """Each KV-cache group's block ids of a request the runner holds, in the batch or not;
+        None for one preempted since (its rows may be a new tenant's by now)."""
         state = self.requests.get(req_id)
-        return None if state is None else state.block_ids
+        return None if state is None or req_id in self._omni_preempted else state.block_ids
 
     def _omni_prompt_len(self, req_id: str) -> int | None:
         state = self.requests.get(req_id)
@@ -265,7 +269,12 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         stage = self._omni_stepping()
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
-        self._omni_begin_step(stage, scheduler_output)
+        if preempted := getattr(scheduler_output, "preempted_req_ids", None):
+            self._omni_preempted |= preempted
+        self._omni_begin_step(stage, scheduler_output)  # its finishes read while preempted
+        if self._omni_preempted:
+            self._omni_preempted = self._omni_preempted.difference(
+                scheduler_output.finished_req_ids, scheduler_output.num_scheduled_tokens)
         self._omni_in_step = stage.active
         try:
             output = super().execute_model(scheduler_output, *args, **kwargs)
