@@ -7,6 +7,7 @@ import logging
 import random
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,7 +24,8 @@ from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # no
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
-from tests.vllm_fixtures import engine_runner, thinker_model_dir  # noqa: E402,F401
+from tests.vllm_fixtures import (cpu_async_scheduling, engine_runner,  # noqa: E402,F401
+                                 thinker_model_dir)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -210,8 +212,9 @@ def _greedy(max_tokens: int) -> Any:
                           detokenize=False)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_request_aborted_while_preempted_is_published_aborted_without_rows(
-        thinker_model_dir: Path) -> None:
+        thinker_model_dir: Path, asynchronous: bool) -> None:
     """vLLM frees a preempted request's blocks (new tenants may overwrite them) while the V1
     runner keeps its cached state, block ids included, until it resumes. Aborted before it
     does, its rows cannot be read back: its entry says it was aborted and carries none, never
@@ -223,7 +226,8 @@ def test_a_request_aborted_while_preempted_is_published_aborted_without_rows(
     prompts = {f"p{i}": [rng.randrange(1, 1000) for _ in range(48)] for i in range(4)}
     preempted: list[str] = []
     with multiprocessing_mode(False), open_channel() as channel:
-        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True, shape=shape)
+        with cpu_async_scheduling() if asynchronous else nullcontext():
+            engine = start_thinker(thinker_model_dir, channel, prefix_caching=True, shape=shape)
         try:
             scheduler = engine.engine.engine_core.engine_core.scheduler
             schedule = scheduler.schedule
