@@ -212,13 +212,10 @@ def _greedy(max_tokens: int) -> Any:
                           detokenize=False)
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_a_request_aborted_while_preempted_is_published_aborted_without_rows(
-        thinker_model_dir: Path, asynchronous: bool) -> None:
-    """vLLM frees a preempted request's blocks (new tenants may overwrite them) while the V1
-    runner keeps its cached state, block ids included, until it resumes. Aborted before it
-    does, its rows cannot be read back: its entry says it was aborted and carries none, never
-    rows read from blocks that are no longer its own."""
+def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchronous: bool
+                             ) -> tuple[str, dict[str, Any]]:
+    """Four requests whose decodes outgrow an 8-block KV cache; the first one vLLM preempts
+    is aborted right after that step, before any step resumes it: its id and every entry."""
     from prefix_cache.tools.engines import EngineShape
     shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
                         max_model_len=192, long_prefill_token_threshold=32)
@@ -227,7 +224,8 @@ def test_a_request_aborted_while_preempted_is_published_aborted_without_rows(
     preempted: list[str] = []
     with multiprocessing_mode(False), open_channel() as channel:
         with cpu_async_scheduling() if asynchronous else nullcontext():
-            engine = start_thinker(thinker_model_dir, channel, prefix_caching=True, shape=shape)
+            engine = start_thinker(model_dir, channel, prefix_caching=prefix_caching,
+                                   shape=shape)
         try:
             scheduler = engine.engine.engine_core.engine_core.scheduler
             schedule = scheduler.schedule
@@ -245,13 +243,29 @@ def test_a_request_aborted_while_preempted_is_published_aborted_without_rows(
             while engine.has_work():
                 engine.step()
                 if aborted is None and preempted:
-                    aborted = preempted[0]  # before any step resumes it
+                    aborted = preempted[0]
                     engine.engine.abort_request([aborted])
             assert aborted is not None, "no request was preempted: the KV cache did not run out"
-            entries = {r: channel.get_entry(r, timeout_s=10) for r in prompts}
+            return aborted, {r: channel.get_entry(r, timeout_s=10) for r in prompts}
         finally:
             engine.close()
-    assert entries[aborted].aborted and entries[aborted].num_rows == 0
-    for request_id, entry in entries.items():
-        if request_id != aborted:
-            assert not entry.aborted and entry.num_rows == len(prompts[request_id]) + 99
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_request_aborted_while_preempted_publishes_the_rows_it_would_without_the_cache(
+        thinker_model_dir: Path, asynchronous: bool) -> None:
+    """vLLM frees a preempted request's blocks, which new tenants may overwrite, while the V1
+    runner keeps its cached state, block ids included, until it resumes. The stage pins the
+    request's rows when vLLM preempts it: aborted before it resumes, it is published with the
+    rows it had, as a stage without the cache publishes its own copies of them, never rows
+    read from blocks that are no longer its own."""
+    aborted, on = _aborted_while_preempted(thinker_model_dir, prefix_caching=True,
+                                           asynchronous=asynchronous)
+    _, off = _aborted_while_preempted(thinker_model_dir, prefix_caching=False,
+                                      asynchronous=asynchronous)
+    assert 48 < on[aborted].num_rows < 48 + 99 and not on[aborted].aborted  # cut mid-decode
+    for request_id, entry in on.items():
+        assert (entry.aborted, entry.num_rows) == (off[request_id].aborted,
+                                                   off[request_id].num_rows), request_id
+        torch.testing.assert_close(entry.outputs[HIDDEN_KEY], off[request_id].outputs[HIDDEN_KEY],
+                                   rtol=0, atol=1e-4)

@@ -269,9 +269,9 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         stage = self._omni_stepping()
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
+        self._omni_begin_step(stage, scheduler_output)  # pins the rows of those it preempts
         if preempted := getattr(scheduler_output, "preempted_req_ids", None):
             self._omni_preempted |= preempted
-        self._omni_begin_step(stage, scheduler_output)  # its finishes read while preempted
         if self._omni_preempted:
             self._omni_preempted = self._omni_preempted.difference(
                 scheduler_output.finished_req_ids, scheduler_output.num_scheduled_tokens)

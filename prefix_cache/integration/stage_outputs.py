@@ -123,6 +123,9 @@ class StageOutputDriver:
         self._at_finish = cache is not None and not delivery.streaming and callable(
             getattr(cache.view, "request_positions_runs", None))
         self._finished_early: set[str] = set()  # read at `finish_now`; the runner's to come
+        # a preempted request's rows, pinned before new tenants take its blocks: published if
+        # it finishes before it is scheduled again (an abort), let go once it is
+        self._preempted_rows: dict[str, RowsReadBack] = {}
         if cache is not None and delivery.streaming:  # a hit's rows go out before its forward
             cache.track_allocations()
 
@@ -136,6 +139,8 @@ class StageOutputDriver:
         if finished and self._at_finish and not self._off:
             self._finish_whole(list(finished), early=False)  # before the step forgets them
             finished = ()
+        if self._at_finish and not self._off:
+            self._pin_preempted(scheduler_output)
         if not self._off:
             try:
                 self._thread.check()
@@ -166,11 +171,26 @@ class StageOutputDriver:
                      [r.req_id for r in requests],
                      lambda: self.delivery.finish_all(requests, early=True))
 
+    def _pin_preempted(self, scheduler_output: Any) -> None:
+        """Let go of the rows of preempted requests the step schedules again (recomputed from
+        their hit on), and pin those of the requests it preempts, while the view still holds
+        their blocks."""
+        try:
+            if self._preempted_rows:
+                for req_id in self._preempted_rows.keys() & scheduler_output.num_scheduled_tokens:
+                    self._preempted_rows.pop(req_id).cancel()
+            if preempted := getattr(scheduler_output, "preempted_req_ids", None):
+                self._preempted_rows.update(
+                    self.cache.plan_request_rows(dict.fromkeys(preempted)))
+        except Exception as exc:
+            self._engine_fault("pinning preempted requests' rows", exc)
+
     def _finish_whole(self, requests: list[FinishedRequest], *, early: bool) -> None:
         """Pin the rows of requests held whole, read back and published by the output thread
         (`early`: the scheduler's finish, before the runner's; a request read then is not read
-        again). Where planning fails, the stage turns off and they get failures (the output
-        thread stops publishing before their job)."""
+        again; one finished while preempted: the rows pinned then). Where planning fails, the
+        stage turns off and they get failures (the output thread stops publishing before their
+        job)."""
         fresh = {r.req_id for r in requests} - self._finished_early
         if early:
             self._finished_early.update(fresh)
@@ -178,9 +198,18 @@ class StageOutputDriver:
             self._finished_early.difference_update(r.req_id for r in requests)
         reads = {}
         try:
-            if fresh:
-                reads = self.cache.plan_request_rows(
-                    {r.req_id: r.rows_standing for r in requests if r.req_id in fresh})
+            for request in requests:  # finished while preempted: its rows pinned then
+                pinned = self._preempted_rows.pop(request.req_id, None)
+                if pinned is None:
+                    continue
+                if request.req_id in fresh and (request.rows_standing is None
+                                                or pinned.num_rows <= request.rows_standing):
+                    reads[request.req_id] = pinned
+                else:  # pinned past the rows that stand, which a pin cannot cut: none
+                    pinned.cancel()
+            if planned := fresh - reads.keys():
+                reads.update(self.cache.plan_request_rows(
+                    {r.req_id: r.rows_standing for r in requests if r.req_id in planned}))
         except Exception as exc:
             self._engine_fault("reading back finished requests' rows", exc)
         self._submit(f"publishing {len(requests)} finished requests", [r.req_id for r in requests],
