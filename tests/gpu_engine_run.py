@@ -14,12 +14,15 @@ Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
   decode-heavy requests (48 tokens each), and a 512-token prompt aborted mid-prefill;
 - `preempt`: four requests whose decodes outgrow a 13-block KV cache, so vLLM preempts and
   recomputes;
+- `preempt-abort`: four requests of unrelated prompts outgrow that cache; the first request
+  vLLM preempts is aborted before any step resumes it (in-process only);
 - `mm`: `main` on a runner whose forward also emits a per-token multimodal key, which the
   model's attributes declare deferred (`deferred_prefix_cache_mm_keys`);
 - `graphs`: `main` with CUDA graphs captured for decode (no torch.compile);
 - `tp2`: `main` over two GPUs (`tensor_parallel_size=2`), the engine core and each rank's worker
   in processes of their own (run it multiprocess); OUT holds every rank's stats;
-- `v2-main`, `v2-preempt`: `main` and `preempt` on Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`).
+- `v2-main`, `v2-preempt`, `v2-preempt-abort`: those cases on Model Runner V2
+  (`VLLM_USE_V2_MODEL_RUNNER=1`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, EngineShape, multiproce
                                         start_thinker)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
+from tests.vllm_fixtures import FirstPreemptedAborter
 
 MAIN_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                          long_prefill_token_threshold=32, num_blocks=97, dtype="bfloat16")
@@ -76,6 +80,13 @@ def preempt_workload(seed: int = 1) -> list[StageRequest]:
     prefix = [rng.randrange(1, 1000) for _ in range(32)]
     return [StageRequest(f"p{i}", prefix + [rng.randrange(1, 1000) for _ in range(16)], 100,
                          arrive_at_step=0) for i in range(4)]
+
+
+def preempt_abort_workload(seed: int = 3) -> list[StageRequest]:
+    """No shared prefix: the runs with caching on and off preempt the same requests alike."""
+    rng = random.Random(seed)
+    return [StageRequest(f"p{i}", [rng.randrange(1, 1000) for _ in range(48)], 100)
+            for i in range(4)]
 
 
 class _EmitsMM:
@@ -122,6 +133,8 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     if case == "preempt":
         shape, requests = PREEMPT_SHAPE, preempt_workload()
+    elif case == "preempt-abort":
+        shape, requests = PREEMPT_SHAPE, preempt_abort_workload()
     elif case == "mm":
         args["worker_cls"] = f"{__name__}.MMWorker"
     elif case == "graphs":
@@ -135,12 +148,15 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
             core = getattr(engine.engine.engine_core, "engine_core", None)  # in-process only
             runner = None if core is None else \
                 type(core.model_executor.driver_worker.worker.model_runner).__mro__[1]
-            result = run_pipeline(engine, channel, requests)
+            aborter = FirstPreemptedAborter(engine, [r.req_id for r in requests]) \
+                if case == "preempt-abort" else None
+            result = run_pipeline(engine, channel, requests, aborts_now=aborter or tuple)
             rank_stats = engine.rank_stats()
         finally:
             engine.close()
     torch.save({"stats": rank_stats[0], "rank_stats": rank_stats,
                 "runner": None if runner is None else runner.__module__,
+                "aborted_while_preempted": aborter and aborter.aborted,
                 "cached": {k: r.cached_tokens for k, r in result.results.items()},
                 "generated": {k: r.generated for k, r in result.results.items()},
                 "entries": {k: {"aborted": r.entry.aborted, "meta": dict(r.entry.meta),

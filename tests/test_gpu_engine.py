@@ -27,8 +27,10 @@ from tests.gpu_engine_run import MM_KEY, main_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Rows of the same tokens computed in different batch compositions (chunking, preemption's
-#: recompute) differ by a few bf16 units: up to 0.024 was seen on an H200 at |x| < 1.
-RTOL, ATOL = 2 ** -5, 2 ** -5
+#: recompute) differ by a few bf16 units: up to 0.024 was seen on an H200 at |x| < 1, and 0.078
+#: at |x| < 1.5 in 23 of 37632 values (a request recomputed after its preemption, on an H200).
+#: A wrong row (another request's, a stale block's, zeros) differs by about |x| almost everywhere.
+RTOL, ATOL = 2 ** -5, 2 ** -3
 RUN_TIMEOUT_S = 420
 
 
@@ -79,6 +81,8 @@ def assert_entries_match(on: dict[str, Any], off: dict[str, Any]) -> None:
             if entry["aborted"]:  # each run got as far as its own steps took it
                 n = min(rows.shape[0], ref.shape[0])
                 rows, ref = rows[:n], ref[:n]
+            elif req_id == on["aborted_while_preempted"]:  # the rows it had then, on as off
+                assert rows.shape[0] == entry["meta"]["num_rows"] == ref.shape[0], req_id
             else:  # one row per token fed: the last generated token never is
                 expected = entry["meta"]["prompt_len"] + on["generated"][req_id] - 1
                 assert rows.shape[0] == entry["meta"]["num_rows"] == expected, req_id
@@ -164,6 +168,21 @@ def test_tensor_parallel_entries_match_and_only_rank_zero_publishes(
     assert leader["delivery_published"] == len(on["entries"])
     for run in (on, off):  # rank 1 builds no stage: its process's resident bytes only
         assert [s.keys() for s in run["rank_stats"][1:]] == [{"worker_rss_bytes"}]
+
+
+@pytest.mark.parametrize("case", ["preempt-abort", "v2-preempt-abort"])
+def test_a_request_aborted_while_preempted_delivers_the_rows_it_would_without_the_cache(
+        model_dir: Path, tmp_path: Path, case: str) -> None:
+    """vLLM frees a preempted request's blocks at once; aborted before it resumes, the request
+    is published with the rows it had, as without the cache, never rows of blocks a new
+    tenant took since."""
+    on, off = run_on_and_off(case, False, model_dir, tmp_path)
+    aborted = on["aborted_while_preempted"]
+    assert aborted is not None, "no request was preempted: the KV cache did not run out"
+    assert off["aborted_while_preempted"] == aborted
+    assert_entries_match(on, off)
+    entry = on["entries"][aborted]
+    assert not entry["aborted"] and 48 < entry["meta"]["num_rows"] < 48 + 99  # cut mid-decode
 
 
 @pytest.mark.parametrize("case", ["v2-main", "v2-preempt"])

@@ -19,13 +19,14 @@ pytest.importorskip("vllm")
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY  # noqa: E402
-from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel  # noqa: E402
+from prefix_cache.channel import (OmniPrefixCacheChannelError, StageEntry,  # noqa: E402
+                                  open_channel)
 from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
-from tests.vllm_fixtures import (cpu_async_scheduling, engine_runner,  # noqa: E402,F401
-                                 thinker_model_dir)
+from tests.vllm_fixtures import (PREEMPTING_SHAPE, FirstPreemptedAborter,  # noqa: E402,F401
+                                 cpu_async_scheduling, engine_runner, thinker_model_dir)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -213,42 +214,23 @@ def _greedy(max_tokens: int) -> Any:
 
 
 def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchronous: bool
-                             ) -> tuple[str, dict[str, Any]]:
+                             ) -> tuple[str, dict[str, StageEntry]]:
     """Four requests whose decodes outgrow an 8-block KV cache; the first one vLLM preempts
     is aborted right after that step, before any step resumes it: its id and every entry."""
-    from prefix_cache.tools.engines import EngineShape
-    shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
-                        max_model_len=192, long_prefill_token_threshold=32)
     rng = random.Random(3)
-    prompts = {f"p{i}": [rng.randrange(1, 1000) for _ in range(48)] for i in range(4)}
-    preempted: list[str] = []
+    requests = [StageRequest(f"p{i}", [rng.randrange(1, 1000) for _ in range(48)], 100)
+                for i in range(4)]
     with multiprocessing_mode(False), open_channel() as channel:
         with cpu_async_scheduling() if asynchronous else nullcontext():
             engine = start_thinker(model_dir, channel, prefix_caching=prefix_caching,
-                                   shape=shape)
+                                   shape=PREEMPTING_SHAPE)
         try:
-            scheduler = engine.engine.engine_core.engine_core.scheduler
-            schedule = scheduler.schedule
-
-            def noting_preemptions(*args: Any, **kwargs: Any) -> Any:
-                output = schedule(*args, **kwargs)
-                # vLLM's internal ids: the request's own, a random suffix added
-                preempted.extend(r.rsplit("-", 1)[0] for r in output.preempted_req_ids or ())
-                return output
-
-            scheduler.schedule = noting_preemptions
-            for request_id, prompt in prompts.items():
-                engine.engine.add_request(request_id, {"prompt_token_ids": prompt}, _greedy(100))
-            aborted = None
-            while engine.has_work():
-                engine.step()
-                if aborted is None and preempted:
-                    aborted = preempted[0]
-                    engine.engine.abort_request([aborted])
-            assert aborted is not None, "no request was preempted: the KV cache did not run out"
-            return aborted, {r: channel.get_entry(r, timeout_s=10) for r in prompts}
+            aborter = FirstPreemptedAborter(engine, [r.req_id for r in requests])
+            run = run_pipeline(engine, channel, requests, aborts_now=aborter)
         finally:
             engine.close()
+    assert aborter.aborted is not None, "no request was preempted: the KV cache did not run out"
+    return aborter.aborted, {r: result.entry for r, result in run.results.items()}
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -261,8 +243,9 @@ def test_a_request_aborted_while_preempted_publishes_the_rows_it_would_without_t
     read from blocks that are no longer its own."""
     aborted, on = _aborted_while_preempted(thinker_model_dir, prefix_caching=True,
                                            asynchronous=asynchronous)
-    _, off = _aborted_while_preempted(thinker_model_dir, prefix_caching=False,
-                                      asynchronous=asynchronous)
+    aborted_off, off = _aborted_while_preempted(thinker_model_dir, prefix_caching=False,
+                                                asynchronous=asynchronous)
+    assert aborted_off == aborted
     assert 48 < on[aborted].num_rows < 48 + 99 and not on[aborted].aborted  # cut mid-decode
     for request_id, entry in on.items():
         assert (entry.aborted, entry.num_rows) == (off[request_id].aborted,

@@ -23,8 +23,9 @@ from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import StageChannel, StageChunk, open_channel  # noqa: E402
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, vllm_device  # noqa: E402
-from prefix_cache.tools.engines import EngineShape, multiprocessing_mode, start_thinker  # noqa: E402
-from tests.vllm_fixtures import cpu_async_scheduling, thinker_model_dir  # noqa: E402,F401
+from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from tests.vllm_fixtures import (PREEMPTING_SHAPE, cpu_async_scheduling,  # noqa: E402,F401
+                                 thinker_model_dir)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -150,13 +151,11 @@ def test_requests_preempted_while_streaming_stream_each_position_once(
         add_step(self, spans, rows)
 
     monkeypatch.setattr(StageDelivery, "add_step", recording_add_step)
-    shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
-                        max_model_len=192, long_prefill_token_threshold=32)
     prompts = {f"p{i}": PREFIX[:32] + [7 + i] * 16 for i in range(4)}
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     with multiprocessing_mode(False), open_channel() as channel:
-        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True, shape=shape,
-                               stage_options={"stream": True})
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,
+                               shape=PREEMPTING_SHAPE, stage_options={"stream": True})
         try:
             streams = Streams(channel, list(prompts))
             for request_id, prompt in prompts.items():

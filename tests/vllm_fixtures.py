@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from prefix_cache.tools.engines import EngineShape
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -54,6 +56,11 @@ TINY_QWEN2: dict[str, Any] = dict(
 TINY_NUM_KV_HEADS = 2
 TINY_HEAD_SIZE = 64
 TINY_LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+#: An engine shape whose 8-block KV cache (32-token blocks) four 48-token prompts decoding 100
+#: tokens each outgrow: vLLM preempts some of them and recomputes them later.
+PREEMPTING_SHAPE = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
+                               max_model_len=192, long_prefill_token_threshold=32)
 
 
 def write_tiny_model_config(directory: str | Path) -> Path:
@@ -246,3 +253,30 @@ def cpu_async_scheduling() -> Iterator[None]:
         yield
     finally:
         CpuPlatform.check_and_update_config = configure
+
+
+class FirstPreemptedAborter:
+    """Names, once, the first request an in-process engine's scheduler preempts, to abort it
+    before any step schedules it again (`run_pipeline(..., aborts_now=aborter)`);
+    `aborted`: that request's id, once named."""
+
+    def __init__(self, engine: Any, request_ids: Sequence[str]) -> None:
+        self.aborted: str | None = None
+        self._request_ids = set(request_ids)
+        self._preempted: list[str] = []
+        scheduler = engine.engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def noting_preemptions(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)
+            self._preempted.extend(output.preempted_req_ids or ())
+            return output
+
+        scheduler.schedule = noting_preemptions
+
+    def __call__(self) -> list[str]:
+        if self.aborted is not None or not self._preempted:
+            return []
+        internal = self._preempted[0]  # vLLM's id: the request's own, maybe a suffix added
+        self.aborted = internal if internal in self._request_ids else internal.rsplit("-", 1)[0]
+        return [self.aborted]

@@ -97,8 +97,11 @@ def min_margin(logprobs: Sequence[dict[int, Any]] | None) -> float:
 
 def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[StageRequest], *,
                  talker: Engine | None = None, talker_tokens: int = 8,
-                 on_rows: Callable[[RequestResult], None] = lambda _: None) -> PipelineRun:
-    """Run `requests` through the thinker, the channel and (when given) the talker."""
+                 on_rows: Callable[[RequestResult], None] = lambda _: None,
+                 aborts_now: Callable[[], Sequence[str]] = tuple) -> PipelineRun:
+    """Run `requests` through the thinker, the channel and (when given) the talker;
+    `aborts_now`, asked before each thinker step: requests to abort then, beside those of
+    `abort_at_step` (decided as the run goes)."""
     from vllm import SamplingParams
     results = {r.req_id: RequestResult(r.req_id, len(r.prompt)) for r in requests}
     arrivals = sorted(requests, key=lambda r: r.arrive_at_step)
@@ -132,7 +135,7 @@ def run_pipeline(thinker: Engine, channel: StageChannel, requests: Sequence[Stag
                                        SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
                                                       ignore_eos=True, detokenize=False,
                                                       stop_token_ids=list(req.stop_token_ids)))
-        finished_now = list(aborts.get(step, []))
+        finished_now = [*aborts.get(step, ()), *aborts_now()]
         if finished_now:
             thinker.engine.abort_request(finished_now)
         if thinker.has_work():
