@@ -9,6 +9,7 @@ the way vLLM's does before expanding to kernel blocks.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ import torch
 
 from prefix_cache import OmniPrefixCacheUnmatchError
 from prefix_cache.core.runs import runs_slots
-from prefix_cache.integration.runner_v2 import BlockIdMirror, StepBatchGroupView
+from prefix_cache.integration.runner_v2 import (BlockIdMirror, PrefixCacheV2RunnerMixin,
+                                               StepBatchGroupView)
 
 BLOCK = 16
 
@@ -80,3 +82,31 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
         assert runs_slots(view.request_positions_runs(f"r{row}", 150)).tolist() == \
             expected_slots(blocks[row], 0, 150)
     assert view.request_positions_runs("gone", 10) is None
+
+
+class FakeRequestStates:
+    """`RequestStates`' request index and prompt lengths, as V2 keeps them on the host."""
+
+    def __init__(self, prompt_lens: dict[str, int]) -> None:
+        self.req_id_to_index = {r: i for i, r in enumerate(prompt_lens)}
+        self.prompt_len = SimpleNamespace(np=np.array(list(prompt_lens.values())))
+
+
+def step(preempted: set[str] = frozenset(), scheduled: tuple[str, ...] = (),
+         finished: set[str] = frozenset()) -> SimpleNamespace:
+    return SimpleNamespace(preempted_req_ids=set(preempted), finished_req_ids=set(finished),
+                           num_scheduled_tokens=dict.fromkeys(scheduled, 1))
+
+
+def test_a_preempted_requests_prompt_length_outlives_its_state_until_it_is_scheduled() -> None:
+    """V2 drops a request's state when vLLM preempts it: its prompt length stays known (an abort
+    before it resumes publishes its rows, not an entry marked aborted) until a step schedules
+    it again or it finishes."""
+    runner = PrefixCacheV2RunnerMixin()
+    runner.req_states = FakeRequestStates({"a": 48, "b": 30, "c": 7})
+    runner._omni_note_preempted(step(preempted={"a", "b"}, scheduled=("c",)))
+    runner.req_states = FakeRequestStates({"c": 7})  # vLLM's finish_requests inside the step
+    assert [runner._omni_prompt_len(r) for r in "abcd"] == [48, 30, 7, None]
+    runner._omni_note_preempted(step(scheduled=("a", "c")))  # `a` comes back as a new request
+    runner._omni_note_preempted(step(scheduled=("c",), finished={"b"}))  # `b` aborted
+    assert [runner._omni_prompt_len(r) for r in "abc"] == [None, None, 7]
