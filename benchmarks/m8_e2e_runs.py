@@ -1,6 +1,9 @@
 """M8's pipelines one by one: why a cache-on two-stage run sometimes takes 0.5 s more.
 
-    PYTHONPATH=. python3 benchmarks/m8_e2e_runs.py [--model 7b] [--runs 3] 2>&1 | tee m8.log
+    python3 benchmarks/m8_e2e_runs.py [--model 7b] [--runs 3] 2>&1 | tee m8.log
+
+(the package installed, `pip install -e .`; on the GPU machine after `eval "$(bash
+.vllm-gpu/install.sh)"`, whose PYTHONPATH a plain `PYTHONPATH=.` would replace).
 
 Runs `measure_m8` as the bench does, prints a line as each pipeline it runs starts (stage 1
 alone and both stages, caching on and off), then a table of each one's seconds and stage 1's

@@ -28,7 +28,8 @@ from tests.gpu_engine_run import MM_KEY, main_workload  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 #: Rows of the same tokens computed in different batch compositions (chunking, preemption's
 #: recompute) differ by a few bf16 units: up to 0.024 was seen on an H200 at |x| < 1, and 0.078
-#: at |x| < 1.5 in 23 of 37632 values (a request recomputed after its preemption, on an H200).
+#: at |x| < 1.5 in 23 of 37632 values (a request recomputed after its preemption;
+#: H200 and H100).
 #: A wrong row (another request's, a stale block's, zeros) differs by about |x| almost everywhere.
 RTOL, ATOL = 2 ** -5, 2 ** -3
 RUN_TIMEOUT_S = 420
