@@ -12,7 +12,8 @@
 #                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
 #   bash benchmarks/h200_session.sh stream   # the streaming engine tests (preemption while
-#                                            # streaming included), then stream_bench (M9);
+#                                            # streaming included), then stream_bench (M9),
+#                                            # M9c profiled when .profilers/ is carried too;
 #                                            # needs .vllm-gpu/ (carry it)
 #   bash benchmarks/h200_session.sh serve    # the `vllm serve` test (vLLM's OpenAI server with
 #                                            # the cache's GPU worker); needs .vllm-gpu/ and
@@ -114,8 +115,16 @@ engine)
     ;;
 stream)
     run timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
+    # with py-spy from the carried wheel, M9c's decode steps are profiled after the runs
+    # (streaming on and off, 10 s each): where the GPU's 2.7 ms a step went (H100, 2026-12-05)
+    profile=()
+    ls .profilers/py_spy-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index \
+        --no-deps .profilers/py_spy-*.whl >>"$out/install.log" 2>&1 \
+        && profile=(--profile "$out/m9c-profile")
     run timeout 330 python3 -m prefix_cache.tools.stream_bench --runs 5 \
-        --json "$out/stream_bench.json"
+        --json "$out/stream_bench.json" "${profile[@]}"
+    [ -d "$out/m9c-profile" ] && tar -czf "$out/m9c-profile.tar.gz" -C "$out" m9c-profile \
+        && rm -rf "$out/m9c-profile"
     ;;
 serve)
     site=${PYTHONPATH%%:*}  # the bundle's target folder, first on the path install.sh printed
