@@ -40,7 +40,7 @@ from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, EngineShape, multiproce
                                         start_thinker)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
-from tests.vllm_fixtures import FirstPreemptedAborter
+from tests.vllm_fixtures import FirstPreemptedAborter, unrelated_decoding_requests
 
 MAIN_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                          long_prefill_token_threshold=32, num_blocks=97, dtype="bfloat16")
@@ -80,13 +80,6 @@ def preempt_workload(seed: int = 1) -> list[StageRequest]:
     prefix = [rng.randrange(1, 1000) for _ in range(32)]
     return [StageRequest(f"p{i}", prefix + [rng.randrange(1, 1000) for _ in range(16)], 100,
                          arrive_at_step=0) for i in range(4)]
-
-
-def preempt_abort_workload(seed: int = 3) -> list[StageRequest]:
-    """No shared prefix: the runs with caching on and off preempt the same requests alike."""
-    rng = random.Random(seed)
-    return [StageRequest(f"p{i}", [rng.randrange(1, 1000) for _ in range(48)], 100)
-            for i in range(4)]
 
 
 class _EmitsMM:
@@ -134,7 +127,7 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
     if case == "preempt":
         shape, requests = PREEMPT_SHAPE, preempt_workload()
     elif case == "preempt-abort":
-        shape, requests = PREEMPT_SHAPE, preempt_abort_workload()
+        shape, requests = PREEMPT_SHAPE, unrelated_decoding_requests()
     elif case == "mm":
         args["worker_cls"] = f"{__name__}.MMWorker"
     elif case == "graphs":

@@ -172,7 +172,7 @@ def test_tensor_parallel_entries_match_and_only_rank_zero_publishes(
 
 
 @pytest.mark.parametrize("case", ["preempt-abort", "v2-preempt-abort"])
-def test_a_request_aborted_while_preempted_delivers_the_rows_it_would_without_the_cache(
+def test_a_request_aborted_while_preempted_publishes_the_rows_it_would_without_the_cache(
         model_dir: Path, tmp_path: Path, case: str) -> None:
     """vLLM frees a preempted request's blocks at once; aborted before it resumes, the request
     is published with the rows it had, as without the cache, never rows of blocks a new

@@ -26,7 +26,8 @@ from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
 from tests.vllm_fixtures import (PREEMPTING_SHAPE, FirstPreemptedAborter,  # noqa: E402,F401
-                                 cpu_async_scheduling, engine_runner, thinker_model_dir)
+                                 cpu_async_scheduling, engine_runner, thinker_model_dir,
+                                 unrelated_decoding_requests)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -217,9 +218,7 @@ def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchron
                              ) -> tuple[str, dict[str, StageEntry]]:
     """Four requests whose decodes outgrow an 8-block KV cache; the first one vLLM preempts
     is aborted right after that step, before any step resumes it: its id and every entry."""
-    rng = random.Random(3)
-    requests = [StageRequest(f"p{i}", [rng.randrange(1, 1000) for _ in range(48)], 100)
-                for i in range(4)]
+    requests = unrelated_decoding_requests()
     with multiprocessing_mode(False), open_channel() as channel:
         with cpu_async_scheduling() if asynchronous else nullcontext():
             engine = start_thinker(model_dir, channel, prefix_caching=prefix_caching,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import random
 import shutil
 import tempfile
 import warnings
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from prefix_cache.tools.engines import EngineShape
+from prefix_cache.tools.pipeline import StageRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -253,6 +255,14 @@ def cpu_async_scheduling() -> Iterator[None]:
         yield
     finally:
         CpuPlatform.check_and_update_config = configure
+
+
+def unrelated_decoding_requests(seed: int = 3) -> list[StageRequest]:
+    """Four unrelated 48-token prompts decoding 100 tokens each, which outgrow a small KV cache
+    (`PREEMPTING_SHAPE`'s): with no prefix shared, runs with caching on and off preempt alike."""
+    rng = random.Random(seed)
+    return [StageRequest(f"p{i}", [rng.randrange(1, 1000) for _ in range(48)], 100)
+            for i in range(4)]
 
 
 class FirstPreemptedAborter:
