@@ -214,15 +214,16 @@ def _greedy(max_tokens: int) -> Any:
                           detokenize=False)
 
 
-def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchronous: bool
-                             ) -> tuple[str, dict[str, StageEntry]]:
+def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchronous: bool,
+                             streaming: bool = False) -> tuple[str, dict[str, StageEntry]]:
     """Four requests whose decodes outgrow an 8-block KV cache; the first one vLLM preempts
-    is aborted right after that step, before any step resumes it: its id and every entry."""
+    is aborted right after that step, before any step resumes it: its id and every entry
+    (`streaming`: its chunks joined)."""
     requests = unrelated_decoding_requests()
     with multiprocessing_mode(False), open_channel() as channel:
         with cpu_async_scheduling() if asynchronous else nullcontext():
             engine = start_thinker(model_dir, channel, prefix_caching=prefix_caching,
-                                   shape=PREEMPTING_SHAPE)
+                                   shape=PREEMPTING_SHAPE, stage_options={"stream": streaming})
         try:
             aborter = FirstPreemptedAborter(engine, [r.req_id for r in requests])
             run = run_pipeline(engine, channel, requests, aborts_now=aborter)
@@ -232,16 +233,18 @@ def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchron
     return aborter.aborted, {r: result.entry for r, result in run.results.items()}
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("asynchronous,streaming", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "async", "async-streaming"])
 def test_a_request_aborted_while_preempted_publishes_the_rows_it_would_without_the_cache(
-        thinker_model_dir: Path, asynchronous: bool) -> None:
+        thinker_model_dir: Path, asynchronous: bool, streaming: bool) -> None:
     """vLLM frees a preempted request's blocks, which new tenants may overwrite, while the V1
     runner keeps its cached state, block ids included, until it resumes. The stage pins the
     request's rows when vLLM preempts it: aborted before it resumes, it is published with the
     rows it had, as a stage without the cache publishes its own copies of them, never rows
-    read from blocks that are no longer its own."""
+    read from blocks that are no longer its own. A streaming stage's chunks join to the same
+    rows."""
     aborted, on = _aborted_while_preempted(thinker_model_dir, prefix_caching=True,
-                                           asynchronous=asynchronous)
+                                           asynchronous=asynchronous, streaming=streaming)
     aborted_off, off = _aborted_while_preempted(thinker_model_dir, prefix_caching=False,
                                                 asynchronous=asynchronous)
     assert aborted_off == aborted
