@@ -123,8 +123,9 @@ stream)
         && profile=(--profile "$out/m9c-profile")
     run timeout 330 python3 -m prefix_cache.tools.stream_bench --runs 5 \
         --json "$out/stream_bench.json" "${profile[@]}"
-    [ -d "$out/m9c-profile" ] && tar -czf "$out/m9c-profile.tar.gz" -C "$out" m9c-profile \
-        && rm -rf "$out/m9c-profile"
+    if [ -d "$out/m9c-profile" ]; then
+        tar -czf "$out/m9c-profile.tar.gz" -C "$out" m9c-profile && rm -rf "$out/m9c-profile"
+    fi
     ;;
 serve)
     site=${PYTHONPATH%%:*}  # the bundle's target folder, first on the path install.sh printed
