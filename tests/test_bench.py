@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from prefix_cache.tools.targets import METRICS
 
@@ -43,3 +44,17 @@ def test_quick_bench_judges_every_metric_against_its_target(tmp_path: Path) -> N
     assert m4["value"] == 0 and "200 mixed steps after warm-up: 0 pinned" in m4["reference"]
     assert 0.9 <= result["metrics"]["M6"]["value"] <= 1.05  # measured, not exactly 1
     assert result["metrics"]["M2p"]["value"] > 0
+
+
+@pytest.mark.parametrize("whole_entries", [False, True], ids=["rows-each-step", "whole-entries"])
+def test_m5s_loop_runs_either_save_path_and_reads_every_row_back(whole_entries: bool) -> None:
+    """`benchmarks/m5_paths.py` times both: each loop with the cache runs to the end (the whole
+    entries' read-back finds every position of the prompt written) and gives one ratio a pair."""
+    from prefix_cache import devices
+    from prefix_cache.tools.metrics.overhead import step_loop
+    backend = devices.get_backend("cpu")
+    try:
+        ratios, off = step_loop(backend, 64, torch.float32, 8, 2, whole_entries=whole_entries)
+    finally:
+        backend.close()
+    assert len(ratios) == 2 and all(r > 0 for r in ratios) and off > 0

@@ -17,7 +17,8 @@ from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, sche
 
 
 def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: int, pairs: int,
-              write_stream: str = "compute") -> tuple[list[float], float]:
+              write_stream: str = "compute", whole_entries: bool = False
+              ) -> tuple[list[float], float]:
     """M5: steps per second of a stand-in forward with the cache's calls ÷ without, per pair
     of loops of `steps` steps run back to back (see `paired_seconds`); and the median
     steps per second without, from the same loops.
@@ -27,6 +28,9 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
     ~3.4 ms a step for 256 tokens on an H200); on CPU one small layer, run by the host itself.
     Each step is the next chunk of one long prompt, walking through four chunks' blocks; the
     output builder runs one step behind, on the engine thread (the costliest place for it).
+    `whole_entries`: each step is saved as the runner saves a stage of whole entries (no read
+    planned) and discarded, and the prompt's rows are read back once each pass through its
+    four chunks, on the engine thread too (the runner's output thread reads them at the finish).
     """
     chunks = 4  # more than the steps unconsumed at once: a step never rewrites a held one's slots
     batch = RunnerBatch(1, chunks * tokens)
@@ -65,11 +69,17 @@ def step_loop(backend: DeviceBackend, tokens: int, dtype: torch.dtype, steps: in
                 cache.new_step_starts(so)
                 hidden = forward()
                 sid = cache.save_outputs(hidden, None, num_tokens_unpadded=tokens,
-                                         num_tokens_padded=tokens)
+                                         num_tokens_padded=tokens, plan_reads=not whole_entries)
+                if whole_entries:
+                    cache.discard_step(sid)
+                    if step % chunks == chunks - 1:
+                        cache.plan_request_rows({"r0": chunks * tokens})["r0"].resolve()
+                    continue
                 if pending is not None:
                     cache.materialize(pending, ["r0"])
                 pending = sid
-            cache.materialize(pending, ["r0"])
+            if pending is not None:
+                cache.materialize(pending, ["r0"])
             synchronize(backend)
 
         without_cache(), with_cache()  # warm-up
