@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -95,6 +96,9 @@ class StageRunnerBase:
     """
 
     omni_prefix_cache: OmniPrefixCacheManager | None = None
+    #: requests vLLM preempted and has not scheduled since, with their prompt lengths noted at
+    #: the preemption (V1 keeps their states with the block ids vLLM freed; V2 drops them)
+    _omni_preempted: Mapping[str, int | None] = MappingProxyType({})
     _omni_policy: ModelCachePolicy = ModelCachePolicy()
     _omni_stage: StageOutputDriver | None = None
     _omni_paused = False  # warm-up steps with made-up requests: neither cached nor published
@@ -214,10 +218,25 @@ class StageRunnerBase:
             stage.finish_now([self._omni_finished(r, rows) for r, rows in finished.items()])
 
     def _omni_begin_step(self, stage: StageOutputDriver, scheduler_output: Any) -> None:
-        """Start the step on the stage, before the runner drops the finished requests' states
-        (their prompt lengths are read here)."""
+        """Start the step on the stage (it pins the rows of the requests the step preempts),
+        before the runner drops the finished and preempted requests' states (their prompt
+        lengths are read here)."""
         stage.begin_step(scheduler_output, [self._omni_finished(r)
                                             for r in scheduler_output.finished_req_ids])
+        self._omni_note_preempted(scheduler_output)
+
+    def _omni_note_preempted(self, scheduler_output: Any) -> None:
+        """Note the requests this step preempts, with their prompt lengths, until a step
+        schedules them again or they finish."""
+        noted = self._omni_preempted
+        if preempted := getattr(scheduler_output, "preempted_req_ids", None):
+            noted = {**noted, **{r: self._omni_prompt_len(r) for r in preempted}}
+        if noted:
+            gone = noted.keys() & {*scheduler_output.finished_req_ids,
+                                   *scheduler_output.num_scheduled_tokens}
+            if gone:
+                noted = {r: n for r, n in noted.items() if r not in gone}
+        self._omni_preempted = noted
 
     def _omni_finished(self, req_id: str, rows_standing: int | None = None) -> FinishedRequest:
         # prompt length None: aborted before it was ever scheduled
@@ -243,9 +262,6 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
     with the stage-output cache: put it first in the bases."""
 
     _omni_in_step = False
-    #: requests vLLM preempted and has not scheduled since: their cached state keeps the block
-    #: ids vLLM freed at the preemption
-    _omni_preempted: frozenset[str] = frozenset()
 
     def _omni_view(self, config: Any, backend: Any) -> FullAttentionGroupView:
         kernel_sizes = getattr(self, "_kernel_block_sizes", None)
@@ -269,12 +285,7 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         stage = self._omni_stepping()
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
-        self._omni_begin_step(stage, scheduler_output)  # pins the rows of those it preempts
-        if preempted := getattr(scheduler_output, "preempted_req_ids", None):
-            self._omni_preempted |= preempted
-        if self._omni_preempted:
-            self._omni_preempted = self._omni_preempted.difference(
-                scheduler_output.finished_req_ids, scheduler_output.num_scheduled_tokens)
+        self._omni_begin_step(stage, scheduler_output)
         self._omni_in_step = stage.active
         try:
             output = super().execute_model(scheduler_output, *args, **kwargs)

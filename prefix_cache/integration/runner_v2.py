@@ -22,7 +22,6 @@ V2 has no `_model_forward` to wrap, no persistent batch and no host block table:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -119,9 +118,6 @@ class PrefixCacheV2RunnerMixin(StageRunnerBase):
     """vLLM's Model Runner V2 with the stage-output cache: put it first in the bases."""
 
     _omni_group_id = 0
-    #: prompt lengths of the requests vLLM preempted and has not scheduled since (V2 drops a
-    #: request's state at its preemption)
-    _omni_preempted_prompt_lens: Mapping[str, int] = MappingProxyType({})
 
     def _omni_view(self, config: Any, backend: Any) -> StepBatchGroupView:
         max_blocks = -(-self.max_model_len // config.block_size)
@@ -132,31 +128,15 @@ class PrefixCacheV2RunnerMixin(StageRunnerBase):
 
     def _omni_prompt_len(self, req_id: str) -> int | None:
         index = self.req_states.req_id_to_index.get(req_id)
-        if index is None:
-            return self._omni_preempted_prompt_lens.get(req_id)
+        if index is None:  # preempted since (V2 dropped its state): as noted then
+            return self._omni_preempted.get(req_id)
         return int(self.req_states.prompt_len.np[index])
-
-    def _omni_note_preempted(self, scheduler_output: Any) -> None:
-        """Keep the prompt lengths of the requests this step preempts (before vLLM drops their
-        states), until a step schedules them again or they finish."""
-        lens = self._omni_preempted_prompt_lens
-        if lens:
-            gone = lens.keys() & {*scheduler_output.finished_req_ids,
-                                  *scheduler_output.num_scheduled_tokens}
-            if gone:
-                lens = {r: n for r, n in lens.items() if r not in gone}
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            index = self.req_states.req_id_to_index.get(req_id)
-            if index is not None:
-                lens = {**lens, req_id: int(self.req_states.prompt_len.np[index])}
-        self._omni_preempted_prompt_lens = lens
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         stage = self._omni_stepping(dummy=bool(kwargs.get("dummy_run")))
         if stage is None:
             return super().execute_model(scheduler_output, *args, **kwargs)
         self._omni_begin_step(stage, scheduler_output)  # before `finish_requests` inside
-        self._omni_note_preempted(scheduler_output)
         output = super().execute_model(scheduler_output, *args, **kwargs)
         state = self.execute_model_state
         if output is not None:  # no forward here, or not the last pipeline rank: no sampling
