@@ -450,10 +450,12 @@ def test_a_cache_stage_reads_a_finished_requests_rows_back_once_and_fails_those_
     assert stats["delivery_requests_held"] == (0 if ending == "turn off" else 1)
 
 
-def test_a_finish_whose_rows_cannot_be_pinned_turns_the_stage_off_and_fails_it_by_name(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planning a finished request's read-back fails on the engine thread: the stage turns
-    off naming why, the request gets that failure in place of its rows, and steps go on."""
+@pytest.mark.parametrize("pinned_at", ["finish", "preemption"])
+def test_a_request_whose_rows_cannot_be_pinned_turns_the_stage_off_and_fails_it_by_name(
+        monkeypatch: pytest.MonkeyPatch, pinned_at: str) -> None:
+    """Pinning a request's rows fails on the engine thread, at its finish (the read-back) or at
+    the step that preempts it: the stage turns off naming why, the request gets that failure
+    in place of its rows, and steps go on."""
     backend = get_backend("cpu")
     sim = StepDriver(block_size=4)
     manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4), sim,
@@ -472,11 +474,18 @@ def test_a_finish_whose_rows_cannot_be_pinned_turns_the_stage_off_and_fails_it_b
         driver.save_step(hidden, None, StepBatch(["a"], [0], [4]), 4)
         driver.end_step()
         sim.advance()
+        what = "reading back finished requests' rows"
+        if pinned_at == "preemption":  # a step without `a`, which vLLM preempted
+            preempting = sim.step()
+            preempting.preempted_req_ids = {"a"}
+            driver.begin_step(preempting, [])
+            driver.end_step()
+            what = "pinning preempted requests' rows"
         driver.begin_step(sim.step(finished=["a"]), [FinishedRequest("a", "a", 4)])
         driver.end_step()
         assert not driver.active
         with pytest.raises(OmniPrefixCacheChannelError,
-                           match=r"request a: .*reading back finished requests' rows failed: "
+                           match=rf"request a: .*{what} failed: "
                                  r"OmniPrefixCacheError: the pool is gone \(requests \['a'\]\)"):
             channel.get_entry("a", timeout_s=5)
         driver.close()
