@@ -46,19 +46,42 @@ NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int
                           torch.int16, torch.int8, torch.uint8, torch.bool})
 
 
+class _HostMemory:
+    """A CPU tensor's memory as numpy sees it (`__array_interface__`), holding the tensor: an
+    array made from it keeps the memory alive."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {"data": (tensor.data_ptr(), False), "typestr": "|u1",
+                                    "shape": (tensor.nbytes,), "version": 3}
+
+
+def host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a flat uint8 array (no copy), of any dtype, without
+    a torch op: each may hand the GIL to a busy thread and wait to take it back
+    (`benchmarks/gil_handovers.py`), which an engine's output thread pays per chunk. Its
+    pointer and size are attribute reads, which keep the GIL."""
+    if not tensor.is_cpu or not tensor.is_contiguous():
+        raise ValueError(f"host_bytes takes a contiguous CPU tensor, got one on {tensor.device} "
+                         f"with strides {tensor.stride()} for shape {tuple(tensor.shape)}")
+    if tensor.nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.asarray(_HostMemory(tensor))
+
+
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
-    form `prefix_cache.core._core`'s row copies take. One torch op (`numpy`) where numpy has
-    the dtype, else three: after a forward has evicted the host's caches each costs µs, each
-    may hand the GIL to a busy thread (`benchmarks/gil_handovers.py`), and numpy's views do
-    neither."""
+    form `prefix_cache.core._core`'s row copies take: by one torch op (`numpy`, which keeps the
+    GIL) where numpy has the dtype, else by `host_bytes`."""
     shape = tensor.shape
     if 0 in shape:  # nothing to view; the row width still has to match
         return np.empty((shape[0], math.prod(shape[1:]) * tensor.element_size()),
                         dtype=np.uint8)
     if tensor.dtype in NUMPY_DTYPES and not tensor.requires_grad:
         return tensor.numpy().reshape(shape[0], -1).view(np.uint8)
-    return tensor.detach().view(torch.uint8).numpy().reshape(shape[0], -1)
+    return host_bytes(tensor).reshape(shape[0], -1)
 
 
 def _in_process(pid: int, release: Callable[[], None]) -> None:

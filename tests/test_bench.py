@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,18 @@ def test_m5s_loop_runs_either_save_path_and_reads_every_row_back(whole_entries: 
     finally:
         backend.close()
     assert len(ratios) == 2 and all(r > 0 for r in ratios) and off > 0
+
+
+def test_the_streaming_step_cost_bench_runs_both_stages_and_checks_every_entry(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`benchmarks/stream_step_cost.py`, M9c's comparison without vLLM, runs on a CPU machine:
+    both stages' entries arrive whole (it raises where a request's rows fall short) and it
+    prints the engine thread's steps with each and their ratio."""
+    from benchmarks import stream_step_cost
+    monkeypatch.setattr(sys, "argv", ["stream_step_cost", "--rounds", "1", "--prompt", "16",
+                                      "--decode", "6", "--forward-python-us", "20",
+                                      "--forward-ops", "5"])
+    stream_step_cost.main()
+    out = capsys.readouterr().out
+    assert "engine thread: a decode step, streaming" in out
+    assert re.search(r"M9c's ratio\)\s+\d+\.\d{3}", out), out

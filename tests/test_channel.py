@@ -277,6 +277,69 @@ def test_aborted_marker_and_metadata_round_trip(channel: StageChannel) -> None:
     assert same_rows(cut.outputs, sample_outputs(2, rows=3))
 
 
+@pytest.mark.parametrize("entry", [
+    StageEntry("req-\u00e9\u4e2d \"q\"\\", {"rows": torch.ones(2, 3), "scalar": torch.tensor(1.5),
+                                        "none": torch.ones(0, 4, dtype=torch.bfloat16)},
+               True, {"nested": {"list": [1, 2.5, None, True, "\u00fc"]}, "n": -3}, 1.0e9 + 0.25,
+               None, 7, False),
+    StageEntry("req-failed", {}, True, {}, 1733.5, 'it failed: "quoted"\n\tnext line'),
+    StageEntry("req-int-time", {"rows": torch.ones(1, 2)}, published_at=0),
+])
+def test_an_entrys_header_is_the_json_of_its_fields(entry: StageEntry) -> None:
+    """The wire header (read by consumers of any version) is exactly the JSON of the entry's
+    fields, in ASCII, whatever its id, error text and metadata hold."""
+    import json
+
+    from prefix_cache.channel.codec import _PREFIX
+    data = join(encode(entry))
+    header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())[1]
+    text = data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes()
+    fields = {"request_id": entry.request_id, "aborted": entry.aborted,
+              "published_at": entry.published_at, "meta": entry.meta,
+              "tensors": json.loads(text)["tensors"], "error": entry.error,
+              "start": entry.start, "final": entry.final}
+    assert text == json.dumps(fields, separators=(",", ":")).encode("ascii")
+    assert [(t["key"], t["dtype"], t["shape"]) for t in fields["tensors"]] == [
+        (key, str(value.dtype).removeprefix("torch."), list(value.shape))
+        for key, value in entry.outputs.items()]
+    decoded = decode(data)
+    assert (decoded.request_id, decoded.meta, decoded.error, decoded.start, decoded.final) == (
+        entry.request_id, entry.meta, entry.error, entry.start, entry.final)
+    assert all(torch.equal(decoded.outputs[k], v) for k, v in entry.outputs.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_a_chunk_is_encoded_without_a_torch_op(dtype: torch.dtype) -> None:
+    """A streaming stage's output thread encodes a chunk per request per step: a torch op there
+    may hand the GIL to the engine thread and wait to take it back (BENCHMARKS.md, M9c), so
+    a contiguous chunk's bytes are read without one, whatever its dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    step = torch.randn(4, 64).to(dtype)
+    chunk = step[2:3]  # a request's row of the step's rows, as the delivery slices them
+    entry = StageEntry("req-op", {HIDDEN_KEY: chunk}, start=5, final=False)
+    with Ops() as seen:
+        encoded = encode(entry)
+    assert seen.ops == []
+    assert torch.equal(decode(join(encoded)).outputs[HIDDEN_KEY].view(torch.uint8),
+                       chunk.view(torch.uint8))
+
+
+def test_an_entry_whose_metadata_is_not_json_is_refused_naming_the_request() -> None:
+    with pytest.raises(TypeError, match="request req-meta: entry metadata is not JSON"):
+        encode(StageEntry("req-meta", {"rows": torch.ones(1, 2)}, meta={"t": torch.ones(1)}))
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().contiguous().reshape(-1).view(torch.uint8)
 

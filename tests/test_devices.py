@@ -12,13 +12,14 @@ from contextlib import closing
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from prefix_cache import OmniPrefixCacheManager, PrefixCacheConfig, devices
 import prefix_cache.devices.npu
 from prefix_cache.core.committer import Committer
-from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer
+from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, host_bytes
 from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.devices.cuda import CudaBackend
 from prefix_cache.devices.base import CHECK_SLOTS_ENV
@@ -426,3 +427,20 @@ def test_cuda_slot_check_mode_refuses_a_scatter_before_it_launches(
         finally:
             torch.cuda.synchronize()
             outer.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2, torch.float32, torch.int64])
+def test_host_bytes_is_a_tensors_memory_and_keeps_it(dtype: torch.dtype) -> None:
+    rows = torch.arange(24).reshape(4, 6).to(dtype)
+    expected = rows[1:3].contiguous().view(torch.uint8).reshape(-1).numpy().copy()
+    view = host_bytes(rows[1:3])
+    del rows  # the array holds the memory
+    assert view.dtype == np.uint8 and view.tolist() == expected.tolist()
+    part = torch.ones(3, 2, dtype=dtype)
+    host_bytes(part)[:] = 0  # the tensor's own memory, not a copy
+    assert not part.view(torch.uint8).any()
+    assert host_bytes(torch.empty(0, 6, dtype=dtype)).size == 0
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        host_bytes(torch.zeros(4, 6, dtype=dtype).t())
+    with pytest.raises(ValueError, match="contiguous CPU tensor, got one on meta"):
+        host_bytes(torch.empty(4, 6, dtype=dtype, device="meta"))

@@ -9,15 +9,17 @@ Any strided torch dtype round-trips (bfloat16, float8, bool, complex...), 0-row 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from prefix_cache.core.pool_rows import PoolRows
-from prefix_cache.devices.base import NUMPY_DTYPES
+from prefix_cache.devices.base import host_bytes
 
 MAGIC = b"OPCSTG\x00\x01"
 ALIGN = 64
@@ -75,28 +77,23 @@ def _align(n: int) -> int:
 def _raw_bytes(key: str, value: Any) -> np.ndarray:
     """`value`'s bytes as a flat uint8 array, without a copy when it is already contiguous.
 
-    As few torch ops as can do: on an engine's output thread each may hand the GIL to the
-    engine thread and wait to take it back (`benchmarks/gil_handovers.py`). A contiguous tensor
-    of a dtype numpy has takes one (`numpy`); the conjugate and negative bits exist on complex
-    tensors only."""
+    Without a torch op where none is needed: on an engine's output thread each may hand the GIL
+    to the engine thread and wait to take it back (`benchmarks/gil_handovers.py`). A contiguous
+    tensor takes none (`host_bytes`, bfloat16 and float8 included); the conjugate and negative
+    bits exist on complex tensors only."""
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         raise TypeError(f"stage output {key!r} is not a dense tensor: {type(value).__name__}")
-    if value.device.type != "cpu":
+    if not value.is_cpu:
         raise ValueError(f"stage output {key!r} is on {value.device}; the channel takes CPU rows")
-    if value.requires_grad:
-        value = value.detach()
     if value.dtype.is_complex:
         value = value.resolve_conj().resolve_neg()
-    value = value.contiguous()  # itself, without a torch op, when it already is
-    if value.dtype not in NUMPY_DTYPES:  # bfloat16, float8: viewed as bytes by torch first
-        value = value.reshape(-1).view(torch.uint8)
-    return value.numpy().reshape(-1).view(np.uint8)
+    return host_bytes(value if value.is_contiguous() else value.contiguous())
 
 
 def encode(entry: StageEntry) -> EncodedEntry:
     """The entry's wire form; tensor bytes are referenced, not copied (non-contiguous ones are),
     and `PoolRows` are left in the pool for the writer to read in place."""
-    rows, payloads, offset = [], [], 0
+    tensors, payloads, offset = [], [], 0
     for key, value in entry.outputs.items():
         if not isinstance(key, str):
             raise TypeError(f"stage output key {key!r} is not a str")
@@ -107,20 +104,38 @@ def encode(entry: StageEntry) -> EncodedEntry:
             raw = _raw_bytes(key, value)
             payloads.append((offset, memoryview(raw)))
             nbytes = raw.size
-        rows.append({"key": key, "dtype": str(value.dtype).removeprefix("torch."),
-                     "shape": list(value.shape), "offset": offset})
+        tensors.append(f'{{"key":{_json_str(key)},"dtype":"'
+                       f'{str(value.dtype).removeprefix("torch.")}","shape":['
+                       f'{",".join(map(str, value.shape))}],"offset":{offset}}}')
         offset = _align(offset + nbytes)
-    header = {"request_id": entry.request_id, "aborted": bool(entry.aborted),
-              "published_at": entry.published_at, "meta": entry.meta, "tensors": rows,
-              "error": entry.error, "start": entry.start, "final": bool(entry.final)}
-    try:
-        header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"request {entry.request_id}: entry metadata is not JSON: {e}") from e
+    header_bytes = _header(entry, ",".join(tensors)).encode()
     data_start = _align(_PREFIX.size + len(header_bytes))
     pieces = [(0, memoryview(_PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes))]
     pieces += [(data_start + off, payload) for off, payload in payloads]
     return EncodedEntry(data_start + offset, pieces)
+
+
+def _header(entry: StageEntry, tensors: str) -> str:
+    """The JSON header `json.dumps` would give (compact separators, ASCII) of `entry`, whose
+    tensors' records are `tensors`, built as a string: a chunk's header is encoded on a
+    streaming stage's output thread per request per step, where the encoder's object walk cost
+    several times more."""
+    request_id, published_at, error = entry.request_id, entry.published_at, entry.error
+    try:
+        if not isinstance(request_id, str):
+            raise TypeError(f"the request id {request_id!r} is not a str")
+        meta = json.dumps(entry.meta, separators=(",", ":")) if entry.meta else "{}"
+        published_at = repr(published_at) if type(published_at) is float \
+            and math.isfinite(published_at) else json.dumps(published_at)
+        if isinstance(entry.start, bool) or not isinstance(entry.start, int):
+            raise TypeError(f"the chunk start {entry.start!r} is not an int")
+        error = "null" if error is None else _json_str(error)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"request {request_id}: entry metadata is not JSON: {e}") from e
+    return (f'{{"request_id":{_json_str(request_id)},"aborted":'
+            f'{"true" if entry.aborted else "false"},"published_at":{published_at},'
+            f'"meta":{meta},"tensors":[{tensors}],"error":{error},"start":{entry.start:d},'
+            f'"final":{"true" if entry.final else "false"}}}')
 
 
 def join(encoded: EncodedEntry) -> torch.Tensor:

@@ -192,9 +192,11 @@ class StepReads:
                         leftover)
 
     def _shaped(self, record: StepRecord, key: str, rows: torch.Tensor) -> torch.Tensor:
-        """`[rows, features]` viewed as `[rows, *feat]`, the key's feature shape."""
-        feat = record.per_token.get(key) or self._pool.keys[key].feat_shape
-        return rows.view(rows.shape[0], *feat)
+        """`[rows, features]` viewed as `[rows, *feat]`, the key's feature shape (as it is where
+        that is its shape already: a view is a torch op, which may hand a busy engine thread
+        the GIL)."""
+        feat = tuple(record.per_token.get(key) or self._pool.keys[key].feat_shape)
+        return rows if rows.shape[1:] == feat else rows.view(rows.shape[0], *feat)
 
     def _step_rows(self, record: StepRecord) -> dict[str, torch.Tensor]:
         """The step's own rows of every key it emits, `[rows, features]` on the host."""
