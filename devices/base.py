@@ -47,13 +47,14 @@ NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int
 
 
 class _HostMemory:
-    """A CPU tensor's memory as numpy sees it (`__array_interface__`), holding the tensor: an
-    array made from it keeps the memory alive."""
+    """A CPU tensor's memory as numpy sees it (`__array_interface__`), holding its storage: an
+    array made from it keeps the memory alive, even where the tensor is later given another
+    (`set_`)."""
 
-    __slots__ = ("__array_interface__", "tensor")
+    __slots__ = ("__array_interface__", "storage")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.storage = tensor.untyped_storage()
         self.__array_interface__ = {"data": (tensor.data_ptr(), False), "typestr": "|u1",
                                     "shape": (tensor.nbytes,), "version": 3}
 

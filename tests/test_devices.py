@@ -433,8 +433,10 @@ def test_cuda_slot_check_mode_refuses_a_scatter_before_it_launches(
 def test_host_bytes_is_a_tensors_memory_and_keeps_it(dtype: torch.dtype) -> None:
     rows = torch.arange(24).reshape(4, 6).to(dtype)
     expected = rows[1:3].contiguous().view(torch.uint8).reshape(-1).numpy().copy()
-    view = host_bytes(rows[1:3])
-    del rows  # the array holds the memory
+    part = rows[1:3]
+    view = host_bytes(part)
+    part.set_(torch.zeros(2, 6, dtype=dtype))  # its memory, not the tensor's: held all the same
+    del rows, part
     assert view.dtype == np.uint8 and view.tolist() == expected.tolist()
     part = torch.ones(3, 2, dtype=dtype)
     host_bytes(part)[:] = 0  # the tensor's own memory, not a copy
