@@ -15,8 +15,9 @@ small torch ops (each gives the GIL up for a moment, as a kernel launch does). A
 every request's entry is taken from the channel and checked for its rows (untimed).
 
 Printed: the streaming output thread's job per decode step (materialize, chunks, their put;
-medians), and the engine thread's decode step with each stage: their ratio is M9c's, their
-difference what streaming costs the engine thread a step. Rounds alternate which stage goes
+medians), and the engine thread's decode step with each stage and the part of it in the
+driver's calls (the cache's hooks): the steps' ratio is M9c's, their difference what streaming
+costs the engine thread a step. Rounds alternate which stage goes
 first; the first two are not timed. On this 2-core machine the output thread's system calls
 compete for a core too, as they do in the engine (BENCHMARKS.md, M9c).
 """
@@ -90,8 +91,9 @@ class Stage:
         self.driver._deliver = timed_deliver
         self.rows: dict[int, torch.Tensor] = {}  # any rows will do: per-token ones cost more
 
-    def run(self, ids: list[str]) -> list[float]:
-        """The requests' prefill, decode steps and finish; the decode steps' times."""
+    def run(self, ids: list[str]) -> list[tuple[float, float]]:
+        """The requests' prefill, decode steps and finish; per decode step, its time and that
+        of the driver's calls in it."""
         a = self.args
         prompt_of = {r: list(range(1000 * i, 1000 * i + a.prompt + a.decode))
                      for i, r in enumerate(ids)}
@@ -105,15 +107,18 @@ class Stage:
         for _ in range(a.decode - 1):
             start = time.perf_counter()
             self.forward()
-            self._step(self.sim.step(cached=dict.fromkeys(ids, 1)))
-            times.append(time.perf_counter() - start)
+            calls = self._step(self.sim.step(cached=dict.fromkeys(ids, 1)))
+            times.append((time.perf_counter() - start, calls))
         self.driver.begin_step(self.sim.step(finished=ids),
                                [FinishedRequest(r, r, a.prompt) for r in ids])
         self.driver.end_step()
         return times
 
-    def _step(self, scheduler_output: Any) -> None:
+    def _step(self, scheduler_output: Any) -> float:
+        """One step's calls, as a runner makes them; the seconds the driver's calls took."""
+        start = time.perf_counter()
         self.driver.begin_step(scheduler_output, [])
+        calls = time.perf_counter() - start
         n = sum(self.sim.scheduled[r] for r in self.sim.batch)
         rows = self.rows.get(n)
         if rows is None:
@@ -122,9 +127,12 @@ class Stage:
                                                  for r in self.sim.batch],
                           list(itertools.accumulate(self.sim.scheduled[r]
                                                     for r in self.sim.batch)))
+        start = time.perf_counter()
         self.driver.save_step(rows, None, batch, rows.shape[0])
         self.driver.end_step()
+        calls += time.perf_counter() - start
         self.sim.advance()
+        return calls
 
     def close(self) -> None:
         self.driver.close()
@@ -152,7 +160,7 @@ def main() -> None:
         for _ in range(args.forward_ops):
             x.add_(1.0)
 
-    steps: dict[bool, list[float]] = {True: [], False: []}
+    steps: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     with open_channel() as channel:
         stages = {streaming: Stage(channel, args, streaming=streaming, forward=forward)
                   for streaming in (True, False)}
@@ -176,7 +184,8 @@ def main() -> None:
         finally:
             for stage in stages.values():
                 stage.close()
-    on, off = (statistics.median(steps[s]) for s in (True, False))
+    on, off = (statistics.median(t for t, _ in steps[s]) for s in (True, False))
+    calls = {s: statistics.median(c for _, c in steps[s]) for s in (True, False)}
     jobs = stages[True].jobs
     print(format_table(
         ["", "median µs", "count"],
@@ -184,8 +193,10 @@ def main() -> None:
           f"({str(args.dtype).removeprefix('torch.')} rows, a chunk every {args.every})",
           f"{statistics.median(jobs) * 1e6:.0f}", str(len(jobs))],
          ["engine thread: a decode step, streaming", f"{on * 1e6:.0f}", str(len(steps[True]))],
+         ["... of it in the driver's calls", f"{calls[True] * 1e6:.0f}", ""],
          ["engine thread: a decode step, whole entries", f"{off * 1e6:.0f}",
           str(len(steps[False]))],
+         ["... of it in the driver's calls", f"{calls[False] * 1e6:.0f}", ""],
          ["what streaming costs the engine thread a step", f"{(on - off) * 1e6:.0f}", ""],
          ["steps/s streaming ÷ whole entries (M9c's ratio)", f"{off / on:.3f}", ""]]))
 
