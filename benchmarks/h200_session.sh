@@ -12,7 +12,8 @@
 #                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
 #   bash benchmarks/h200_session.sh stream   # the streaming engine tests (preemption while
-#                                            # streaming included), then stream_bench (M9),
+#                                            # streaming included), stream_step_cost.py (M9c
+#                                            # without vLLM), then stream_bench (M9),
 #                                            # M9c profiled when .profilers/ is carried too;
 #                                            # needs .vllm-gpu/ (carry it)
 #   bash benchmarks/h200_session.sh serve    # the `vllm serve` test (vLLM's OpenAI server with
@@ -115,6 +116,9 @@ engine)
     ;;
 stream)
     run timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
+    # M9c's comparison without vLLM on this host's cores (CPU backend; 2-core figures in
+    # BENCHMARKS.md, eighth session): what a streaming step's job costs an engine thread here
+    run timeout 60 env PYTHONPATH=".:$PYTHONPATH" python3 benchmarks/stream_step_cost.py
     # with py-spy from the carried wheel, M9c's decode steps are profiled after the runs
     # (streaming on and off, 10 s each): where the GPU's 2.7 ms a step went (H100, 2026-12-05)
     profile=()
