@@ -41,11 +41,6 @@ class DeviceEvent(Protocol):
     def query(self) -> bool: ...
 
 
-#: torch dtypes numpy can view as they are (bfloat16 and float8 it cannot).
-NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
-                          torch.int16, torch.int8, torch.uint8, torch.bool})
-
-
 class _HostMemory:
     """A CPU tensor's memory as numpy sees it (`__array_interface__`), holding its storage: an
     array made from it keeps the memory alive, even where the tensor is later given another
@@ -74,14 +69,11 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's memory as a uint8 [rows, bytes per row] array (no copy), the
-    form `prefix_cache.core._core`'s row copies take: by one torch op (`numpy`, which keeps the
-    GIL) where numpy has the dtype, else by `host_bytes`."""
+    form `prefix_cache.core._core`'s row copies take (`host_bytes`: any dtype, no torch op)."""
     shape = tensor.shape
     if 0 in shape:  # nothing to view; the row width still has to match
         return np.empty((shape[0], math.prod(shape[1:]) * tensor.element_size()),
                         dtype=np.uint8)
-    if tensor.dtype in NUMPY_DTYPES and not tensor.requires_grad:
-        return tensor.numpy().reshape(shape[0], -1).view(np.uint8)
     return host_bytes(tensor).reshape(shape[0], -1)
 
 
