@@ -5,19 +5,19 @@
         [--dtype bfloat16|float32]
 
 Two stages, each a `StageOutputDriver` over the cache (CPU backend) and one shm channel: one
-streams (a chunk per request every `--every` positions, its output thread materializing and
-publishing each step), the other publishes whole entries at the finish (the cache's default:
-no output-thread work per step). Each round, one stage then the other runs `--requests`
-requests through a prefill of `--prompt` tokens and `--decode` decode steps; before each step's
+streams (a chunk per request every `--every` positions, read back from the pool and published
+by its output thread as it falls due), the other publishes whole entries at the finish (the
+cache's default: no output-thread work per step). Each round, one stage then the other runs
+`--requests` requests through a prefill of `--prompt` tokens and `--decode` decode steps; before each step's
 calls, the engine thread runs a stand-in forward that needs the GIL as an eager GPU step's
 does: a fixed amount of pure Python (`--forward-python-us` of it alone) and `--forward-ops`
 small torch ops (each gives the GIL up for a moment, as a kernel launch does). After each round
 every request's entry is taken from the channel and checked for its rows (untimed).
 
-Printed: the streaming output thread's job per decode step (materialize, chunks, their put;
-medians), and the engine thread's decode step with each stage and the part of it in the
-driver's calls (the cache's hooks): the steps' ratio is M9c's, their difference what streaming
-costs the engine thread a step. Rounds alternate which stage goes
+Printed: the streaming output thread's job per decode step that has chunks (their reads from
+the pool and their put; medians), and the engine thread's decode step with each stage and the
+part of it in the driver's calls (the cache's hooks): the steps' ratio is M9c's, their
+difference what streaming costs the engine thread a step. Rounds alternate which stage goes
 first; the first two are not timed. On this 2-core machine the output thread's system calls
 compete for a core too, as they do in the engine (BENCHMARKS.md, M9c).
 """
@@ -80,15 +80,15 @@ class Stage:
         self.driver = StageOutputDriver(
             delivery, self.cache.backend, cache=self.cache, policy=ModelCachePolicy(),
             empty_hidden=lambda: torch.empty(0, args.hidden, dtype=args.dtype))
-        self.jobs: list[float] = []  # the output thread's per-step jobs
-        deliver = self.driver._deliver
+        self.jobs: list[float] = []  # the output thread's per-step jobs: a step's chunks
+        publish_chunks = delivery.publish_chunks
 
-        def timed_deliver(step: Any) -> None:
+        def timed_publish_chunks(reads: Any) -> None:
             start = time.perf_counter()
-            deliver(step)
+            publish_chunks(reads)
             self.jobs.append(time.perf_counter() - start)
 
-        self.driver._deliver = timed_deliver
+        delivery.publish_chunks = timed_publish_chunks
         self.rows: dict[int, torch.Tensor] = {}  # any rows will do: per-token ones cost more
 
     def run(self, ids: list[str]) -> list[tuple[float, float]]:

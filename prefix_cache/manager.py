@@ -35,6 +35,7 @@ from prefix_cache.core import _core
 from prefix_cache.core.adapter import allocated_blocks, translate_step
 from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.chunk_reads import ChunkRows, plan_chunk_rows
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import NO_HITS, StepHits, check_hits, hit_slots
 from prefix_cache.core.kept_tensors import keeping_tensors
@@ -269,30 +270,53 @@ class OmniPrefixCacheManager:
         finally:
             self._step_reads.release(record)
 
-    def plan_request_rows(self, requests: Mapping[str, int | None]) -> dict[str, RequestRows]:
-        """Pin the rows of each request's positions `[0, n)`, `n` the positions its saved steps
-        reached, cut to the count it maps to (None: all), of every key it has rows of; another
-        thread reads them back (`RequestRows.resolve`). For the engine thread at a request's
-        finish, while the view still holds its blocks; its deferred rows are launched first. A
-        request the view no longer holds gets no entry."""
-        self._check_usable("plan_request_rows")
-        positions_runs = getattr(self.view, "request_positions_runs", None)
-        if positions_runs is None:
-            raise OmniPrefixCacheUnmatchError(
-                f"plan_request_rows: view {type(self.view).__name__} cannot give a request's "
-                f"positions (it lacks request_positions_runs)")
-        planned = []
-        for req_id, standing in requests.items():
-            n = self._progress.get(req_id, 0)
-            stands = n if standing is None else min(n, standing)
-            runs = positions_runs(req_id, stands)
-            if runs is not None:
-                planned.append((req_id, runs_slots(runs), n - stands))
+    def plan_request_rows(self, requests: Mapping[str, int | None],
+                          starts: Mapping[str, int] | None = None) -> dict[str, RequestRows]:
+        """Pin the rows of each request's positions `[start, n)` (`starts`, else 0), `n` the
+        positions its saved steps reached, cut to the count it maps to (None: all), of every
+        key it has rows of there; another thread reads them back (`RequestRows.resolve`). For
+        the engine thread at a request's finish, while the view still holds its blocks; its
+        deferred rows are launched first. A request the view no longer holds gets no entry."""
+        planned = self._positions_slots("plan_request_rows", requests, starts or {})
         with keeping_tensors():  # a deferred write's launch: the request's, or one it hit
             for req_id in requests:
                 self._deferred.retire(req_id)
             return plan_request_rows(self.pool, self._reads, self._deferred, self._lock,
                                      planned)
+
+    def plan_chunk_rows(self, chunks: Mapping[str, tuple[int, int]]) -> dict[str, ChunkRows]:
+        """Pin the rows of each running request's positions `[start, end)` (cut to those its
+        saved steps reached), a streaming stage's chunk of it, for another thread to read in
+        place: one read per key for all of them (`prefix_cache.core.chunk_reads`). The
+        requests' deferred rows stay deferred, except those the chunks read. A request the
+        view no longer holds gets no entry."""
+        planned = self._positions_slots("plan_chunk_rows",
+                                        {req_id: end for req_id, (_, end) in chunks.items()},
+                                        {req_id: start for req_id, (start, _) in chunks.items()})
+        with keeping_tensors():  # a deferred write the chunks read is launched
+            return plan_chunk_rows(self.pool, self._reads, self._deferred, self._lock,
+                                   [(req_id, start, slots) for req_id, start, slots, _ in planned])
+
+    def _positions_slots(self, call: str, ends: Mapping[str, int | None],
+                         starts: Mapping[str, int]) -> list[tuple[str, int, np.ndarray, int]]:
+        """Per request the view holds: its first position, the slots of its positions from
+        there to its end (None: all its saved steps reached; never past them), and how many
+        positions its saved steps computed past that end."""
+        self._check_usable(call)
+        positions_runs = getattr(self.view, "request_positions_runs", None)
+        if positions_runs is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"{call}: view {type(self.view).__name__} cannot give a request's positions "
+                f"(it lacks request_positions_runs)")
+        planned = []
+        for req_id, end in ends.items():
+            n = self._progress.get(req_id, 0)
+            stands = n if end is None else min(n, end)
+            start = min(starts.get(req_id, 0), stands)
+            runs = positions_runs(req_id, stands)
+            if runs is not None:
+                planned.append((req_id, start, runs_slots(runs)[start:], n - stands))
+        return planned
 
     def track_allocations(self) -> None:
         """From the first step on, note which blocks vLLM gives new tenants, so that
@@ -331,7 +355,7 @@ class OmniPrefixCacheManager:
             if HIDDEN_KEY in self.pool.keys:  # never absent (see plan_request_rows)
                 written &= self.pool.present(HIDDEN_KEY, hits.slots)
         whole = np.logical_and.reduceat(written, hits.bounds[:-1])
-        planned = [(req_id, hits.slots_of(i), 0) for i, req_id in enumerate(hits.req_ids)
+        planned = [(req_id, 0, hits.slots_of(i), 0) for i, req_id in enumerate(hits.req_ids)
                    if whole[i]]
         if not planned:
             return {}

@@ -146,12 +146,16 @@ def test_a_requests_first_rows_tell_the_sink_to_expect_it_once() -> None:
 
 
 class ReadBack:
-    """Rows read back as `RequestRows` hands them, without a pool: `hold` gives `held` (or
-    raises `error`, as a lost row does); `cancel` is counted."""
+    """Rows read back as `RequestRows` hands them, without a pool: positions `start...` of
+    `req_id`, `hold` gives `held` (or raises `error`, as a lost row does); `cancel` is
+    counted."""
 
-    def __init__(self, held: dict[str, torch.Tensor], error: Exception | None = None) -> None:
+    def __init__(self, held: dict[str, torch.Tensor], error: Exception | None = None, *,
+                 req_id: str = "", start: int = 0, num_rows: int | None = None) -> None:
         self.held, self.error = held, error
-        self.num_rows = next(iter(held.values())).shape[0]
+        self.req_id, self.start = req_id, start
+        self.num_rows = start + next(iter(held.values())).shape[0] if num_rows is None \
+            else num_rows
         self.rows_cut = 0
         self.cancels = 0
 
@@ -164,30 +168,37 @@ class ReadBack:
         self.cancels += 1
 
 
-def test_a_streamed_hit_is_its_first_chunk_then_steps_follow_and_a_resumed_one_is_not_again(
+def test_chunks_read_back_stream_a_request_and_its_finish_publishes_the_rest(
         ) -> None:
-    """A prefix hit's cached rows go out alone, as the first chunk, and the step's rows (which
-    come from position 0 again, hit rows first) from where they end; a hit of a request seen
-    before (resumed after preemption) publishes nothing; a hit whose rows cannot be read fails
-    that request alone, by name. Every hit's rows are let go."""
+    """A request read back streams the chunks the engine thread planned (a prefix hit's
+    cached rows first), each from where the last ended, and its finish publishes the rest; a
+    chunk whose rows cannot be read fails that request alone, by name, and a later chunk or
+    finish of it publishes nothing. Every chunk's rows are let go."""
     with open_channel() as channel:
         delivery = StageDelivery(channel, stream_every=1)
-        delivery.note_prompts({"a": 6, "b": 6})
-        hit = ReadBack(rows(0, 4))
-        delivery.publish_hits("a", hit)
-        delivery.add("a", 0, rows(0, 6), 6)  # the step: hit rows, then its own
-        again = ReadBack(rows(0, 4))
-        delivery.publish_hits("a", again)  # resumed: its positions went out already
-        lost = ReadBack(rows(0, 4), OmniPrefixCacheError("a row was lost to a failed write"))
-        delivery.publish_hits("b", lost)
-        delivery.finish(FinishedRequest("a", "a", prompt_len=6))
+        assert delivery.hold(["a", "b"]) == ["a", "b"]
+        hit = ReadBack(rows(0, 4), req_id="a")
+        lost = ReadBack(rows(0, 4), OmniPrefixCacheError("a row was lost to a failed write"),
+                        req_id="b")
+        delivery.publish_chunks([hit, lost])
+        step = ReadBack(rows(4, 6), req_id="a", start=4)
+        after = ReadBack(rows(4, 5), req_id="b", start=4)
+        delivery.publish_chunks([step, after])
+        final = ReadBack({}, req_id="a", start=6, num_rows=6)
+        delivery.publish_reads([(FinishedRequest("a", "a", prompt_len=6), final),
+                                (FinishedRequest("b", "b", prompt_len=6),
+                                 ReadBack(rows(5, 6), req_id="b", start=5))])
         chunks = list(channel.stream("a", timeout_s=5))
         with pytest.raises(OmniPrefixCacheChannelError,
-                           match="request b: .*prefix hit's 4 cached rows failed: .*lost"):
+                           match="request b: .*its positions 0..3 could not be read back: .*lost"):
             channel.get("b", timeout_s=5)
-    assert [(c.start, c.rows["hidden"].shape[0]) for c in chunks] == [(0, 4), (4, 2), (6, 0)]
-    assert torch.equal(chunks[0].rows["hidden"], rows(0, 4)["hidden"])
-    assert hit.cancels and again.cancels and lost.cancels
+        assert channel.used_bytes() == 0  # nothing of b's after its failure
+    assert [(c.start, c.rows["hidden"].shape[0] if c.rows else 0, c.final) for c in chunks] == \
+        [(0, 4, False), (4, 2, False), (6, 0, True)]
+    assert torch.equal(torch.cat([c.rows["hidden"] for c in chunks[:2]]), rows(0, 6)["hidden"])
+    assert chunks[-1].meta == {"prompt_len": 6, "num_rows": 6} and not chunks[-1].aborted
+    assert hit.cancels and lost.cancels and step.cancels and after.cancels and final.cancels
+    assert delivery.stats()["delivery_chunks"] == 2
 
 
 def record_put_alls(channel: Any) -> list[list[str]]:
@@ -242,9 +253,11 @@ def test_a_steps_finished_requests_read_back_go_in_one_put_and_each_fails_alone(
         puts = record_put_alls(channel)
         delivery = StageDelivery(channel)
         delivery.hold(["a", "lost", "big", "c"])
-        reads = {"a": ReadBack(rows(0, 3)), "big": ReadBack(rows(0, 600)),
-                 "lost": ReadBack(rows(0, 3), OmniPrefixCacheError("a row was lost")),
-                 "c": ReadBack(rows(0, 2))}
+        reads = {"a": ReadBack(rows(0, 3), req_id="a"),
+                 "big": ReadBack(rows(0, 600), req_id="big"),
+                 "lost": ReadBack(rows(0, 3), OmniPrefixCacheError("a row was lost"),
+                                  req_id="lost"),
+                 "c": ReadBack(rows(0, 2), req_id="c")}
         delivery.publish_reads([(FinishedRequest(r, r, 2), reads[r]) for r in reads])
         assert puts == [["a", "big", "c"]]
         assert torch.equal(channel.get("a", timeout_s=5)["hidden"], rows(0, 3)["hidden"])
@@ -267,9 +280,10 @@ def test_requests_of_one_external_id_finishing_together_are_published_in_order()
         puts = record_put_alls(channel)
         delivery = StageDelivery(channel)
         delivery.hold(["r-1", "r-2", "s"])
-        delivery.publish_reads([(FinishedRequest("r-1", "r", 2), ReadBack(rows(0, 2))),
-                                (FinishedRequest("s", "s", 2), ReadBack(rows(0, 3))),
-                                (FinishedRequest("r-2", "r", 2), ReadBack(rows(0, 4)))])
+        delivery.publish_reads([
+            (FinishedRequest("r-1", "r", 2), ReadBack(rows(0, 2), req_id="r-1")),
+            (FinishedRequest("s", "s", 2), ReadBack(rows(0, 3), req_id="s")),
+            (FinishedRequest("r-2", "r", 2), ReadBack(rows(0, 4), req_id="r-2"))])
         assert puts == [["r", "s"], ["r"]]
         assert [len(channel.get("r", timeout_s=5)["hidden"]) for _ in range(2)] == [2, 4]
         assert len(channel.get("s", timeout_s=5)["hidden"]) == 3

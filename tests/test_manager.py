@@ -15,7 +15,7 @@ from prefix_cache import devices
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheError,
                           OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
                           OmniPrefixCacheUnmatchError, PrefixCacheConfig, TaskState, WriteTask)
-from prefix_cache.channel import open_channel
+from prefix_cache.channel import StageChunk, open_channel
 from prefix_cache.core.pool_rows import PoolRows
 from tests.sim import StepDriver, token_rows
 
@@ -413,10 +413,72 @@ def test_a_finish_read_back_fails_a_request_whose_hidden_rows_are_not_all_there(
             d.outputs(2).to(backend.device), None, num_tokens_unpadded=0, num_tokens_padded=0,
             plan_reads=False))
         rows = manager.plan_request_rows({"a": None, "b": None})
-        with pytest.raises(OmniPrefixCacheError, match=r"hidden rows of 4 of its 8 positions "
-                                                       r"\(first 4\) were never written"):
+        with pytest.raises(OmniPrefixCacheError, match=r"hidden rows of 4 of its positions 0\.\.7 "
+                                                           r"\(first 4\) were never written"):
             rows["a"].resolve()
         assert torch.equal(rows["b"].resolve()[HIDDEN_KEY], token_rows(tokens, 2))
+
+
+def test_a_steps_chunks_are_read_together_in_place_and_let_go_once_written(backend):
+    """A streaming stage's chunks (`plan_chunk_rows`): one read per key for all of a step's
+    chunks, each request's rows of its positions left in the pool for the channel's writer,
+    with an mm key only where the chunk has rows of it; the pins go once every chunk's rows
+    are written and the chunks cancelled, and the entries hold each request's own rows."""
+    manager, d = make(backend)
+    a, b = list(range(40, 50)), list(range(300, 310))
+    with manager, open_channel("shm") as channel:
+        sids = [run_step(manager, d, d.step(new=[("a", a, [1, 2, 3], 0, 8),
+                                                 ("b", b, [4, 5, 6], 0, 8)]),
+                         backend.device, materialize=False)]
+        sids.append(run_step(manager, d, d.step(cached={"a": 1, "b": 1}), backend.device,
+                             mm_width=None, materialize=False))  # hidden rows only
+        for sid in sids:
+            manager.discard_step(sid)
+        chunks = manager.plan_chunk_rows({"a": (6, 9), "b": (8, 9), "gone": (0, 1)})
+        assert sorted(chunks) == ["a", "b"]  # a request the view does not hold: none
+        assert [(c.start, c.num_rows) for c in chunks.values()] == [(6, 9), (8, 9)]
+        held = {req_id: rows.hold() for req_id, rows in chunks.items()}
+        assert {key: type(r) for key, r in held["a"].items()} == {HIDDEN_KEY: PoolRows,
+                                                                 "mm_feature": PoolRows}
+        assert list(held["b"]) == [HIDDEN_KEY]  # no mm row in its chunk's position
+        assert manager.pool.any_pinned(np.arange(manager.pool.num_slots))
+        failures = channel.put_all([(req_id, StageChunk(rows, 0, final=False))
+                                    for req_id, rows in held.items()])
+        assert failures == [None, None]
+        for rows in chunks.values():
+            rows.cancel()
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
+        got = {req_id: next(iter(channel.stream(req_id, timeout_s=5))).rows for req_id in held}
+    assert torch.equal(got["a"][HIDDEN_KEY], token_rows(a, 2)[6:9])
+    assert torch.equal(got["a"]["mm_feature"],
+                       torch.cat([token_rows(a, 16, salt=1)[6:8], torch.zeros(1, 16)]))
+    assert torch.equal(got["b"][HIDDEN_KEY], token_rows(b, 2)[8:9])
+
+
+def test_a_chunk_without_its_hidden_rows_fails_alone_and_the_others_read(backend):
+    """A chunk some of whose positions have no hidden row (its block got a copy of a block
+    nobody wrote) fails by name, its positions said; the step's other chunks read."""
+    manager, d = make(backend)
+    tokens = list(range(8))
+    with manager:
+        manager.discard_step(run_step(
+            manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8), ("b", tokens, [3, 4], 0, 8)]),
+            backend.device, materialize=False, plan_reads=False))
+        so = d.step()
+        so.kv_cache_block_copies = [SimpleNamespace(src_block_id=7, dst_block_id=2)]
+        manager.new_step_starts(so)
+        manager.discard_step(manager.save_outputs(
+            d.outputs(2).to(backend.device), None, num_tokens_unpadded=0, num_tokens_padded=0,
+            plan_reads=False))
+        chunks = manager.plan_chunk_rows({"a": (2, 8), "b": (2, 8)})
+        with pytest.raises(OmniPrefixCacheError, match=r"its positions 2\.\.7: 4 of its "
+                                                       r"positions have no hidden row"):
+            chunks["a"].hold()
+        rows = chunks["b"].hold()
+        assert type(rows[HIDDEN_KEY]) is PoolRows and rows[HIDDEN_KEY].shape == (6, 2)
+        for chunk in chunks.values():
+            chunk.cancel()
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
 
 
 def test_deferred_budget_flush_splits_writes_and_a_hit_reads_both(backend):

@@ -61,8 +61,8 @@ def test_steps_return_before_finished_requests_rows_are_read_back(
             manager = runner.omni_prefix_cache
             plan = manager.plan_request_rows
 
-            def planned(requests_standing: Any) -> Any:
-                reads = plan(requests_standing)
+            def planned(requests_standing: Any, starts: Any = None) -> Any:
+                reads = plan(requests_standing, starts)
                 for req_id, rows in reads.items():
                     record("planned", req_id)
                     hold = rows.hold

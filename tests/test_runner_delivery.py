@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -235,6 +236,9 @@ class OneBlockView:
         n = sum(scheduled[r] for r in req_ids)
         return torch.arange(32 + self.computed, 32 + self.computed + n)
 
+    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
+        return np.array([[32, 32 + num_positions]]) if req_id == "a" else None
+
 
 def step(req_ids: list[str], scheduled: dict[str, int], finished: tuple[str, ...] = ()
          ) -> SimpleNamespace:
@@ -281,8 +285,9 @@ def test_the_driver_publishes_a_finished_requests_rows(cached: bool) -> None:
     assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 6)[HIDDEN_KEY])
     assert stats["delivery_published"] == 1 and stats["delivery_requests_held"] == 0
     if cached:
+        # every step discarded on the engine thread: its rows are read back at the finish
         assert stats["calls.save_outputs"] == stats["calls.new_step_starts"] == 3
-        assert stats["calls.discard_step"] == 1
+        assert stats["calls.discard_step"] == 3 and stats.get("calls.materialize", 0) == 0
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cache", "no-cache"])
@@ -450,6 +455,59 @@ def test_a_cache_stage_reads_a_finished_requests_rows_back_once_and_fails_those_
     assert stats["delivery_requests_held"] == (0 if ending == "turn off" else 1)
 
 
+@pytest.mark.parametrize("standing", [10, 9], ids=["last-row-cut", "nothing-left"])
+def test_a_streaming_cache_stage_reads_each_chunk_back_when_due_and_the_rest_at_the_finish(
+        monkeypatch: pytest.MonkeyPatch, standing: int) -> None:
+    """With the cache and `stream: 3`, steps are only discarded: the prompt's rows go out as
+    a chunk once all computed, each later chunk once 3 positions stand (read back from the
+    pool, the output thread busy only in those steps), and the finish publishes the rest;
+    a final chunk with no rows left still has the key."""
+    backend = get_backend("cpu")
+    sim = StepDriver(block_size=4)
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4), sim,
+                                     backend=backend)
+    tokens = list(range(100, 112))
+    delivery = StageDelivery(None, stream_every=3)
+    published: list[list[tuple[int, int]]] = []  # each call's chunks, (start, end) positions
+    publish_chunks = delivery.publish_chunks
+    monkeypatch.setattr(delivery, "publish_chunks", lambda reads: (
+        published.append([(r.start, r.num_rows) for r in reads]), publish_chunks(reads)))
+    with open_channel() as channel:
+        delivery._sink = channel
+        driver = StageOutputDriver(delivery, backend, cache=manager, policy=ModelCachePolicy(),
+                                   empty_hidden=lambda: torch.empty(0, HIDDEN))
+
+        def run(so: SimpleNamespace, finished: list[FinishedRequest]) -> None:
+            driver.begin_step(so, finished)
+            if sim.batch:
+                hidden = sim.outputs(HIDDEN)
+                starts = [sim.reqs[r].computed for r in sim.batch]
+                ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
+                driver.save_step(hidden, None, StepBatch(sim.batch, starts, ends),
+                                 hidden.shape[0])
+            driver.end_step()
+            sim.advance()
+
+        prefill = sim.step(new=[("a", tokens, [1, 2, 3], 0, 6)])
+        prefill.scheduled_new_reqs[0].prompt_token_ids = tokens[:6]
+        run(prefill, [])
+        for _ in range(5):  # positions 6..10, fed sampled tokens
+            run(sim.step(cached={"a": 1}), [])
+        run(sim.step(finished=["a"]), [FinishedRequest("a", "a", 6, rows_standing=standing)])
+        driver._thread.drain()
+        chunks = list(channel.stream("a", timeout_s=5))
+        stats = driver.stats()
+        driver.close()
+    assert published == [[(0, 6)], [(6, 9)]]  # no output-thread work in the other steps
+    # every step discarded (the finish's, without a forward, too), none materialized
+    assert stats["calls.discard_step"] == 7 and stats.get("calls.materialize", 0) == 0
+    assert [(c.start, c.rows[HIDDEN_KEY].shape[0], c.final) for c in chunks] == \
+        [(0, 6, False), (6, 3, False), (9, standing - 9, True)]
+    assert torch.equal(torch.cat([c.rows[HIDDEN_KEY] for c in chunks]),
+                       token_rows(tokens, HIDDEN)[:standing])
+    assert chunks[-1].meta == {"prompt_len": 6, "num_rows": standing}
+
+
 @pytest.mark.parametrize("pinned_at", ["finish", "preemption"])
 def test_a_request_whose_rows_cannot_be_pinned_turns_the_stage_off_and_fails_it_by_name(
         monkeypatch: pytest.MonkeyPatch, pinned_at: str) -> None:
@@ -461,7 +519,7 @@ def test_a_request_whose_rows_cannot_be_pinned_turns_the_stage_off_and_fails_it_
     manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4), sim,
                                      backend=backend)
 
-    def refused(requests: Any) -> Any:
+    def refused(requests: Any, starts: Any = None) -> Any:
         raise OmniPrefixCacheError(f"the pool is gone (requests {sorted(requests)})")
 
     monkeypatch.setattr(manager, "plan_request_rows", refused)

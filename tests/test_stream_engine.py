@@ -21,6 +21,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import StageChannel, StageChunk, open_channel  # noqa: E402
+from prefix_cache.integration.chunks import ChunkSchedule  # noqa: E402
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, vllm_device  # noqa: E402
 from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
@@ -141,16 +142,15 @@ def test_requests_preempted_while_streaming_stream_each_position_once(
     """Four requests whose decodes outgrow a 7-block KV cache: vLLM preempts some and
     recomputes them from position 0 while their chunks are out; each stream's positions still
     come once, in order, prompt + generated - 1 of them."""
-    starts: dict[str, list[int]] = {}
-    add_step = StageDelivery.add_step
+    starts: dict[str, list[int]] = {}  # per request, the position of each step's rows
+    due = ChunkSchedule.due
 
-    def recording_add_step(self: StageDelivery, spans: Any, rows: Any) -> None:
-        spans = list(spans)
-        for req_id, start, _, _ in spans:
+    def recording_due(self: ChunkSchedule, batch: Any, skip: Any = ()) -> Any:
+        for req_id, start in zip(batch.req_ids, batch.starts):
             starts.setdefault(req_id, []).append(start)
-        add_step(self, spans, rows)
+        return due(self, batch, skip)
 
-    monkeypatch.setattr(StageDelivery, "add_step", recording_add_step)
+    monkeypatch.setattr(ChunkSchedule, "due", recording_due)
     prompts = {f"p{i}": PREFIX[:32] + [7 + i] * 16 for i in range(4)}
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     with multiprocessing_mode(False), open_channel() as channel:

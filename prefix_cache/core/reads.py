@@ -270,9 +270,12 @@ class ReadPlanner:
         lost = self._pool.lost(key, hits.slots)
         any_lost = bool(lost.any())
         # each hit's producers: the distinct (hit, producer) pairs of its present rows
-        hit_of_row = np.repeat(np.arange(len(hits)), np.diff(bounds))[present]
         producer_ids: list[set[int]] = [set() for _ in planned]
-        if len(producers):
+        if len(hits) == 1:  # one hit (a step's chunks read together): its rows' producers
+            producer_ids[0].update((np.unique(producers) if len(producers) > 256
+                                    else producers).tolist())
+        elif len(producers):
+            hit_of_row = np.repeat(np.arange(len(hits)), np.diff(bounds))[present]
             span = int(producers.max()) + 1
             for pair in np.unique(hit_of_row * span + producers).tolist():
                 producer_ids[pair // span].add(pair % span)

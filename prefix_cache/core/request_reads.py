@@ -1,7 +1,9 @@
-"""A request's rows read back from the pool: all its positions at its finish, or its prefix hit's.
+"""A request's rows read back from the pool: its positions at its finish, a streaming stage's
+chunk of them, or its prefix hit's.
 
 Planned on the engine thread while the view still holds the request's blocks (a streaming
-stage's prefix hit: at the step's start, `plan_hit_rows`); the reads pin their slots, so a
+stage's prefix hit: at the step's start, `plan_hit_rows`; a chunk: once its positions stand);
+the reads pin their slots, so a
 block the scheduler hands to a new tenant is not overwritten before they are read (the
 writer resolves a pinned read first, see `ReadPlanner`). Read by the thread
 that delivers the rows, one read per key the request has rows of: in place, by the channel's
@@ -26,13 +28,15 @@ from prefix_cache.errors import OmniPrefixCacheError
 
 
 class RequestRows:
-    """Positions `[0, num_rows)` of `req_id`, per key it has rows of: a read of them (absent
-    mm rows read zeros); `rows_cut` more positions were computed but do not stand.
+    """Positions `[start, num_rows)` of `req_id`, per key it has rows of there: a read of them
+    (absent mm rows read zeros); `rows_cut` more positions were computed but do not stand.
     Invariant: until resolved or cancelled, each read pins its slots."""
 
-    def __init__(self, req_id: str, num_rows: int, rows_cut: int, reads: dict[str, RowRead],
-                 feat_shapes: dict[str, tuple[int, ...]], planner: ReadPlanner) -> None:
+    def __init__(self, req_id: str, start: int, num_rows: int, rows_cut: int,
+                 reads: dict[str, RowRead], feat_shapes: dict[str, tuple[int, ...]],
+                 planner: ReadPlanner) -> None:
         self.req_id = req_id
+        self.start = start
         self.num_rows = num_rows
         self.rows_cut = rows_cut
         self._reads = reads
@@ -45,7 +49,7 @@ class RequestRows:
         return list(self._reads)
 
     def hold(self) -> dict[str, torch.Tensor | PoolRows]:
-        """The rows per key, `[num_rows, *feat]`, for one writer: a read this thread claims
+        """The rows per key, `[num_rows - start, *feat]`, for one writer: a read this thread claims
         stays in the pool, pinned, for the writer to read in place (`PoolRows`) until
         `cancel()`; one another thread gathered first is its tensor. Raises naming the request
         if a row was lost (its write failed), every read let go."""
@@ -64,7 +68,7 @@ class RequestRows:
         return out
 
     def resolve(self) -> dict[str, torch.Tensor]:
-        """The rows per key, `[num_rows, *feat]` tensors the caller owns; raises naming the
+        """The rows per key, `[num_rows - start, *feat]` tensors the caller owns; raises naming the
         request if a row was lost (its write failed). Either way every read is let go."""
         try:
             return {key: self._gathered(key, read) for key, read in self._reads.items()}
@@ -72,7 +76,7 @@ class RequestRows:
             self.cancel()
 
     def _shape(self, key: str) -> tuple[int, ...]:
-        return (self.num_rows, *self._feat_shapes[key])
+        return (self.num_rows - self.start, *self._feat_shapes[key])
 
     def _gathered(self, key: str, read: RowRead) -> torch.Tensor:
         """`read`'s rows in a tensor of their own (gathered here, or by the thread that got to
@@ -93,16 +97,18 @@ class RequestRows:
 
 
 def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: DeferredWriter,
-                      lock: threading.Lock, requests: Sequence[tuple[str, np.ndarray, int]],
+                      lock: threading.Lock,
+                      requests: Sequence[tuple[str, int, np.ndarray, int]],
                       what: str = "the finish") -> dict[str, RequestRows]:
-    """Per `(request, slots of its positions from 0, rows cut)`, its rows of every key it has
-    rows of (present, or lost to a failed write: those fail its read), the pool looked up once
-    per key for all of them. Hidden rows are never absent: a position without one fails the
-    request's read, where zeros would pass for rows nobody computed. Rows still held on the
-    device by a live request's deferred write (a prefix it shares) are launched."""
-    hits = StepHits.join([(req_id, len(slots), slots) for req_id, slots, _ in requests
+    """Per `(request, first position, slots of its positions from there, rows cut)`, its rows
+    of every key it has rows of there (present, or lost to a failed write: those fail its
+    read), the pool looked up once per key for all of them. Hidden rows are never absent: a
+    position without one fails the request's read, where zeros would pass for rows nobody
+    computed. Rows still held on the device by a live request's deferred write (a prefix it
+    shares) are launched."""
+    hits = StepHits.join([(req_id, len(slots), slots) for req_id, _, slots, _ in requests
                           if len(slots)])
-    reads: dict[str, dict[str, RowRead]] = {req_id: {} for req_id, _, _ in requests}
+    reads: dict[str, dict[str, RowRead]] = {req_id: {} for req_id, _, _, _ in requests}
     if len(hits):
         starts = hits.bounds[:-1]
         with lock:
@@ -118,15 +124,19 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Def
                     if chosen else []
                 for i, read in zip(chosen, planned):
                     reads[hits.req_ids[i]][key] = read
-    for read in (per_key[HIDDEN_KEY] for per_key in reads.values() if HIDDEN_KEY in per_key):
-        if read.present is not None and not read.present.all() and read.error is None:
+    for req_id, start, _, _ in requests:
+        read = reads[req_id].get(HIDDEN_KEY)
+        if read is not None and read.present is not None and not read.present.all() \
+                and read.error is None:
             missing = np.flatnonzero(~read.present)
             planner.cancel(read)  # unpins under the lock: not while holding it
             read.fail(OmniPrefixCacheError(
-                f"hidden rows of {len(missing)} of its {len(read.present)} positions (first "
-                f"{int(missing[0])}) were never written"))
+                f"hidden rows of {len(missing)} of its positions {start}.."
+                f"{start + len(read.present) - 1} (first {start + int(missing[0])}) were never "
+                f"written"))
     deferred.flush_tasks([task for per_key in reads.values() for read in per_key.values()
                           for task in read.producers])
     feat_shapes = {key: pool_key.feat_shape for key, pool_key in pool.keys.items()}
-    return {req_id: RequestRows(req_id, len(slots), cut, reads[req_id], feat_shapes, planner)
-            for req_id, slots, cut in requests}
+    return {req_id: RequestRows(req_id, start, start + len(slots), cut, reads[req_id],
+                                feat_shapes, planner)
+            for req_id, start, slots, cut in requests}

@@ -29,19 +29,16 @@ many rows stand, and its row is cut whether it arrived before the finish or not.
 
 A streaming stage (`stream_every`) publishes a request's rows as chunks while it
 runs, once `stream_every` new positions stand, and once its prompt's positions all
-stand: a prefix hit's cached rows are its first chunk, as soon as they are read
-(`publish_hits`, while the step's forward runs), each later chunk the positions
-since, and the final chunk, at the finish, the rest. A step's chunks go to the sink
-together (`put_all`: one call on shm), each failing its request alone. A
-prompt position stands once computed (a prompt token is never a stop token); a
-later one, fed a sampled token, one step after: an asynchronous scheduler feeds a
-stop token in the step it already has in flight, and that row is cut at the
-finish, so no chunk may carry it. A request recomputed after preemption never
-streams positions again.
+stand (`prefix_cache.integration.chunks` says which stand), each chunk the positions
+since the last, and the final chunk, at the finish, the rest. A step's chunks go to
+the sink together (`put_all`: one call on shm), each failing its request alone. A
+request recomputed after preemption never streams positions again.
 
-A request held whole (`hold`, the cache's stage when not streaming) gets no rows by step:
-its rows are read back from the pool at its finish (`publish_reads`), every position from 0
-at once, and published as an entry added up by steps would be, a step's finishes in one put.
+A request read back (`hold`: the cache's stage) gets no rows by step: they stay in the
+pool. Its chunks, when it streams, are read back as they fall due (`publish_chunks`: a
+prefix hit's cached rows are its first chunk, read while the step's forward runs), and
+at its finish the rest (`publish_reads`), every position from 0 where it does not
+stream, published as an entry added up by steps would be, a step's finishes in one put.
 The sink's writer reads them from the pool in place (one copy, pool to entry); they stay
 pinned until the put returns.
 
@@ -63,6 +60,7 @@ from typing import Any, Protocol
 import torch
 
 from prefix_cache.channel.base import StageChunk
+from prefix_cache.integration.chunks import due_chunk_end
 from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
@@ -84,11 +82,14 @@ class StageSink(Protocol):
 
 
 class RowsReadBack(Protocol):
-    """A request's rows of positions `[0, num_rows)` read from the pool, whole at its finish or
-    a prefix hit's at its first step (`prefix_cache.core.request_reads.RequestRows`): held
-    there for the sink's writer (`hold`) until `cancel`; `rows_cut` more positions were
-    computed by a step whose tokens the scheduler discarded."""
+    """A request's rows of positions `[start, num_rows)` read from the pool: at its finish, a
+    streaming stage's chunk, or a prefix hit's at its first step
+    (`prefix_cache.core.request_reads.RequestRows`): held there for the sink's writer (`hold`)
+    until `cancel`; `rows_cut` more positions were computed by a step whose tokens the
+    scheduler discarded."""
 
+    req_id: str
+    start: int
     num_rows: int
     rows_cut: int
 
@@ -162,6 +163,16 @@ def _rows(parts: list[_Part], start: int, end: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _no_rows(keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+             ) -> dict[str, torch.Tensor]:
+    """Zero rows of each of `keys` (a final chunk after one that had them)."""
+    return {key: torch.empty((0, *feat), dtype=dtype) for key, (feat, dtype) in keys.items()}
+
+
+def _positions(rows: RowsReadBack) -> str:
+    return f"its positions {rows.start}..{rows.num_rows - 1}"
+
+
 class StageDelivery:
     """Per live request, parts whose positions run contiguously from 0, or from where its last
     chunk ended when streaming (a later part may overlap).
@@ -183,9 +194,12 @@ class StageDelivery:
         self._lock = threading.Lock()
         self._parts: dict[str, list[_Part]] = {}
         self._streamed: dict[str, int] = {}  # positions a request published in chunks
+        # read back: the keys of a request's last chunk, with their rows' feature shapes and
+        # dtypes (a final chunk without rows still has them)
+        self._chunk_keys: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
         self._prompt_lens: dict[str, int] = {}  # streaming: prompt lengths of live requests
         self._published_early: set[str] = set()  # published; the runner's finish is to come
-        self._held_whole: set[str] = set()  # their rows read back whole at the finish
+        self._read_back: set[str] = set()  # their rows read back from the pool, not added
         self._broken: dict[str, str] = {}  # requests whose rows can no longer come whole: why
         self._published = 0
         self._chunks = 0
@@ -200,7 +214,7 @@ class StageDelivery:
         discarded)."""
         with self._lock:
             held = sum(p.nbytes() for parts in self._parts.values() for p in parts)
-            return {"delivery_requests_held": len(self._parts) + len(self._held_whole),
+            return {"delivery_requests_held": len(self._parts) + len(self._read_back),
                     "delivery_bytes_held": held,
                     "delivery_published": self._published, "delivery_chunks": self._chunks,
                     "delivery_failed": self._failed, "delivery_rows_cut": self._rows_cut}
@@ -209,6 +223,11 @@ class StageDelivery:
     def streaming(self) -> bool:
         """Whether requests' rows go out in chunks while they run."""
         return self._stream_every is not None
+
+    @property
+    def stream_every(self) -> int | None:
+        """Positions a chunk waits for (None: whole entries at the finish)."""
+        return self._stream_every
 
     def note_prompts(self, prompt_lens: Mapping[str, int]) -> None:
         """Prompt lengths of requests a step schedules anew (from the engine thread, before
@@ -273,10 +292,9 @@ class StageDelivery:
             for req_id in req_ids:
                 parts = self._parts.get(req_id)
                 sent = self._streamed.get(req_id, 0)
-                prompt_len = self._prompt_lens.get(req_id, 0)
-                end = parts[-1].end if parts else 0
-                stands = end if end <= prompt_len else end - 1
-                if stands - sent < self._stream_every and not sent < prompt_len <= stands:
+                stands = due_chunk_end(sent, parts[-1].end if parts else 0,
+                                       self._prompt_lens.get(req_id, 0), self._stream_every)
+                if stands is None:
                     continue
                 rows = _rows(parts, sent, stands)
                 if not rows:  # no key emitted yet: nothing to read the positions' zeros by
@@ -298,34 +316,45 @@ class StageDelivery:
         with self._lock:
             self._chunks += sum(exc is None for exc in failures)
 
-    def publish_hits(self, req_id: str, rows: RowsReadBack) -> None:
-        """Streaming: a request's prefix hit, its cached rows of positions `[0, rows.num_rows)`,
-        published at once as its first chunk (read from the pool in place), ahead of any step's
-        rows; its consumer is told of it first. A request seen already (resumed after
-        preemption: its positions went out before) only lets them go, as does a stage that is
-        not streaming or has stopped."""
-        h = rows.num_rows
-        with self._lock:
-            fresh = (self.streaming and self._sink is not None and self._stopped is None
-                     and h > 0 and req_id not in self._parts and req_id not in self._broken
-                     and req_id not in self._published_early)
-            if fresh:  # the step's rows join from position h on
-                self._parts[req_id] = [_Part(h, h, {})]
-                self._streamed[req_id] = h
-        if not fresh:
-            rows.cancel()
-            return
-        self._expect([req_id])
+    def publish_chunks(self, reads: Sequence[RowsReadBack]) -> None:
+        """Streaming, requests read back: each one's chunk of positions `[start, num_rows)`,
+        read from the pool in place, all in one put (`put_all`), unless its entry failed
+        already or the stage stopped. A chunk that cannot be read or published fails its
+        request, naming its positions. Every read's rows are let go once the put returns."""
         try:
-            self._sink.put(self._external_id(req_id), rows.hold(), start=0, final=False)
-        except Exception as exc:  # a full /dev/shm, a store gone, a row lost: this request alone
-            self.fail_requests([req_id], f"publishing its prefix hit's {h} cached rows failed: "
-                                         f"{type(exc).__name__}: {exc}")
-            return
+            with self._lock:
+                live = [] if self._stopped is not None or self._sink is None else [
+                    rows for rows in reads if rows.req_id not in self._published_early
+                    and rows.req_id not in self._broken]
+            chunks, putting = [], []
+            for rows in live:
+                try:
+                    held = rows.hold()
+                except Exception as exc:  # a write that failed: this request fails alone
+                    self.fail_requests([rows.req_id], f"{_positions(rows)} could not be read "
+                                                      f"back: {type(exc).__name__}: {exc}")
+                    continue
+                chunks.append((self._external_id(rows.req_id),
+                               StageChunk(held, rows.start, final=False)))
+                putting.append(rows)
+            if not chunks:
+                return
+            failures = self._put_all(chunks)
+            for rows, exc in zip(putting, failures):
+                if exc is not None:  # a full /dev/shm, a store gone: this request fails alone
+                    self.fail_requests([rows.req_id], f"publishing the chunk of "
+                                                      f"{_positions(rows)} failed: "
+                                                      f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                for rows, (_, chunk), exc in zip(putting, chunks, failures):
+                    if exc is None and rows.req_id not in self._published_early:
+                        self._streamed[rows.req_id] = rows.num_rows
+                        self._chunk_keys[rows.req_id] = {
+                            key: (tuple(r.shape[1:]), r.dtype) for key, r in chunk.rows.items()}
+                        self._chunks += 1
         finally:
-            rows.cancel()  # the pool's rows, let go once the put returns
-        with self._lock:
-            self._chunks += 1
+            for rows in reads:  # the pool's rows, let go once the put returns
+                rows.cancel()
 
     def _expect(self, req_ids: Sequence[str]) -> None:
         """Tell the sink this stage will publish each of `req_ids` (at once): their consumers
@@ -358,14 +387,14 @@ class StageDelivery:
 
     def hold(self, req_ids: Sequence[str]) -> list[str]:
         """Of a step's requests, those seen first, now held until their finish, whose rows are
-        then read back whole (`publish_reads`) instead of added by step; `announce` tells the
-        sink of them. Returns them (none in most steps: one set lookup)."""
+        read back from the pool (`publish_chunks`, `publish_reads`) instead of added by step;
+        `announce` tells the sink of them. Returns them (none in most steps: one set lookup)."""
         with self._lock:
-            if self._held_whole.issuperset(req_ids):
+            if self._read_back.issuperset(req_ids):
                 return []
             fresh = [r for r in req_ids
-                     if r not in self._held_whole and r not in self._published_early]
-            self._held_whole.update(fresh)
+                     if r not in self._read_back and r not in self._published_early]
+            self._read_back.update(fresh)
         return fresh
 
     def announce(self, req_ids: Sequence[str]) -> None:
@@ -374,16 +403,19 @@ class StageDelivery:
 
     def publish_reads(self, reads: Sequence[tuple[FinishedRequest, RowsReadBack | None]], *,
                       early: bool = False) -> None:
-        """`finish` (`early`: `finish_early`) of requests held whole, a step's together: publish
-        each one's `rows` read back (None: it has none the view still held), unless published
-        already, all in one put (`put_all`); rows that cannot be read are published as that
-        request's failure, naming why. Every read's rows are let go once the put returns."""
+        """`finish` (`early`: `finish_early`) of requests read back, a step's together: publish
+        each one's `rows` read back (the rest after its chunks; None: it has none the view
+        still held), unless published already, all in one put (`put_all`); rows that cannot be
+        read are published as that request's failure, naming why. Every read's rows are let go
+        once the put returns."""
         entries: list[_FinalEntry] = []
         try:
             for request, rows in reads:
                 with self._lock:
                     done = not self._first_finish(request.req_id, early)
-                    self._held_whole.discard(request.req_id)
+                    self._read_back.discard(request.req_id)
+                    sent = self._streamed.pop(request.req_id, 0)
+                    keys = self._chunk_keys.pop(request.req_id, {})
                     stopped = self._stopped
                     if rows is not None and not done and stopped is None:
                         self._rows_cut += rows.rows_cut
@@ -391,14 +423,14 @@ class StageDelivery:
                     if not done:
                         self._fail(request.external_id, request.req_id, stopped, logging.DEBUG)
                 elif rows is None:
-                    entries.append(_FinalEntry(request, {}, 0, 0, None))
+                    entries.append(_FinalEntry(request, _no_rows(keys), sent, sent, None))
                 else:
                     try:  # the sink's writer reads the rows from the pool in place: one copy
-                        held, cause = dict(rows.hold()), None
+                        held, cause = dict(rows.hold()) or _no_rows(keys), None
                     except Exception as exc:  # a write that failed: this request fails alone
                         held, cause = {}, (f"its rows could not be read back: "
                                            f"{type(exc).__name__}: {exc}")
-                    entries.append(_FinalEntry(request, held, rows.num_rows, 0, cause))
+                    entries.append(_FinalEntry(request, held, rows.num_rows, rows.start, cause))
             self._put_entries(entries)
         finally:
             for _, rows in reads:  # the pool's rows, let go once the put returns
@@ -451,7 +483,7 @@ class StageDelivery:
         """Publish, for every request still held (its finish never came and will not be
         heard), that its rows cannot come, and why; free them. Returns how many."""
         with self._lock:
-            held = self._parts.keys() | self._broken.keys() | self._held_whole
+            held = self._parts.keys() | self._broken.keys() | self._read_back
         return self.fail_requests(held, cause)
 
     def fail_requests(self, req_ids: Iterable[str], cause: str) -> int:
@@ -462,9 +494,10 @@ class StageDelivery:
             failing = sorted(set(req_ids) - self._published_early)
             for req_id in failing:
                 self._parts.pop(req_id, None)
-                self._held_whole.discard(req_id)
+                self._read_back.discard(req_id)
                 self._broken.pop(req_id, None)
                 self._streamed.pop(req_id, None)
+                self._chunk_keys.pop(req_id, None)
                 self._prompt_lens.pop(req_id, None)
             self._published_early.update(failing)
         for req_id in failing:

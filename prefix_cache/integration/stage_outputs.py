@@ -8,26 +8,26 @@ Per engine step, on the engine thread:
 
 With the cache, `begin_step` is the manager's `new_step_starts` and `save_step` its
 `save_outputs` (a step without a forward saves zero rows and is discarded at once, so every
-`new_step_starts` is followed by exactly one `save_outputs`). Then either:
+`new_step_starts` is followed by exactly one `save_outputs`). `end_step` discards the step on
+the engine thread, its rows staying in the pool, and has the output thread tell the channel of
+the requests it saw first. Nothing is handed over per step, nor read (steps are saved with
+`plan_reads=False`): that hand-over cost the engine step more than its work. Rows are read
+back from the pool instead, pinned on the engine thread and read and published by the output
+thread (the channel's writer copies them from the pool into the entry):
 
-- whole entries (a stage that does not stream): `end_step` discards the step on the engine
-  thread, its rows staying in the pool, and has the output thread tell the channel of the
-  requests it saw first. A finish, where `begin_step` reports it (before the step forgets the
-  request) or earlier, by `finish_now`, when the scheduler does
-  (`prefix_cache.integration.workers.finishes`), pins the request's rows from position 0
-  (`plan_request_rows`), and the output thread reads them back and publishes them. Nothing is
-  handed over per step, nor read (steps are saved with `plan_reads=False`): that hand-over
-  cost the engine step more than its work;
-- a streaming stage: `begin_step` pins the rows of the step's prefix hits
-  (`plan_hit_rows`), which the output thread publishes at once as each request's first chunk,
-  while the forward runs; `end_step` queues `materialize` on the output thread, which hands
-  each request's rows to `StageDelivery` step by step, for its chunks.
+- at a request's finish, where `begin_step` reports it (before the step forgets the request)
+  or earlier, by `finish_now`, when the scheduler does
+  (`prefix_cache.integration.workers.finishes`): its rows from position 0
+  (`plan_request_rows`), or, streaming, those after its last chunk;
+- a streaming stage's chunks (`prefix_cache.integration.chunks`): a prefix hit's cached rows
+  at the step's start (`plan_hit_rows`), published while the forward runs, as the request's
+  first chunk; then, at `end_step`, each chunk the step made due (`plan_chunk_rows`).
 
 Without the cache (prefix caching off), `save_step` starts device->host copies of the step's
-per-token rows and the output thread waits for them and hands them over the same way. There,
-and for a streaming stage, the requests a step retires are published after their last rows:
-a request's finish is queued at the step that reports it, after the materialize of the step
-before, or earlier, by `finish_now`.
+per-token rows and the output thread waits for them and hands them to `StageDelivery` step by
+step, which publishes chunks and entries from them. The requests a step retires are published
+after their last rows: a request's finish is queued at the step that reports it, after the
+hand-over of the step before, or earlier, by `finish_now`.
 
 A fault never takes the engine down. One in a job of the output thread fails the
 entries of that job's requests, each naming the cause, and the stage goes on;
@@ -46,16 +46,18 @@ from typing import Any
 import torch
 
 from prefix_cache.config import ModelCachePolicy
+from prefix_cache.integration.chunks import ChunkSchedule
 from prefix_cache.integration.delivery import FinishedRequest, RowsReadBack, StageDelivery
 from prefix_cache.devices.base import DeviceBackend, Transfer, wait_event
-from prefix_cache.errors import OmniPrefixCacheError
+from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.output_thread import OutputThread
 from prefix_cache.core.outputs import split_outputs
 
 logger = logging.getLogger(__name__)
 
-#: Jobs the output thread may hold (two per step at most: a finish and a materialize).
+#: Jobs the output thread may hold (three per step at most: a finish, a prefix hit's chunks
+#: and the step's rows or chunks).
 MAX_PENDING_JOBS = 16
 #: Steps in a row whose rows may fault on the output thread before the stage stops publishing.
 MAX_FAULTED_STEPS = 3
@@ -118,16 +120,22 @@ class StageOutputDriver:
         self._closed = False
         self._faulted_steps = 0  # steps in a row whose rows faulted (output thread)
         self._stopped_by_faults: str | None = None  # set by the output thread: why it stopped
-        # with the cache and whole entries, a request's rows are read back from the pool at its
-        # finish: a step is only discarded (on this thread), never handed to the output thread
-        self._at_finish = cache is not None and not delivery.streaming and callable(
-            getattr(cache.view, "request_positions_runs", None))
+        # with the cache, a request's rows are read back from the pool (at its finish, and as
+        # chunks fall due): a step is only discarded (on this thread), never handed over
+        self._chunks: ChunkSchedule | None = None
+        if cache is not None:
+            if not callable(getattr(cache.view, "request_positions_runs", None)):
+                raise OmniPrefixCacheUnmatchError(
+                    f"the stage's cache view {type(cache.view).__name__} cannot give a "
+                    f"request's positions (request_positions_runs): its rows are read back "
+                    f"from the pool by them")
+            if delivery.stream_every is not None:
+                self._chunks = ChunkSchedule(delivery.stream_every)
+                cache.track_allocations()  # a hit's rows go out before its forward
         self._finished_early: set[str] = set()  # read at `finish_now`; the runner's to come
         # a preempted request's rows, pinned before new tenants take its blocks: published if
         # it finishes before it is scheduled again (an abort), let go once it is
         self._preempted_rows: dict[str, RowsReadBack] = {}
-        if cache is not None and delivery.streaming:  # a hit's rows go out before its forward
-            cache.track_allocations()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -136,20 +144,21 @@ class StageOutputDriver:
         turned off, no step starts, and they get their failures)."""
         if self._stopped_by_faults is not None and not self._off:
             self.turn_off(self._stopped_by_faults)  # the output thread stopped publishing
-        if finished and self._at_finish and not self._off:
-            self._finish_whole(list(finished), early=False)  # before the step forgets them
+        if finished and self.cache is not None and not self._off:
+            self._finish_read_back(list(finished), early=False)  # before the step forgets them
             finished = ()
-        if self._at_finish and not self._off:
+        if self.cache is not None and not self._off:
             self._pin_preempted(scheduler_output)
         if not self._off:
             try:
                 self._thread.check()
                 if self.cache is not None:
                     self.cache.new_step_starts(scheduler_output)
-                if self.delivery.streaming:
-                    self.delivery.note_prompts(scheduled_prompt_lens(scheduler_output))
-                    if self.cache is not None:
+                    if self._chunks is not None:
+                        self._chunks.note_prompts(scheduled_prompt_lens(scheduler_output))
                         self._publish_hits(self.cache.plan_hit_rows())
+                elif self.delivery.streaming:
+                    self.delivery.note_prompts(scheduled_prompt_lens(scheduler_output))
                 self._step, self._in_step = None, True
             except Exception as exc:
                 self._engine_fault("starting a step", exc)
@@ -163,8 +172,8 @@ class StageOutputDriver:
         """The scheduler retired these requests before the runner heard of it: publish them
         now (their rows read back, or after every step queued so far); `begin_step` will skip
         them."""
-        if self._at_finish and not self._off:
-            self._finish_whole(list(finished), early=True)
+        if self.cache is not None and not self._off:
+            self._finish_read_back(list(finished), early=True)
             return
         requests = list(finished)
         self._submit(f"publishing {len(requests)} requests the scheduler retired",
@@ -180,22 +189,24 @@ class StageOutputDriver:
                 for req_id in self._preempted_rows.keys() & scheduler_output.num_scheduled_tokens:
                     self._preempted_rows.pop(req_id).cancel()
             if preempted := getattr(scheduler_output, "preempted_req_ids", None):
-                self._preempted_rows.update(
-                    self.cache.plan_request_rows(dict.fromkeys(preempted)))
+                self._preempted_rows.update(self.cache.plan_request_rows(
+                    dict.fromkeys(preempted),
+                    None if self._chunks is None else self._chunks.reach(list(preempted))))
         except Exception as exc:
             self._engine_fault("pinning preempted requests' rows", exc)
 
-    def _finish_whole(self, requests: list[FinishedRequest], *, early: bool) -> None:
-        """Pin the rows of requests held whole, read back and published by the output thread
-        (`early`: the scheduler's finish, before the runner's; a request read then is not read
-        again; one finished while preempted: the rows pinned then). Where planning fails, the
-        stage turns off and they get failures (the output thread stops publishing before their
-        job)."""
+    def _finish_read_back(self, requests: list[FinishedRequest], *, early: bool) -> None:
+        """Pin the rows of finished requests (those after its chunks where one streamed), read
+        back and published by the output thread (`early`: the scheduler's finish, before the
+        runner's; a request read then is not read again; one finished while preempted: the
+        rows pinned then). Where planning fails, the stage turns off and they get failures (the
+        output thread stops publishing before their job)."""
         fresh = {r.req_id for r in requests} - self._finished_early
         if early:
             self._finished_early.update(fresh)
         else:
             self._finished_early.difference_update(r.req_id for r in requests)
+        starts = None if self._chunks is None else self._chunks.forget(list(fresh))
         reads = {}
         try:
             for request in requests:  # finished while preempted: its rows pinned then
@@ -209,7 +220,8 @@ class StageOutputDriver:
                     pinned.cancel()
             if planned := fresh - reads.keys():
                 reads.update(self.cache.plan_request_rows(
-                    {r.req_id: r.rows_standing for r in requests if r.req_id in planned}))
+                    {r.req_id: r.rows_standing for r in requests if r.req_id in planned},
+                    starts))
         except Exception as exc:
             self._engine_fault("reading back finished requests' rows", exc)
         self._submit(f"publishing {len(requests)} finished requests", [r.req_id for r in requests],
@@ -218,12 +230,38 @@ class StageOutputDriver:
                      step_rows=True)
 
     def _publish_hits(self, hits: Mapping[str, RowsReadBack]) -> None:
-        """A streaming stage's prefix hits: the output thread publishes each request's cached
-        rows as its first chunk as soon as they are read, while the step's forward runs."""
-        if hits:
-            self._submit(f"publishing the prefix hits of {len(hits)} requests", list(hits),
-                         lambda: [self.delivery.publish_hits(req_id, rows)
-                                  for req_id, rows in hits.items()])
+        """A streaming stage's prefix hits: the output thread publishes each new request's
+        cached rows as its first chunk as soon as they are read, while the step's forward runs
+        (a request resumed after preemption streamed its positions already)."""
+        if not hits:
+            return
+        first = []
+        for rows in hits.values():
+            if self._chunks.first_chunk(rows.req_id, rows.num_rows):
+                first.append(rows)
+            else:
+                rows.cancel()
+        if first:
+            self._publish_chunks("the prefix hits", self.delivery.hold(
+                [rows.req_id for rows in first]), first)
+
+    def _publish_chunks(self, what: str, fresh: list[str], chunks: list[RowsReadBack]) -> None:
+        """Queue the announcement of the requests seen first (`fresh`), then the publishing
+        of `chunks`, on the output thread (where there is either)."""
+        if not fresh and not chunks:
+            return
+        if not chunks:
+            self._submit(f"announcing {len(fresh)} requests", fresh,
+                         lambda: self.delivery.announce(fresh))
+            return
+
+        def publish() -> None:
+            if fresh:
+                self.delivery.announce(fresh)
+            self.delivery.publish_chunks(chunks)
+
+        self._submit(f"publishing the chunks of {what} of {len(chunks)} requests",
+                     [*fresh, *(rows.req_id for rows in chunks)], publish, step_rows=True)
 
     def save_step(self, hidden: torch.Tensor, mm: Mapping[str, Any] | None, batch: StepBatch,
                   num_tokens_padded: int, slot_mapping: torch.Tensor | None = None) -> None:
@@ -246,7 +284,7 @@ class StageOutputDriver:
                                               num_tokens_padded=num_tokens_padded,
                                               slot_mapping=slot_mapping
                                               if self.cache.backend.device_slots else None,
-                                              plan_reads=not self._at_finish)
+                                              plan_reads=False)
             return _SavedStep(batch, step_id=step_id)
         with torch.inference_mode(False):
             per_token = split_outputs(hidden, mm, n, num_tokens_padded, self.policy).per_token()
@@ -278,17 +316,20 @@ class StageOutputDriver:
             # fails the held requests
 
     def end_step(self) -> None:
-        """The step's output is built: discard it (whole entries) or queue its rows (a step
-        without rows ends here)."""
+        """The step's output is built: discard it (read back: its chunks made due pinned) or
+        queue its rows (a step without rows ends here)."""
         if not self._in_step:
             return
         step, self._step, self._in_step = self._step, None, False
         try:
-            if step is not None and self._at_finish:  # read back at the finish
+            if step is not None and self.cache is not None:
                 self.cache.discard_step(step.step_id)
-                if fresh := self.delivery.hold(step.batch.req_ids):
-                    self._submit(f"announcing {len(fresh)} requests", fresh,
-                                 lambda: self.delivery.announce(fresh))
+                due = None if self._chunks is None else self._chunks.due(step.batch,
+                                                                         self._finished_early)
+                self._publish_chunks(f"a {step.batch.num_rows}-row step",
+                                     self.delivery.hold(step.batch.req_ids),
+                                     list(self.cache.plan_chunk_rows(due).values()) if due
+                                     else [])
             elif step is not None:
                 self._submit(f"delivering the rows of a {step.batch.num_rows}-row step",
                              step.batch.req_ids, lambda: self._deliver_unless_stopped(step),
@@ -351,29 +392,15 @@ class StageOutputDriver:
             self._stopped_by_faults = reason
 
     def _deliver_unless_stopped(self, step: _SavedStep) -> None:
-        """Deliver the step's rows, or only consume its saved step once faults stopped
-        publishing (steps the engine thread queued before it turned the stage off)."""
+        """Deliver the step's rows, unless faults stopped publishing (steps the engine thread
+        queued before it turned the stage off)."""
         if self._stopped_by_faults is None:
             self._deliver(step)
-        elif step.step_id is not None:
-            self.cache.discard_step(step.step_id)
 
     def _deliver(self, step: _SavedStep) -> None:
-        """Hand the step's rows to the delivery: views of the step's host rows, a span per
-        request, so the Python per request stays a tuple (see `StageDelivery.add_step`)."""
+        """Hand the step's host rows to the delivery once copied: a span per request, so the
+        Python per request stays a tuple (see `StageDelivery.add_step`)."""
         batch = step.batch
-        if step.step_id is not None:
-            out = self.cache.materialize_step(step.step_id, batch.req_ids)
-            rows_of = out.spans()
-            positions = dict(zip(batch.req_ids, batch.starts))
-            self.delivery.add_step([(r, positions[r], *rows_of[r]) for r in batch.req_ids
-                                    if r not in out.hits], out.rows)
-            for req_id, rows in out.hits.items():  # a hit's keys: its own, not the step's others
-                first, end = rows_of[req_id]
-                # from position 0: its hit rows, then the step's
-                count = next(iter(rows.values())).shape[0] if rows else end - first
-                self.delivery.add(req_id, positions[req_id] + end - first - count, rows, count)
-            return
         host: dict[str, torch.Tensor] = {}
         for key, (rows, transfer) in step.host_rows.items():
             wait_event(transfer.event, self._timeout_s, lambda key=key: f"step rows {key!r}")
