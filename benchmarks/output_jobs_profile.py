@@ -7,7 +7,7 @@ them by self time.
 The cache's engine runs M8's stage-1 workload (16 requests of 256 tokens, 16 generated) from a
 cold prefix cache, in-process, `--passes` times after a warm-up; every job of the output thread
 (announcing requests, reading back and publishing finished ones; with `--stream`, the stage
-streams: materializing each step and publishing its chunks) runs under cProfile. Printed:
+streams: reading back and publishing each step's chunks) runs under cProfile. Printed:
 the jobs' wall time per engine step and per publishing job (profiled, so read them side by
 side with another tree's, not as absolute costs), then the `--top` functions by self time, µs
 per engine step.

@@ -9,11 +9,17 @@ finish, so no chunk may carry it.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Container, Mapping, Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from prefix_cache.integration.stage_outputs import StepBatch
+
+class StepRows(Protocol):
+    """A step's rows in batch order: request i has rows `ends[i-1]:ends[i]`, from position
+    `starts[i]` on (`prefix_cache.integration.stage_outputs.StepBatch`)."""
+
+    req_ids: Sequence[str]
+    starts: Sequence[int]
+    ends: Sequence[int]
 
 
 def due_chunk_end(sent: int, end: int, prompt_len: int, every: int) -> int | None:
@@ -52,7 +58,7 @@ class ChunkSchedule:
         self._sent[req_id] = num_rows
         return True
 
-    def due(self, batch: StepBatch, skip: Container[str] = ()) -> dict[str, tuple[int, int]]:
+    def due(self, batch: StepRows, skip: Container[str] = ()) -> dict[str, tuple[int, int]]:
         """The chunks a saved step makes due, `(start, end)` positions per request (those in
         `skip` left out: published already); each request's chunks then reach `end`."""
         chunks = {}
