@@ -396,6 +396,21 @@ def test_steps_saved_without_reads_are_only_discarded_and_read_back_at_the_finis
         assert torch.equal(rows["mm_feature"], token_rows(b, 16, salt=1))
 
 
+def copy_an_unwritten_block_into_a(manager: OmniPrefixCacheManager, d: StepDriver,
+                                    tokens: list[int], device: torch.device) -> None:
+    """`a` and `b` prefill `tokens` (blocks 1-2 and 3-4); then vLLM copies block 7, which
+    nobody wrote, into `a`'s block 2 in a step without a forward."""
+    manager.discard_step(run_step(
+        manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8), ("b", tokens, [3, 4], 0, 8)]),
+        device, materialize=False, plan_reads=False))
+    so = d.step()
+    so.kv_cache_block_copies = [SimpleNamespace(src_block_id=7, dst_block_id=2)]
+    manager.new_step_starts(so)
+    manager.discard_step(manager.save_outputs(
+        d.outputs(2).to(device), None, num_tokens_unpadded=0, num_tokens_padded=0,
+        plan_reads=False))
+
+
 def test_a_finish_read_back_fails_a_request_whose_hidden_rows_are_not_all_there(backend):
     """Hidden rows are never absent: read back at the finish, a request one of whose blocks
     got a copy of a block nobody wrote fails by name (zeros would pass for rows nobody
@@ -403,15 +418,7 @@ def test_a_finish_read_back_fails_a_request_whose_hidden_rows_are_not_all_there(
     manager, d = make(backend)
     tokens = list(range(8))
     with manager:
-        manager.discard_step(run_step(
-            manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8), ("b", tokens, [3, 4], 0, 8)]),
-            backend.device, materialize=False, plan_reads=False))
-        so = d.step()
-        so.kv_cache_block_copies = [SimpleNamespace(src_block_id=7, dst_block_id=2)]
-        manager.new_step_starts(so)
-        manager.discard_step(manager.save_outputs(
-            d.outputs(2).to(backend.device), None, num_tokens_unpadded=0, num_tokens_padded=0,
-            plan_reads=False))
+        copy_an_unwritten_block_into_a(manager, d, tokens, backend.device)
         rows = manager.plan_request_rows({"a": None, "b": None})
         with pytest.raises(OmniPrefixCacheError, match=r"hidden rows of 4 of its positions 0\.\.7 "
                                                            r"\(first 4\) were never written"):
@@ -423,7 +430,7 @@ def test_a_steps_chunks_are_read_together_in_place_and_let_go_once_written(backe
     """A streaming stage's chunks (`plan_chunk_rows`): one read per key for all of a step's
     chunks, each request's rows of its positions left in the pool for the channel's writer,
     with an mm key only where the chunk has rows of it; the pins go once every chunk's rows
-    are written and the chunks cancelled, and the entries hold each request's own rows."""
+    are written, and the entries hold each request's own rows."""
     manager, d = make(backend)
     a, b = list(range(40, 50)), list(range(300, 310))
     with manager, open_channel("shm") as channel:
@@ -444,10 +451,10 @@ def test_a_steps_chunks_are_read_together_in_place_and_let_go_once_written(backe
         assert manager.pool.any_pinned(np.arange(manager.pool.num_slots))
         failures = channel.put_all([(req_id, StageChunk(rows, 0, final=False))
                                     for req_id, rows in held.items()])
-        assert failures == [None, None]
+        assert failures == [None, None]  # written: the pins went with the last
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
         for rows in chunks.values():
             rows.cancel()
-        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
         got = {req_id: next(iter(channel.stream(req_id, timeout_s=5))).rows for req_id in held}
     assert torch.equal(got["a"][HIDDEN_KEY], token_rows(a, 2)[6:9])
     assert torch.equal(got["a"]["mm_feature"],
@@ -461,15 +468,7 @@ def test_a_chunk_without_its_hidden_rows_fails_alone_and_the_others_read(backend
     manager, d = make(backend)
     tokens = list(range(8))
     with manager:
-        manager.discard_step(run_step(
-            manager, d, d.step(new=[("a", tokens, [1, 2], 0, 8), ("b", tokens, [3, 4], 0, 8)]),
-            backend.device, materialize=False, plan_reads=False))
-        so = d.step()
-        so.kv_cache_block_copies = [SimpleNamespace(src_block_id=7, dst_block_id=2)]
-        manager.new_step_starts(so)
-        manager.discard_step(manager.save_outputs(
-            d.outputs(2).to(backend.device), None, num_tokens_unpadded=0, num_tokens_padded=0,
-            plan_reads=False))
+        copy_an_unwritten_block_into_a(manager, d, tokens, backend.device)
         chunks = manager.plan_chunk_rows({"a": (2, 8), "b": (2, 8)})
         with pytest.raises(OmniPrefixCacheError, match=r"its positions 2\.\.7: 4 of its "
                                                        r"positions have no hidden row"):

@@ -361,6 +361,20 @@ def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
     assert stats["delivery_failed"] == 1 + len(later) and stats["delivery_requests_held"] == 0
 
 
+def sim_step(driver: StageOutputDriver, sim: StepDriver, so: SimpleNamespace,
+             finished: list[FinishedRequest], mm: dict[str, torch.Tensor] | None = None) -> None:
+    """One step of `sim`'s batch through the driver, as a runner makes it (no forward where
+    the batch is empty)."""
+    driver.begin_step(so, finished)
+    if sim.batch:
+        hidden = sim.outputs(HIDDEN)
+        starts = [sim.reqs[r].computed for r in sim.batch]
+        ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
+        driver.save_step(hidden, mm, StepBatch(sim.batch, starts, ends), hidden.shape[0])
+    driver.end_step()
+    sim.advance()
+
+
 def test_a_step_mixing_an_mm_key_hit_with_a_miss_publishes_both_and_the_stage_goes_on() -> None:
     """`a` wrote rows of `image`; `hit` reuses its blocks beside `text`, a miss, in a step that
     emits hidden states only. The hit's image rows come back for `hit` alone (SPEC §4 rule 5):
@@ -377,13 +391,7 @@ def test_a_step_mixing_an_mm_key_hit_with_a_miss_publishes_both_and_the_stage_go
 
         def run(so: SimpleNamespace, finished: list[FinishedRequest],
                 mm: dict[str, torch.Tensor] | None = None) -> None:
-            driver.begin_step(so, finished)
-            hidden = sim.outputs(HIDDEN)
-            starts = [sim.reqs[r].computed for r in sim.batch]
-            ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
-            driver.save_step(hidden, mm, StepBatch(sim.batch, starts, ends), hidden.shape[0])
-            driver.end_step()
-            sim.advance()
+            sim_step(driver, sim, so, finished, mm)
 
         run(sim.step(new=[("a", tokens, [1, 2], 0, 8)]), [], mm={"image": torch.ones(8, 3)})
         run(sim.step(new=[("hit", tokens + [5, 6], [1, 2, 3], 8, 1),
@@ -422,15 +430,7 @@ def test_a_cache_stage_reads_a_finished_requests_rows_back_once_and_fails_those_
                                    empty_hidden=lambda: torch.empty(0, HIDDEN))
 
         def run(so: SimpleNamespace, finished: list[FinishedRequest]) -> None:
-            driver.begin_step(so, finished)
-            if sim.batch:
-                hidden = sim.outputs(HIDDEN)
-                starts = [sim.reqs[r].computed for r in sim.batch]
-                ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
-                driver.save_step(hidden, None, StepBatch(sim.batch, starts, ends),
-                                 hidden.shape[0])
-            driver.end_step()
-            sim.advance()
+            sim_step(driver, sim, so, finished)
 
         run(sim.step(new=[("a", a, [1, 2], 0, 4), ("b", b, [3], 0, 3)]), [])
         run(sim.step(cached={"a": 1, "b": 1}), [])
@@ -478,15 +478,7 @@ def test_a_streaming_cache_stage_reads_each_chunk_back_when_due_and_the_rest_at_
                                    empty_hidden=lambda: torch.empty(0, HIDDEN))
 
         def run(so: SimpleNamespace, finished: list[FinishedRequest]) -> None:
-            driver.begin_step(so, finished)
-            if sim.batch:
-                hidden = sim.outputs(HIDDEN)
-                starts = [sim.reqs[r].computed for r in sim.batch]
-                ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
-                driver.save_step(hidden, None, StepBatch(sim.batch, starts, ends),
-                                 hidden.shape[0])
-            driver.end_step()
-            sim.advance()
+            sim_step(driver, sim, so, finished)
 
         prefill = sim.step(new=[("a", tokens, [1, 2, 3], 0, 6)])
         prefill.scheduled_new_reqs[0].prompt_token_ids = tokens[:6]

@@ -29,10 +29,11 @@ from prefix_cache.errors import OmniPrefixCacheError
 
 class StepChunks:
     """Chunk `i` is rows `bounds[i]:bounds[i + 1]` of one read per key of all the chunks'
-    slots; it gets a key where it has rows of it (absent mm rows read zeros).
+    slots; it gets a key where it has rows of it (absent mm rows read zeros). Its publisher
+    takes the rows of every chunk it publishes before it writes any.
 
     Invariant: until released, each read pins its slots; released once every span handed
-    out was let go and every chunk cancelled, or when the reads fail."""
+    out was let go, or every chunk cancelled, or when the reads fail."""
 
     def __init__(self, reads: dict[str, RowRead], bounds: list[int],
                  has_key: dict[str, np.ndarray | None], feat_shapes: dict[str, tuple[int, ...]],
@@ -88,18 +89,18 @@ class StepChunks:
         return held
 
     def _span_let_go(self, i: int) -> None:
-        """Span `i` was copied (once: later calls do nothing); the reads go with the last."""
+        """Span `i` was copied (once: later calls do nothing); the reads go with the last span
+        handed out, so a writer of the engine thread never waits on a put waiting for room."""
         with self._lock:
             if i not in self._spans_out:
                 return
             self._spans_out.discard(i)
-            if self._spans_out or self._open:
-                return
-            self._release()
+            if not self._spans_out:
+                self._release()
 
     def cancel(self, i: int) -> None:
-        """Chunk `i` is done with (published or dropped); once every one is, and every span
-        handed out was copied, the reads are let go."""
+        """Chunk `i` is done with (published or dropped); once every one is, the reads are let
+        go."""
         with self._lock:
             self._spans_out.discard(i)
             self._open -= 1
