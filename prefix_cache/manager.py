@@ -287,9 +287,9 @@ class OmniPrefixCacheManager:
     def plan_chunk_rows(self, chunks: Mapping[str, tuple[int, int]]) -> dict[str, ChunkRows]:
         """Pin the rows of each running request's positions `[start, end)` (cut to those its
         saved steps reached), a streaming stage's chunk of it, for another thread to read in
-        place: one read per key for all of them (`prefix_cache.core.chunk_reads`). The
-        requests' deferred rows stay deferred, except those the chunks read. A request the
-        view no longer holds gets no entry."""
+        place: one read per key for all of them (`prefix_cache.core.chunk_reads`). A deferred
+        write holding rows a chunk reads is launched (the request's next step opens a new one).
+        A request the view no longer holds gets no entry."""
         planned = self._positions_slots("plan_chunk_rows",
                                         {req_id: end for req_id, (_, end) in chunks.items()},
                                         {req_id: start for req_id, (start, _) in chunks.items()})

@@ -426,12 +426,16 @@ def test_a_finish_read_back_fails_a_request_whose_hidden_rows_are_not_all_there(
         assert torch.equal(rows["b"].resolve()[HIDDEN_KEY], token_rows(tokens, 2))
 
 
-def test_a_steps_chunks_are_read_together_in_place_and_let_go_once_written(backend):
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred-mm"])
+def test_a_steps_chunks_are_read_together_in_place_and_let_go_once_written(backend, deferred):
     """A streaming stage's chunks (`plan_chunk_rows`): one read per key for all of a step's
     chunks, each request's rows of its positions left in the pool for the channel's writer,
-    with an mm key only where the chunk has rows of it; the pins go once every chunk's rows
-    are written, and the entries hold each request's own rows."""
+    with an mm key only where the chunk has rows of it (deferred rows, held on the device until
+    the finish, launched for it); the pins go once every chunk's rows are written, and the
+    entries hold each request's own rows."""
     manager, d = make(backend)
+    if deferred:
+        manager.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feature"})))
     a, b = list(range(40, 50)), list(range(300, 310))
     with manager, open_channel("shm") as channel:
         sids = [run_step(manager, d, d.step(new=[("a", a, [1, 2, 3], 0, 8),
