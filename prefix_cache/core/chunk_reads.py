@@ -37,7 +37,7 @@ class StepChunks:
 
     def __init__(self, reads: dict[str, RowRead], bounds: list[int],
                  has_key: dict[str, np.ndarray | None], feat_shapes: dict[str, tuple[int, ...]],
-                 planner: ReadPlanner, count: int) -> None:
+                 planner: ReadPlanner) -> None:
         self._reads = reads
         self._bounds = bounds
         self._has_key = has_key  # None: every chunk has rows of the key
@@ -46,7 +46,7 @@ class StepChunks:
         self._lock = threading.Lock()
         self._held: dict[str, torch.Tensor | PoolRows] | None = None
         self._spans_out: set[int] = set()  # spans handed out and not let go yet
-        self._open = count  # chunks not cancelled yet
+        self._open = len(bounds) - 1  # chunks not cancelled yet
         self._released = False
         self._error: BaseException | None = None  # why the reads could not be held
 
@@ -183,7 +183,7 @@ def plan_chunk_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Defer
     deferred.flush_tasks([task for read in reads.values() for task in read.producers])
     step = StepChunks(reads, bounds, has_key,
                       {key: pool_key.feat_shape for key, pool_key in pool.keys.items()},
-                      planner, len(spans))
+                      planner)
     for index, (req_id, start, s) in enumerate(spans):
         out[req_id] = ChunkRows(req_id, start, start + len(s), step, index)
     return out

@@ -13,7 +13,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Protocol
 
 
-class StepRows(Protocol):
+class StepSpans(Protocol):
     """A step's rows in batch order: request i has rows `ends[i-1]:ends[i]`, from position
     `starts[i]` on (`prefix_cache.integration.stage_outputs.StepBatch`)."""
 
@@ -58,7 +58,7 @@ class ChunkSchedule:
         self._sent[req_id] = num_rows
         return True
 
-    def due(self, batch: StepRows, skip: Container[str] = ()) -> dict[str, tuple[int, int]]:
+    def due(self, batch: StepSpans, skip: Container[str] = ()) -> dict[str, tuple[int, int]]:
         """The chunks a saved step makes due, `(start, end)` positions per request (those in
         `skip` left out: published already); each request's chunks then reach `end`."""
         chunks = {}
