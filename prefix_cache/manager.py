@@ -313,9 +313,9 @@ class OmniPrefixCacheManager:
             n = self._progress.get(req_id, 0)
             stands = n if end is None else min(n, end)
             start = min(starts.get(req_id, 0), stands)
-            runs = positions_runs(req_id, stands)
+            runs = positions_runs(req_id, stands, start)
             if runs is not None:
-                planned.append((req_id, start, runs_slots(runs)[start:], n - stands))
+                planned.append((req_id, start, runs_slots(runs), n - stands))
         return planned
 
     def track_allocations(self) -> None:

@@ -96,13 +96,15 @@ class StepDriver:
     def batch_req_ids(self) -> list[str]:
         return list(self.batch)
 
-    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
-        """The slots of a live request's positions `[0, num_positions)` as runs."""
+    def request_positions_runs(self, req_id: str, num_positions: int,
+                               start: int = 0) -> np.ndarray | None:
+        """The slots of a live request's positions `[start, num_positions)` as runs."""
         req = self.reqs.get(req_id)
         if req is None:
             return None
         slots = np.array([req.blocks[p // self.block_size] * self.block_size
-                          + p % self.block_size for p in range(num_positions)], dtype=np.int64)
+                          + p % self.block_size for p in range(start, num_positions)],
+                         dtype=np.int64)
         return slot_runs(slots)[0]
 
     def step_slots_cpu(self, req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int]

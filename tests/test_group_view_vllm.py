@@ -147,16 +147,21 @@ def test_step_slots_follow_the_requested_order_not_the_batch_order(block_size: i
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_a_requests_positions_from_0_are_its_step_slots_from_0(block_size: int) -> None:
-    """What a finish reads: every position a request computed, whatever it computes now."""
+    """What a finish reads: every position a request computed, whatever it computes now; and
+    what a streamed chunk reads: its positions from where the last chunk ended, mid-block or
+    not, or none."""
     computed, scheduled, blocks = workload(block_size, seed=3)
     batch = make_input_batch(block_size)
     fill_batch(batch, computed, blocks)
     view = FullAttentionGroupView(batch, block_size, backend=devices.get_backend("cpu"))
     for req_id in batch.req_ids:
         n = computed[req_id] + scheduled[req_id]
+        whole = formula_slots(blocks, {req_id: 0}, {req_id: n}, [req_id], block_size)
         assert torch.equal(torch.from_numpy(runs_slots(view.request_positions_runs(req_id, n))),
-                           formula_slots(blocks, {req_id: 0}, {req_id: n}, [req_id],
-                                         block_size))
+                           whole)
+        for start in {1, block_size, n // 2 + 1, n}:
+            span = runs_slots(view.request_positions_runs(req_id, n, start))
+            assert span.tolist() == whole[min(start, n):].tolist(), (req_id, start)
     assert view.request_positions_runs("never-added", 4) is None
 
 

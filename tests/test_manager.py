@@ -474,8 +474,8 @@ def test_a_chunk_without_its_hidden_rows_fails_alone_and_the_others_read(backend
     with manager:
         copy_an_unwritten_block_into_a(manager, d, tokens, backend.device)
         chunks = manager.plan_chunk_rows({"a": (2, 8), "b": (2, 8)})
-        with pytest.raises(OmniPrefixCacheError, match=r"its positions 2\.\.7: 4 of its "
-                                                       r"positions have no hidden row"):
+        with pytest.raises(OmniPrefixCacheError, match=r"hidden rows of 4 of its positions "
+                                                       r"2\.\.7 \(first 4\) were never written"):
             chunks["a"].hold()
         rows = chunks["b"].hold()
         assert type(rows[HIDDEN_KEY]) is PoolRows and rows[HIDDEN_KEY].shape == (6, 2)

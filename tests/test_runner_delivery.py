@@ -236,8 +236,9 @@ class OneBlockView:
         n = sum(scheduled[r] for r in req_ids)
         return torch.arange(32 + self.computed, 32 + self.computed + n)
 
-    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
-        return np.array([[32, 32 + num_positions]]) if req_id == "a" else None
+    def request_positions_runs(self, req_id: str, num_positions: int,
+                               start: int = 0) -> np.ndarray | None:
+        return np.array([[32 + start, 32 + num_positions]]) if req_id == "a" else None
 
 
 def step(req_ids: list[str], scheduled: dict[str, int], finished: tuple[str, ...] = ()

@@ -77,10 +77,13 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
     want = [s for req_id, row in zip(req_ids, batch, strict=True)
             for s in expected_slots(blocks[row], computed[req_id], scheduled[req_id])]
     assert view.step_slots_cpu(req_ids, scheduled).tolist() == want
-    # a request's positions from 0, whether or not the bound step schedules it
+    # a request's positions from 0 or from a chunk's start, whether or not the bound step
+    # schedules it
     for row in (5, 7):
         assert runs_slots(view.request_positions_runs(f"r{row}", 150)).tolist() == \
             expected_slots(blocks[row], 0, 150)
+        assert runs_slots(view.request_positions_runs(f"r{row}", 150, 37)).tolist() == \
+            expected_slots(blocks[row], 37, 113)
     assert view.request_positions_runs("gone", 10) is None
 
 

@@ -23,7 +23,7 @@ from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import StepHits
 from prefix_cache.core.pool_rows import PoolRows
-from prefix_cache.core.reads import ReadPlanner, RowRead
+from prefix_cache.core.reads import ReadPlanner, RowRead, unwritten_hidden_rows
 from prefix_cache.errors import OmniPrefixCacheError
 
 
@@ -169,11 +169,10 @@ def plan_chunk_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Defer
         for read in reads.values():
             planner.cancel(read)  # unpins under the lock: not while holding it
         with lock:
-            errors = _unreadable_spans(pool, slots, bounds)
+            errors = _unreadable_spans(pool, spans, slots, bounds)
         for i, cause in errors.items():
             req_id, start, s = spans[i]
-            out[req_id] = ChunkRows(req_id, start, start + len(s), None, -1,
-                                    f"its positions {start}..{start + len(s) - 1}: {cause}")
+            out[req_id] = ChunkRows(req_id, start, start + len(s), None, -1, cause)
         spans = [span for i, span in enumerate(spans) if i not in errors]
         if not spans:
             return out
@@ -225,19 +224,23 @@ def _any_unreadable(reads: dict[str, RowRead]) -> bool:
         hidden is not None and hidden.present is not None and not hidden.present.all())
 
 
-def _unreadable_spans(pool: PrefixBlockPool, slots: np.ndarray, bounds: list[int]
-                      ) -> dict[int, str]:
+def _unreadable_spans(pool: PrefixBlockPool, spans: Sequence[tuple[str, int, np.ndarray]],
+                      slots: np.ndarray, bounds: list[int]) -> dict[int, str]:
     """Per chunk that cannot be read, why: the first of a row lost to a failed write and a
     position without a hidden row (caller holds the lock)."""
     errors: dict[int, str] = {}
-    bad = [(pool.lost(key, slots), f"of its rows of {key!r} were lost to a failed write")
-           for key in pool.keys]
-    if HIDDEN_KEY in pool.keys:
-        bad.append((~pool.present(HIDDEN_KEY, slots),
-                    "of its positions have no hidden row: never written"))
-    for rows, what in bad:
-        if rows.any():
-            counts = np.add.reduceat(rows, bounds[:-1])
+    for key in pool.keys:
+        lost = pool.lost(key, slots)
+        if lost.any():
+            counts = np.add.reduceat(lost, bounds[:-1])
             for i in np.flatnonzero(counts).tolist():
-                errors.setdefault(i, f"{int(counts[i])} {what}")
+                start, span = spans[i][1], len(spans[i][2])
+                errors.setdefault(i, f"its positions {start}..{start + span - 1}: "
+                                     f"{int(counts[i])} of its rows of {key!r} were lost to a "
+                                     f"failed write")
+    if HIDDEN_KEY in pool.keys:
+        present = pool.present(HIDDEN_KEY, slots)
+        for i, (_, start, _) in enumerate(spans):
+            if i not in errors and not present[bounds[i]:bounds[i + 1]].all():
+                errors[i] = unwritten_hidden_rows(start, present[bounds[i]:bounds[i + 1]])
     return errors

@@ -40,6 +40,14 @@ PREFETCH_MIN_BYTES = 256 << 10
 NO_HELD_CLAIM = int(np.iinfo(np.int64).max)
 
 
+def unwritten_hidden_rows(start: int, present: np.ndarray) -> str:
+    """Why the positions from `start` whose hidden row is absent (`present` False) cannot be
+    read: one wording for a finish's and a chunk's read."""
+    missing = np.flatnonzero(~present)
+    return (f"hidden rows of {len(missing)} of its positions {start}.."
+            f"{start + len(present) - 1} (first {start + int(missing[0])}) were never written")
+
+
 class ReadState(enum.Enum):
     PLANNED = "PLANNED"
     RESOLVING = "RESOLVING"

@@ -23,7 +23,7 @@ from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import StepHits
 from prefix_cache.core.pool_rows import PoolRows
-from prefix_cache.core.reads import ReadPlanner, RowRead
+from prefix_cache.core.reads import ReadPlanner, RowRead, unwritten_hidden_rows
 from prefix_cache.errors import OmniPrefixCacheError
 
 
@@ -128,12 +128,8 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Def
         read = reads[req_id].get(HIDDEN_KEY)
         if read is not None and read.present is not None and not read.present.all() \
                 and read.error is None:
-            missing = np.flatnonzero(~read.present)
             planner.cancel(read)  # unpins under the lock: not while holding it
-            read.fail(OmniPrefixCacheError(
-                f"hidden rows of {len(missing)} of its positions {start}.."
-                f"{start + len(read.present) - 1} (first {start + int(missing[0])}) were never "
-                f"written"))
+            read.fail(OmniPrefixCacheError(unwritten_hidden_rows(start, read.present)))
     deferred.flush_tasks([task for per_key in reads.values() for read in per_key.values()
                           for task in read.producers])
     feat_shapes = {key: pool_key.feat_shape for key, pool_key in pool.keys.items()}

@@ -91,19 +91,20 @@ class FullAttentionGroupView:
                                  self._block_ids(table), int(table.block_size),
                                  "the runner's batch")
 
-    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
-        """The slots of `req_id`'s positions `[0, num_positions)` as runs, from its row of the
-        block table, else from the runner's state of it; None where neither holds it."""
+    def request_positions_runs(self, req_id: str, num_positions: int,
+                               start: int = 0) -> np.ndarray | None:
+        """The slots of `req_id`'s positions `[start, num_positions)` as runs, from its row of
+        the block table, else from the runner's state of it; None where neither holds it."""
         row = self.input_batch.req_id_to_index.get(req_id)
         if row is None:
             held = None if self._request_block_ids is None else self._request_block_ids(req_id)
             if held is None:
                 return None
-            return positions_slot_runs(req_id, num_positions,
+            return positions_slot_runs(req_id, start, num_positions,
                                        np.asarray(held[self.group_id], dtype=np.int64),
                                        self.block_size, "the runner's request state")
         table = self._table()
-        return positions_slot_runs(req_id, num_positions, self._block_ids(table)[row],
+        return positions_slot_runs(req_id, start, num_positions, self._block_ids(table)[row],
                                    int(table.block_size), "the runner's batch")
 
     @staticmethod
@@ -112,16 +113,12 @@ class FullAttentionGroupView:
             else table.get_cpu_tensor().numpy()
 
 
-#: `positions_slot_runs`' computed-token count: its positions start at 0.
-_FROM_ZERO = np.zeros(1, dtype=np.int64)
-
-
-def positions_slot_runs(req_id: str, num_positions: int, block_ids: np.ndarray, unit: int,
+def positions_slot_runs(req_id: str, start: int, end: int, block_ids: np.ndarray, unit: int,
                         batch: str) -> np.ndarray:
-    """The slots of a request's positions `[0, num_positions)` given its row of block ids,
-    as `[k, 2]` runs (see `request_slot_runs`)."""
-    return request_slot_runs([req_id], {req_id: num_positions}, {req_id: 0}, _FROM_ZERO,
-                             block_ids[None, :], unit, batch)
+    """The slots of a request's positions `[start, end)` given its row of block ids, as
+    `[k, 2]` runs (see `request_slot_runs`): O(blocks of the span), wherever it starts."""
+    return request_slot_runs([req_id], {req_id: max(end - start, 0)}, {req_id: 0},
+                             np.array([start], dtype=np.int64), block_ids[None, :], unit, batch)
 
 
 def request_slot_runs(req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int],

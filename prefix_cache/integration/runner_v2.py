@@ -104,14 +104,15 @@ class StepBatchGroupView:
         return request_slot_runs(req_ids, num_scheduled_tokens, self._index, self._computed,
                                  self._ids, self.block_size, "the V2 step's batch")
 
-    def request_positions_runs(self, req_id: str, num_positions: int) -> np.ndarray | None:
-        """The slots of `req_id`'s positions `[0, num_positions)` as runs, from its row of the
-        mirrored block ids; None where the runner no longer holds the request."""
+    def request_positions_runs(self, req_id: str, num_positions: int,
+                               start: int = 0) -> np.ndarray | None:
+        """The slots of `req_id`'s positions `[start, num_positions)` as runs, from its row of
+        the mirrored block ids; None where the runner no longer holds the request."""
         row = self._row_of(req_id)
         if row is None:
             return None
-        return positions_slot_runs(req_id, num_positions, self.mirror.ids[row], self.block_size,
-                                   "the V2 runner's block tables")
+        return positions_slot_runs(req_id, start, num_positions, self.mirror.ids[row],
+                                   self.block_size, "the V2 runner's block tables")
 
 
 class PrefixCacheV2RunnerMixin(StageRunnerBase):
