@@ -107,6 +107,10 @@ def test_tiered_tables_read_as_one_entry_per_slot(ops) -> None:
             assert pool.producer_ids(every, [name]) == producers
             mask, of_present = pool.present_and_producers(name, every)
             assert mask.tolist() == present.tolist() and of_present == producers
+            # each present row's own producer, in the order of the slots asked about
+            back = every[::-1].copy()
+            _, _, of_rows = pool.row_states(name, back)
+            assert of_rows.tolist() == ref.producer[name][back][present[back]].tolist()
         for first in range(0, pool.num_slots, 3):
             runs = np.array([[first, min(first + 6, pool.num_slots)]], dtype=np.int64)
             for held_from in (1, 3, 6):

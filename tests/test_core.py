@@ -205,6 +205,23 @@ def test_bad_runs_and_wrong_arrays_are_refused_before_any_write() -> None:
     assert not (table.any() or blocks.any() or newest.any())
 
 
+def test_row_states_refuses_a_slot_outside_the_tables_before_writing() -> None:
+    tiers = [np.zeros(n, dtype=np.int64) for n in (16, 4) * 3]
+    state, producers = np.full(3, 7, dtype=np.int32), np.full(3, 7, dtype=np.int64)
+    with pytest.raises(IndexError, match="slot 16 outside the pool's 16"):
+        _core.row_states(np.array([1, 16, 2]), 4, *tiers, state, producers)
+    with pytest.raises(IndexError, match="slot -1 outside"):
+        _core.row_states(np.array([-1]), 4, *tiers, state[:1], producers)
+    assert (state == 7).all() and (producers == 7).all()
+    with pytest.raises(ValueError, match="state .int32. of 3"):
+        _core.row_states(np.array([1, 2, 3]), 4, *tiers, state.astype(np.int64), producers)
+    with pytest.raises(ValueError, match="producers of 2 for 3 slots"):
+        _core.row_states(np.array([1, 2, 3]), 4, *tiers, state, producers[:2])
+    with pytest.raises(ValueError, match="a slot tier of 16 and a block tier of 3"):
+        _core.row_states(np.array([1]), 4, tiers[0], tiers[1][:3], *tiers[2:], state[:1],
+                         producers)
+
+
 def test_add_counts_adds_into_totals() -> None:
     totals = {"a": 3, "b": 1}
     _core.add_counts(totals, {"b": 2, "c": 5})

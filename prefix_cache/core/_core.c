@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -565,6 +566,81 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(row_states_doc,
+"row_states(slots, block_size, slot_claim, block_claim, slot_version, block_version,\n"
+"           slot_producer, block_producer, state, producers) -> (present, lost)\n\n"
+"Per slot of slots, one key's row there: state[i] = 1 where its version (the larger in\n"
+"magnitude of its slot's and its block's entries) is the slot's claim (the larger of its\n"
+"two), -1 where it is minus the claim (lost to a failed write), else 0 (also for a slot never\n"
+"claimed); the producer of each present row, from the tier its version was, in\n"
+"producers[:present] in the order of slots. state: int32, as long as slots; producers: int64,\n"
+"at least as long. Raises before writing if a slot is outside the tables.");
+
+static PyObject *
+row_states(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{0, "row_states: slots", 0, 1, 0, 0, 0},
+                                      {2, "row_states: slot_claim", 0, 1, 0, 1, 0},
+                                      {3, "row_states: block_claim", 0, 1, 0, 1, 0},
+                                      {4, "row_states: slot_version", 0, 1, 0, 1, 0},
+                                      {5, "row_states: block_version", 0, 1, 0, 1, 0},
+                                      {6, "row_states: slot_producer", 0, 1, 0, 1, 0},
+                                      {7, "row_states: block_producer", 0, 1, 0, 1, 0},
+                                      {8, "row_states: state", 1, 1, 0, 0, 0},
+                                      {9, "row_states: producers", 1, 1, 0, 1, 0}};
+    IntArray a[9];
+    if (borrow_all("row_states", args, nargs, 10, specs, 9, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const IntArray *slots = &a[0], *state = &a[7];
+    int64_t bs;
+    if (int_arg(args[1], &bs) < 0 || check_tiers("row_states", bs, &a[1], &a[2]) < 0 ||
+            check_tiers("row_states", bs, &a[3], &a[4]) < 0 ||
+            check_tiers("row_states", bs, &a[5], &a[6]) < 0) {
+        goto done;
+    }
+    if (a[3].len != a[1].len || a[5].len != a[1].len || state->wide ||
+            state->len != slots->len || a[8].len < slots->len) {
+        PyErr_Format(PyExc_ValueError, "row_states: tables of %zd, %zd and %zd slots; state "
+                     "(int32) of %zd and producers of %zd for %zd slots", a[1].len, a[3].len,
+                     a[5].len, state->len, a[8].len, slots->len);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < slots->len; i++) {
+        int64_t slot = get_at(slots, i);
+        if (slot < 0 || slot >= a[1].len) {
+            PyErr_Format(PyExc_IndexError, "row_states: slot %lld outside the pool's %zd",
+                         (long long)slot, a[1].len);
+            goto done;
+        }
+    }
+    const int64_t *slot_claim = int64s(&a[1]), *block_claim = int64s(&a[2]);
+    const int64_t *slot_version = int64s(&a[3]), *block_version = int64s(&a[4]);
+    const int64_t *slot_producer = int64s(&a[5]), *block_producer = int64s(&a[6]);
+    int32_t *out = (int32_t *)state->buf.buf;
+    int64_t *producers = int64s(&a[8]);
+    Py_ssize_t present = 0, lost = 0;
+    for (Py_ssize_t i = 0; i < slots->len; i++) {
+        int64_t slot = get_at(slots, i), block = slot / bs;
+        int64_t claim = slot_claim[slot] > block_claim[block] ? slot_claim[slot]
+                                                                : block_claim[block];
+        int64_t by_slot = slot_version[slot], by_block = block_version[block];
+        int from_block = llabs(by_block) > llabs(by_slot);
+        int64_t version = from_block ? by_block : by_slot;
+        int32_t s = claim == 0 ? 0 : version == claim ? 1 : version == -claim ? -1 : 0;
+        out[i] = s;
+        if (s > 0) {
+            producers[present++] = from_block ? block_producer[block] : slot_producer[slot];
+        }
+        lost += s < 0;
+    }
+    result = Py_BuildValue("nn", present, lost);
+done:
+    release(a, 9);
+    return result;
+}
+
 PyDoc_STRVAR(add_pins_doc,
 "add_pins(slots, block_size, read_pins, block_pins, delta) -> None\n\n"
 "read_pins[s] += delta and block_pins[s // block_size] += delta for each of the int64 slots\n"
@@ -1063,6 +1139,7 @@ gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef core_methods[] = {
     METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
+    METHOD(row_states),
     METHOD(copy_rows), METHOD(gather_rows),
     {NULL, NULL, 0, NULL},
 };

@@ -34,7 +34,7 @@ class Tiers:
 
     Which entry a slot reads is its owner's rule. Claims and versions are claims, which
     only grow, so of the two the entry written later is the one of larger magnitude; a
-    producer is read from the tier its version was.
+    producer is read from the tier its version was (`_core.row_states`).
     """
 
     __slots__ = ("blocks", "slots")
@@ -42,11 +42,6 @@ class Tiers:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.blocks = np.zeros(num_blocks, dtype=np.int64)
         self.slots = np.zeros(num_blocks * block_size, dtype=np.int64)
-
-    def pick(self, slots: np.ndarray, blocks: np.ndarray, from_block: np.ndarray) -> np.ndarray:
-        """The entries of `slots` (in `blocks`): their block's where `from_block`, else their
-        own."""
-        return np.where(from_block, self.blocks[blocks], self.slots[slots])
 
 
 @dataclass
@@ -69,13 +64,6 @@ class PoolKey:
     @property
     def row_bytes(self) -> int:
         return self.row_width * self.dtype.itemsize
-
-    def versions(self, slots: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The version at each of `slots` (in `blocks`), and whether it is its block's entry."""
-        by_block = self.version.blocks[blocks]
-        by_slot = self.version.slots[slots]
-        from_block = np.abs(by_block) > np.abs(by_slot)
-        return np.where(from_block, by_block, by_slot), from_block
 
 
 class PrefixBlockPool:
@@ -189,38 +177,32 @@ class PrefixBlockPool:
 
     def present(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows belong to the slot's current tenant."""
-        return self._matches(name, slots, slots // self.block_size, 1)[0]
-
-    def present_and_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, set[int]]:
-        """`present(name, slots)`, and the write tasks that produce those rows."""
-        present, producers = self.row_producers(name, slots)
-        return present, set(np.unique(producers).tolist())
-
-    def row_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`present(name, slots)`, and the write task that produces each present row (in the
-        order of `slots[present]`)."""
-        blocks = slots // self.block_size
-        present, from_block = self._matches(name, slots, blocks, 1)
-        if not present.any():
-            return present, np.zeros(0, dtype=np.int64)
-        return present, self.keys[name].producer.pick(slots[present], blocks[present],
-                                                      from_block[present])
+        return self.row_states(name, slots)[0]
 
     def lost(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Mask of `slots` whose `name` rows the current tenant wrote but a failed write lost."""
-        return self._matches(name, slots, slots // self.block_size, -1)[0]
+        return self.row_states(name, slots)[1]
 
-    def _matches(self, name: str, slots: np.ndarray, blocks: np.ndarray, sign: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
-        """Mask of `slots` (in `blocks`) whose `name` version is `sign` x the slot's claim (not
-        0), and whether each version is its block's entry."""
+    def present_and_producers(self, name: str, slots: np.ndarray) -> tuple[np.ndarray, set[int]]:
+        """`present(name, slots)`, and the write tasks that produce those rows."""
+        present, _, producers = self.row_states(name, slots)
+        return present, set(np.unique(producers).tolist())
+
+    def row_states(self, name: str, slots: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`present(name, slots)`, `lost(name, slots)`, and the write task that produces each
+        present row (in the order of `slots[present]`): one pass over the slots, in C."""
         key = self.keys.get(name)
         if key is None:
             absent = np.zeros(len(slots), dtype=bool)
-            return absent, absent
-        claims = self._claims_of(slots, blocks)
-        version, from_block = key.versions(slots, blocks)
-        return (version == sign * claims) & (claims != 0), from_block
+            return absent, absent, np.zeros(0, dtype=np.int64)
+        state = np.empty(len(slots), dtype=np.int32)
+        producers = np.empty(len(slots), dtype=np.int64)
+        num_present, num_lost = _core.row_states(
+            slots, self.block_size, self._claim.slots, self._claim.blocks, key.version.slots,
+            key.version.blocks, key.producer.slots, key.producer.blocks, state, producers)
+        lost = state < 0 if num_lost else np.zeros(len(slots), dtype=bool)
+        return state > 0, lost, producers[:num_present]
 
     def mark_lost(self, producer: int) -> None:
         """Every row `producer` was to write is lost: it never landed."""
@@ -249,7 +231,7 @@ class PrefixBlockPool:
         dst = src - src_block * bs + dst_block * bs
         claim = self.claim(np.array([[dst[0], dst[-1] + 1]], dtype=np.int64))
         for key in self.keys.values():
-            keep, lost = self.present(key.name, src), self.lost(key.name, src)
+            keep, lost, _ = self.row_states(key.name, src)
             key.flat[torch.from_numpy(dst)] = key.flat[torch.from_numpy(src)]
             key.version.blocks[dst_block] = key.producer.blocks[dst_block] = 0
             key.version.slots[dst] = np.where(keep, claim, np.where(lost, -claim, 0))

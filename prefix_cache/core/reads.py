@@ -274,8 +274,7 @@ class ReadPlanner:
         lock)."""
         pool_key = self._pool.keys[key]
         bounds = hits.bounds
-        present, producers = self._pool.row_producers(key, hits.slots)
-        lost = self._pool.lost(key, hits.slots)
+        present, lost, producers = self._pool.row_states(key, hits.slots)
         any_lost = bool(lost.any())
         # each hit's producers: the distinct (hit, producer) pairs of its present rows
         producer_ids: list[set[int]] = [set() for _ in planned]

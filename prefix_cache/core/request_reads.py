@@ -116,8 +116,8 @@ def plan_request_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: Def
                 if key == HIDDEN_KEY:  # never absent: every request reads it (plan_hits looks)
                     chosen = list(range(len(hits)))
                 else:  # a request reads an mm key where it has rows of it, present or lost
-                    has_rows = np.logical_or.reduceat(
-                        pool.present(key, hits.slots) | pool.lost(key, hits.slots), starts)
+                    present, lost, _ = pool.row_states(key, hits.slots)
+                    has_rows = np.logical_or.reduceat(present | lost, starts)
                     chosen = np.flatnonzero(has_rows).tolist()
                 planned = planner.plan_hits(key, hits.select(chosen), [
                     (f"{what} of request {hits.req_ids[i]}", 0) for i in chosen]) \
