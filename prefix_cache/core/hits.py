@@ -91,14 +91,15 @@ def _refused(pool: PrefixBlockPool, lock: threading.Lock, slots: np.ndarray, lay
              outputs: StepOutputs) -> np.ndarray:
     """Mask of hit `slots` that cannot be served: lost (any key) or, with hidden rows in the
     step, never written; either unless this step writes them again."""
-    rewritten = np.isin(slots, layout.slots)
     with lock:
-        refused = np.zeros(len(slots), dtype=bool)
+        refused = np.zeros(len(slots), dtype=bool) if HIDDEN_KEY in pool.keys \
+            else np.full(len(slots), outputs.hidden is not None)
         for key in pool.keys:
-            refused |= pool.lost(key, slots)
-        if outputs.hidden is not None:
-            refused |= ~pool.present(HIDDEN_KEY, slots)
-    return refused & ~rewritten
+            present, lost, _ = pool.row_states(key, slots)
+            refused |= lost
+            if key == HIDDEN_KEY and outputs.hidden is not None:
+                refused |= ~present
+    return refused & ~np.isin(slots, layout.slots) if refused.any() else refused
 
 
 def _check_request(pool: PrefixBlockPool, lock: threading.Lock, req_id: str, h: int,
