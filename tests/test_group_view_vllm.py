@@ -146,7 +146,7 @@ def test_step_slots_follow_the_requested_order_not_the_batch_order(block_size: i
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_a_requests_positions_from_0_are_its_step_slots_from_0(block_size: int) -> None:
+def test_a_requests_positions_from_0_or_from_a_start_are_its_step_slots(block_size: int) -> None:
     """What a finish reads: every position a request computed, whatever it computes now; and
     what a streamed chunk reads: its positions from where the last chunk ended, mid-block or
     not, or none."""

@@ -92,13 +92,12 @@ def _refused(pool: PrefixBlockPool, lock: threading.Lock, slots: np.ndarray, lay
     """Mask of hit `slots` that cannot be served: lost (any key) or, with hidden rows in the
     step, never written; either unless this step writes them again."""
     with lock:
-        refused = np.zeros(len(slots), dtype=bool) if HIDDEN_KEY in pool.keys \
-            else np.full(len(slots), outputs.hidden is not None)
+        refused = np.zeros(len(slots), dtype=bool)
         for key in pool.keys:
-            present, lost, _ = pool.row_states(key, slots)
-            refused |= lost
-            if key == HIDDEN_KEY and outputs.hidden is not None:
-                refused |= ~present
+            refused |= pool.lost(key, slots)
+        if outputs.hidden is not None:
+            refused |= ~pool.present(HIDDEN_KEY, slots)
+    # the step's own slots are looked up only where some hit slot is refused (rare)
     return refused & ~np.isin(slots, layout.slots) if refused.any() else refused
 
 
