@@ -2,8 +2,9 @@
 
 On vLLM's real CPU engine, in-process (so faults can be injected where they would strike):
 a fault while delivering a finished request, reading its rows back, encoding an entry or
-writing it to the channel fails the entries it touched, each naming the cause, and every other request gets its
-rows; the engine keeps generating, and the cache stays exact. Faults in every step stop
+writing it to the channel fails the entries it touched, each naming the cause, and every other
+request gets its rows; the engine keeps generating, and the cache stays exact. So does a fault
+while a streaming stage reads a chunk back from the pool or writes a step's chunks. Faults in every step stop
 publishing after `MAX_FAULTED_STEPS`; every request then gets a failure naming why, and the
 engine still generates.
 """
@@ -26,6 +27,7 @@ from prefix_cache import HIDDEN_KEY, OmniPrefixCacheManager  # noqa: E402
 from prefix_cache.channel import OmniPrefixCacheChannelError, StageChannel, open_channel  # noqa: E402
 from prefix_cache.channel import base as channel_base  # noqa: E402
 from prefix_cache.channel.shm import ShmChannel  # noqa: E402
+from prefix_cache.core.chunk_reads import ChunkRows  # noqa: E402
 from prefix_cache.core.request_reads import RequestRows  # noqa: E402
 from prefix_cache.integration.delivery import StageDelivery  # noqa: E402
 from prefix_cache.integration.stage_outputs import MAX_FAULTED_STEPS, StageOutputDriver  # noqa: E402
@@ -49,6 +51,7 @@ SITES: dict[str, tuple[Any, str]] = {
     "encode": (channel_base, "encode"),
     "channel write": (ShmChannel, "_put_now_all"),  # puts into a namespace with room
     "save": (OmniPrefixCacheManager, "save_outputs"),  # on the engine thread
+    "chunk read back": (ChunkRows, "hold"),  # a streamed chunk's rows, held in the pool
 }
 
 
@@ -84,6 +87,18 @@ def generate(engine: Engine, batch: list[dict[str, list[int]]]) -> list[Any]:
     return engine.llm.generate(batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                        ignore_eos=True),
                                use_tqdm=False)
+
+
+def collect_streams(channel: StageChannel, outs: list[Any]) -> dict[str, torch.Tensor | str]:
+    """Each request's chunks joined, or the failure its consumer met in their place."""
+    got: dict[str, torch.Tensor | str] = {}
+    for out in outs:
+        try:
+            got[out.request_id] = torch.cat([chunk.rows[HIDDEN_KEY] for chunk in
+                                             channel.stream(out.request_id, timeout_s=10)])
+        except OmniPrefixCacheChannelError as exc:
+            got[out.request_id] = str(exc)
+    return got
 
 
 def collect(channel: StageChannel, outs: list[Any]) -> dict[str, torch.Tensor | str]:
@@ -137,6 +152,50 @@ def test_a_fault_fails_the_entries_it_touched_and_the_engine_goes_on_exact(
     delivered = collect(channel, again)
     for first, out in zip(outs, again, strict=True):
         rows = delivered[out.request_id]
+        assert isinstance(rows, torch.Tensor) and rows.shape[0] == expected_rows(out)
+        if first.request_id not in failures:
+            torch.testing.assert_close(rows, faulted[first.request_id], rtol=1e-4, atol=1e-4)
+    assert engine.stats()["hit_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def streaming_engine_and_channel(thinker_model_dir: Path
+                                 ) -> Iterator[tuple[Engine, StageChannel]]:
+    with multiprocessing_mode(False), open_channel() as channel:
+        engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,
+                               stage_options={"stream": True})
+        try:
+            yield engine, channel
+        finally:
+            engine.close()
+
+
+#: The second call of each site: the chunks of a step after the first (the four prompts are
+#: prefilled over several steps; a prompt's chunk is its first).
+@pytest.mark.parametrize("site", ["chunk read back", "channel write"])
+def test_a_fault_in_a_streamed_chunk_fails_its_requests_alone_and_the_engine_goes_on_exact(
+        streaming_engine_and_channel: tuple[Engine, StageChannel], site: str) -> None:
+    engine, channel = streaming_engine_and_channel
+    engine.engine.reset_prefix_cache()
+    with fault_at(site, lambda count: count == 2) as raised:
+        outs = generate(engine, prompts(0, 4))
+        faulted = collect_streams(channel, outs)
+    assert raised == [2]
+    failures = {r: v for r, v in faulted.items() if isinstance(v, str)}
+    # a read back fails its one request; a write, every chunk of its put
+    if site == "chunk read back":
+        assert len(failures) == 1, faulted
+    assert 0 < len(failures) < len(outs), faulted
+    for req_id, message in failures.items():
+        assert f"request {req_id}" in message and f"injected fault at {site}" in message
+        assert "its positions" in message, message
+    for out in outs:
+        if out.request_id not in failures:
+            assert faulted[out.request_id].shape[0] == expected_rows(out)
+    again = generate(engine, prompts(0, 4))
+    streamed = collect_streams(channel, again)
+    for first, out in zip(outs, again, strict=True):
+        rows = streamed[out.request_id]
         assert isinstance(rows, torch.Tensor) and rows.shape[0] == expected_rows(out)
         if first.request_id not in failures:
             torch.testing.assert_close(rows, faulted[first.request_id], rtol=1e-4, atol=1e-4)
