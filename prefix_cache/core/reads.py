@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import numpy.ma  # noqa: F401  # np.unique's first call imports it: 8 ms on the engine thread
 import torch
 
 from prefix_cache.core.block_pool import PrefixBlockPool
