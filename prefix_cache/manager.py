@@ -71,6 +71,12 @@ class _PendingStep:
     handed_over: frozenset[str] = frozenset()
 
 
+#: The public calls a stage makes on the engine thread; `stats()` times each
+#: (`time_s.<call>`): their sum is the cache's share of an engine step.
+ENGINE_THREAD_CALLS = ("new_step_starts", "save_outputs", "discard_step", "plan_request_rows",
+                       "plan_chunk_rows", "plan_hit_rows")
+
+
 class OmniPrefixCacheManager:
     """Stage-output prefix cache for one stage, keyed by the KV cache's blocks and slots."""
 
@@ -277,12 +283,13 @@ class OmniPrefixCacheManager:
         key it has rows of there; another thread reads them back (`RequestRows.resolve`). For
         the engine thread at a request's finish, while the view still holds its blocks; its
         deferred rows are launched first. A request the view no longer holds gets no entry."""
-        planned = self._positions_slots("plan_request_rows", requests, starts or {})
-        with keeping_tensors():  # a deferred write's launch: the request's, or one it hit
-            for req_id in requests:
-                self._deferred.retire(req_id)
-            return plan_request_rows(self.pool, self._reads, self._deferred, self._lock,
-                                     planned)
+        with self._stats.timed("plan_request_rows"):
+            planned = self._positions_slots("plan_request_rows", requests, starts or {})
+            with keeping_tensors():  # a deferred write's launch: the request's, or one it hit
+                for req_id in requests:
+                    self._deferred.retire(req_id)
+                return plan_request_rows(self.pool, self._reads, self._deferred, self._lock,
+                                         planned)
 
     def plan_chunk_rows(self, chunks: Mapping[str, tuple[int, int]]) -> dict[str, ChunkRows]:
         """Pin the rows of each running request's positions `[start, end)` (cut to those its
@@ -290,12 +297,14 @@ class OmniPrefixCacheManager:
         place: one read per key for all of them (`prefix_cache.core.chunk_reads`). A deferred
         write holding rows a chunk reads is launched (the request's next step opens a new one).
         A request the view no longer holds gets no entry."""
-        planned = self._positions_slots("plan_chunk_rows",
-                                        {req_id: end for req_id, (_, end) in chunks.items()},
-                                        {req_id: start for req_id, (start, _) in chunks.items()})
-        with keeping_tensors():  # a deferred write the chunks read is launched
-            return plan_chunk_rows(self.pool, self._reads, self._deferred, self._lock,
-                                   [(req_id, start, slots) for req_id, start, slots, _ in planned])
+        with self._stats.timed("plan_chunk_rows"):
+            planned = self._positions_slots(
+                "plan_chunk_rows", {req_id: end for req_id, (_, end) in chunks.items()},
+                {req_id: start for req_id, (start, _) in chunks.items()})
+            with keeping_tensors():  # a deferred write the chunks read is launched
+                return plan_chunk_rows(self.pool, self._reads, self._deferred, self._lock,
+                                       [(req_id, start, slots)
+                                        for req_id, start, slots, _ in planned])
 
     def _positions_slots(self, call: str, ends: Mapping[str, int | None],
                          starts: Mapping[str, int]) -> list[tuple[str, int, np.ndarray, int]]:
@@ -339,31 +348,32 @@ class OmniPrefixCacheManager:
         the step does not read them again, so its `materialize` gives these requests' rows from
         position h on (the step's own), not from 0. Needs `track_allocations`; between
         `new_step_starts` and `save_outputs`."""
-        self._check_usable("plan_hit_rows")
-        if not self._tracks_allocations:
-            raise OmniPrefixCacheUnmatchError(
-                "plan_hit_rows needs track_allocations() before the first step: without it, a "
-                "block vLLM gave a new tenant in this step would read as its former tenant's")
-        if self._pending is None:
-            raise OmniPrefixCacheUnmatchError(
-                "plan_hit_rows called outside a step: call it after new_step_starts")
-        hits = self._pending.hits
-        if not len(hits):
-            return {}
-        with self._lock:
-            written = self.pool.written_since_allocated(hits.slots)
-            if HIDDEN_KEY in self.pool.keys:  # never absent (see plan_request_rows)
-                written &= self.pool.present(HIDDEN_KEY, hits.slots)
-        whole = np.logical_and.reduceat(written, hits.bounds[:-1])
-        planned = [(req_id, 0, hits.slots_of(i), 0) for i, req_id in enumerate(hits.req_ids)
-                   if whole[i]]
-        if not planned:
-            return {}
-        with keeping_tensors():  # a live request's deferred write a hit shares is launched
-            rows = plan_request_rows(self.pool, self._reads, self._deferred, self._lock, planned,
-                                     "the prefix hit")
-        self._pending.handed_over = frozenset(rows)
-        return rows
+        with self._stats.timed("plan_hit_rows"):
+            self._check_usable("plan_hit_rows")
+            if not self._tracks_allocations:
+                raise OmniPrefixCacheUnmatchError(
+                    "plan_hit_rows needs track_allocations() before the first step: without it, a "
+                    "block vLLM gave a new tenant in this step would read as its former tenant's")
+            if self._pending is None:
+                raise OmniPrefixCacheUnmatchError(
+                    "plan_hit_rows called outside a step: call it after new_step_starts")
+            hits = self._pending.hits
+            if not len(hits):
+                return {}
+            with self._lock:
+                written = self.pool.written_since_allocated(hits.slots)
+                if HIDDEN_KEY in self.pool.keys:  # never absent (see plan_request_rows)
+                    written &= self.pool.present(HIDDEN_KEY, hits.slots)
+            whole = np.logical_and.reduceat(written, hits.bounds[:-1])
+            planned = [(req_id, 0, hits.slots_of(i), 0) for i, req_id in enumerate(hits.req_ids)
+                       if whole[i]]
+            if not planned:
+                return {}
+            with keeping_tensors():  # a live request's deferred write a hit shares is launched
+                rows = plan_request_rows(self.pool, self._reads, self._deferred, self._lock,
+                                         planned, "the prefix hit")
+            self._pending.handed_over = frozenset(rows)
+            return rows
 
     def discard_step(self, step_id: int) -> None:
         """Consume a saved step without reading it."""

@@ -1,5 +1,6 @@
 """M9c's consumer (`stream_bench.Drainer`): a process of its own that drains requests' rows,
-streamed or whole, as a next stage does, and reports what failed there to the bench."""
+streamed or whole, as a next stage does, and reports what failed there to the bench; and one
+run of the bench on this machine's real engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import open_channel
+from prefix_cache.tools import stream_bench
 from prefix_cache.tools.stream_bench import Drainer
 
 
@@ -30,3 +32,20 @@ def test_the_drainer_process_takes_every_chunk_and_whole_entry_and_names_a_failu
                 drainer.wait(60)
         finally:
             drainer.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_one_run_measures_m9_and_the_engine_threads_time_in_the_cache(tmp_path) -> None:
+    """Every figure from a run on the real engine: M9, M9h, M9c, and the engine thread's
+    seconds a step in the cache's calls, streaming and not (each stage makes some)."""
+    pytest.importorskip("vllm")
+    import json
+    out = tmp_path / "m9.json"
+    assert stream_bench.main(["--runs", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["metrics"]) == {"M9", "M9h", "M9c"}
+    for streaming in ("on", "off"):
+        assert 0 < data["m9"]["step_s"][streaming]["median"] < 1
+        assert 0 < data["m9"]["cache_engine_thread_s_per_step"][streaming]["median"] \
+            < data["m9"]["step_s"][streaming]["median"]

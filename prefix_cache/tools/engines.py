@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from prefix_cache.channel import StageChannel
+from prefix_cache.manager import ENGINE_THREAD_CALLS
 
 #: The environment a vLLM engine with the cache needs here, and why (set where unset):
 ENGINE_ENV = {
@@ -208,6 +209,12 @@ class Engine:
         self.engine.engine_core.shutdown()
         del self.engine, self.llm
         gc.collect()
+
+
+def cache_engine_thread_s(stats: Mapping[str, int | float]) -> float:
+    """Seconds an engine thread has spent in the cache's calls, by its `stats()`: the sum of
+    `ENGINE_THREAD_CALLS`' times."""
+    return sum(stats.get(f"time_s.{call}", 0.0) for call in ENGINE_THREAD_CALLS)
 
 
 def start_thinker(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,

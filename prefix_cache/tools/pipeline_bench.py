@@ -36,7 +36,8 @@ from prefix_cache.tools.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.harness import (REPORT_WIDTH, machine, source_commit, spread, unwritable,
                                         write_json)
 from prefix_cache.tools.targets import PIPELINE_METRICS
-from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape, engine_core_pid,
+from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
+                                        cache_engine_thread_s, engine_core_pid,
                                         multiprocessing_mode, start_talker, start_thinker,
                                         vllm_trace_config, write_dummy_qwen2, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
@@ -273,7 +274,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         finally:
             for engine in engines.values():
                 engine.close()
-    library = _library_s(stats) / stats["calls.save_outputs"]
+    library = cache_engine_thread_s(stats) / stats["calls.save_outputs"]
     return {
         "device": device,
         "workload": f"M8 stage 1 ({stage_model.describe(shape)} on {device}, {mode}), "
@@ -301,21 +302,16 @@ def decode_steps(times: list[float]) -> list[float]:
     return [t for t in times if 0.5 < t / median < 2]
 
 
-def _library_s(stats: dict[str, int | float]) -> float:
-    """The cache's engine-thread seconds so far: `new_step_starts` + `save_outputs`."""
-    return stats.get("time_s.new_step_starts", 0.0) + stats.get("time_s.save_outputs", 0.0)
-
-
 def _library_per_step(engine: Engine, requests: list[StageRequest], channel: StageChannel
                       ) -> list[float]:
     """The cache's engine-thread seconds in each step of an untimed pass: its median is a
     median step's, where the mean of the timed passes is weighed by the prefill steps."""
     per_step: list[float] = []
-    last = _library_s(engine.stats())
+    last = cache_engine_thread_s(engine.stats())
 
     def after_step() -> None:
         nonlocal last
-        now = _library_s(engine.stats())
+        now = cache_engine_thread_s(engine.stats())
         per_step.append(now - last)
         last = now
 

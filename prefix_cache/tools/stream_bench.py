@@ -14,7 +14,9 @@ at a time, so the later two of each run hit the prefix cache. Figures:
   step (submission to its first token): within one stage-1 step is <= 1;
 - M9c: stage 1's steps per second, streaming on / off, four requests decoding together, their
   rows drained in both cases by a consumer in a process of its own, as a next stage is (its
-  polls and takes are not stage 1's client work).
+  polls and takes are not stage 1's client work). Beside it, the time stage 1's engine thread
+  spent in the cache's calls (`ENGINE_THREAD_CALLS`, from its `stats()`) over each pass, a
+  step on average: steadier than the steps' ratio, and without the other threads' share.
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
 `stream: N`). `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
@@ -45,7 +47,7 @@ from prefix_cache.channel import StageChannel
 from prefix_cache.tools.bench_report import Metric, metric_json, report
 from prefix_cache.tools.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.engine_loop import EngineLoop
-from prefix_cache.tools.engines import Engine, engine_core_pid
+from prefix_cache.tools.engines import Engine, cache_engine_thread_s, engine_core_pid
 from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
 from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, greedy_params
 from prefix_cache.tools.profile import ProfileSummary, format_table
@@ -140,6 +142,7 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
     from prefix_cache.tools.stream_pipeline import start_stage
     first_token: dict[bool, list[float]] = {True: [], False: []}
     hit_chunk, hit_step, steps = [], [], {True: [], False: []}
+    cache_s: dict[bool, list[float]] = {True: [], False: []}  # engine thread's, a step
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m9-") as tmp, \
             open_channel("shm") as channel, engines.multiprocessing_mode(True):
         thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
@@ -175,9 +178,13 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
                         hit_chunk += [r.first_chunk_s for r in hits]
                         hit_step += [r.since_submission(r.thinker.first_token_at) for r in hits]
                     cold()
-                    steps[streaming].append(statistics.median(decode_steps(
-                        thinkers[streaming], drainer,
-                        WORKLOAD.requests(f"m9c-{i}-{mode(streaming)}"), streaming)))
+                    before = cache_engine_thread_s(thinkers[streaming].stats())
+                    times = decode_steps(thinkers[streaming], drainer,
+                                         WORKLOAD.requests(f"m9c-{i}-{mode(streaming)}"),
+                                         streaming)
+                    steps[streaming].append(statistics.median(times))
+                    cache_s[streaming].append((cache_engine_thread_s(
+                        thinkers[streaming].stats()) - before) / len(times))
             profiles = {} if profile_dir is None else {
                 mode(streaming): _profile_decode(thinkers[streaming], drainer, streaming, cold,
                                                  profile_dir, profile_seconds, progress)
@@ -194,7 +201,10 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
             "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
             "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
             "hit_ratio_per_request": spread([c / s for c, s in zip(hit_chunk, hit_step)]),
-            "step_s": {mode(k): spread(v) for k, v in steps.items()}, "profile": profiles}
+            "step_s": {mode(k): spread(v) for k, v in steps.items()},
+            # the mean over a pass's steps (its prompt steps and finishes included)
+            "cache_engine_thread_s_per_step": {mode(k): spread(v) for k, v in cache_s.items()},
+            "profile": profiles}
 
 
 def _profile_decode(thinker: Engine, drainer: Drainer, streaming: bool, cold: Callable[[], None],
@@ -224,6 +234,7 @@ def ms(figure: dict[str, Any]) -> str:
 def metrics(m: dict[str, Any]) -> dict[str, Metric]:
     on, off = m["talker_first_token_s"]["on"], m["talker_first_token_s"]["off"]
     step_on, step_off = m["step_s"]["on"], m["step_s"]["off"]
+    cache = m["cache_engine_thread_s_per_step"]
     return {
         "M9": Metric(on["median"] / off["median"], f"on {ms(on)}, off {ms(off)}",
                      m["workload"]),
@@ -232,7 +243,9 @@ def metrics(m: dict[str, Any]) -> dict[str, Metric]:
                       f"first step {ms(m['hit_first_step_s'])}",
                       f"per hit request (median, min-max over {m['runs']} runs)"),
         "M9c": Metric(step_off["median"] / step_on["median"],
-                      f"median step on {ms(step_on)}, off {ms(step_off)}",
+                      f"median step on {ms(step_on)}, off {ms(step_off)}; the cache's "
+                      f"engine-thread calls {cache['on']['median'] * 1e6:.0f} µs a step on, "
+                      f"{cache['off']['median'] * 1e6:.0f} off",
                       f"{WORKLOAD.num_requests} requests decoding together"),
     }
 
