@@ -126,18 +126,18 @@ def engine_and_channel(thinker_model_dir: Path) -> Iterator[tuple[Engine, StageC
             engine.close()
 
 
-#: The call of each site that faults: a publishing one. A step's finishes are one call of
-#: `publish_reads`, and its second is the runner's own finish of the requests the scheduler
-#: published first, which publishes nothing.
-@pytest.mark.parametrize("site, call", [("deliver", 1), ("read back", 2), ("encode", 2),
-                                        ("channel write", 2)])
-def test_a_fault_fails_the_entries_it_touched_and_the_engine_goes_on_exact(
-        engine_and_channel: tuple[Engine, StageChannel], site: str, call: int) -> None:
-    engine, channel = engine_and_channel
+def fault_once_then_run_again(engine: Engine, channel: StageChannel, site: str, call: int,
+                              collect_rows: Callable[[StageChannel, list[Any]],
+                                                     dict[str, torch.Tensor | str]]
+                              ) -> dict[str, str]:
+    """Four requests with the `call`-th call at `site` faulting, then the same prompts again:
+    the entries the fault touched fail, each naming its request and the fault; every other one
+    gets its rows; the engine goes on, and the second round, prefix hits now, gets every
+    request's rows, exactly a delivered one's. Returns the first round's failures."""
     engine.engine.reset_prefix_cache()
     with fault_at(site, lambda count: count == call) as raised:
         outs = generate(engine, prompts(0, 4))
-        faulted = collect(channel, outs)
+        faulted = collect_rows(channel, outs)
     assert raised == [call]
     failures = {r: v for r, v in faulted.items() if isinstance(v, str)}
     assert failures, f"the fault at {site} failed no entry"
@@ -146,16 +146,25 @@ def test_a_fault_fails_the_entries_it_touched_and_the_engine_goes_on_exact(
     for out in outs:
         if out.request_id not in failures:
             assert faulted[out.request_id].shape[0] == expected_rows(out)
-    # the engine goes on, and every request of the same prompts, each a prefix hit now,
-    # gets exactly the rows a delivered one had
     again = generate(engine, prompts(0, 4))
-    delivered = collect(channel, again)
+    delivered = collect_rows(channel, again)
     for first, out in zip(outs, again, strict=True):
         rows = delivered[out.request_id]
         assert isinstance(rows, torch.Tensor) and rows.shape[0] == expected_rows(out)
         if first.request_id not in failures:
             torch.testing.assert_close(rows, faulted[first.request_id], rtol=1e-4, atol=1e-4)
     assert engine.stats()["hit_tokens"] > 0
+    return failures
+
+
+#: The call of each site that faults: a publishing one. A step's finishes are one call of
+#: `publish_reads`, and its second is the runner's own finish of the requests the scheduler
+#: published first, which publishes nothing.
+@pytest.mark.parametrize("site, call", [("deliver", 1), ("read back", 2), ("encode", 2),
+                                        ("channel write", 2)])
+def test_a_fault_fails_the_entries_it_touched_and_the_engine_goes_on_exact(
+        engine_and_channel: tuple[Engine, StageChannel], site: str, call: int) -> None:
+    fault_once_then_run_again(*engine_and_channel, site, call, collect)
 
 
 @pytest.fixture(scope="module")
@@ -175,31 +184,14 @@ def streaming_engine_and_channel(thinker_model_dir: Path
 @pytest.mark.parametrize("site", ["chunk read back", "channel write"])
 def test_a_fault_in_a_streamed_chunk_fails_its_requests_alone_and_the_engine_goes_on_exact(
         streaming_engine_and_channel: tuple[Engine, StageChannel], site: str) -> None:
-    engine, channel = streaming_engine_and_channel
-    engine.engine.reset_prefix_cache()
-    with fault_at(site, lambda count: count == 2) as raised:
-        outs = generate(engine, prompts(0, 4))
-        faulted = collect_streams(channel, outs)
-    assert raised == [2]
-    failures = {r: v for r, v in faulted.items() if isinstance(v, str)}
-    # a read back fails its one request; a write, every chunk of its put
-    if site == "chunk read back":
-        assert len(failures) == 1, faulted
-    assert 0 < len(failures) < len(outs), faulted
-    for req_id, message in failures.items():
-        assert f"request {req_id}" in message and f"injected fault at {site}" in message
+    failures = fault_once_then_run_again(*streaming_engine_and_channel, site, 2,
+                                         collect_streams)
+    if site == "chunk read back":  # its one request
+        assert len(failures) == 1, failures
+    else:  # every chunk of its put: not all four requests'
+        assert len(failures) < 4, failures
+    for message in failures.values():
         assert "its positions" in message, message
-    for out in outs:
-        if out.request_id not in failures:
-            assert faulted[out.request_id].shape[0] == expected_rows(out)
-    again = generate(engine, prompts(0, 4))
-    streamed = collect_streams(channel, again)
-    for first, out in zip(outs, again, strict=True):
-        rows = streamed[out.request_id]
-        assert isinstance(rows, torch.Tensor) and rows.shape[0] == expected_rows(out)
-        if first.request_id not in failures:
-            torch.testing.assert_close(rows, faulted[first.request_id], rtol=1e-4, atol=1e-4)
-    assert engine.stats()["hit_tokens"] > 0
 
 
 @pytest.mark.parametrize("site, faults", [("deliver", MAX_FAULTED_STEPS), ("save", 1)],
