@@ -38,8 +38,7 @@ class FakeRuntime:
     `device_busy` cleared: events recorded from then on stay incomplete until it is set.
     `fail_batch_from`: batch calls from that one on (0: the first) return
     cudaErrorInvalidValue. `calls` records each batch call that copied: (first destination,
-    runs), and `callers` the thread that made it. `others_may_issue` cleared: batch calls from
-    threads other than the one that made the runtime wait until it is set."""
+    runs)."""
 
     def __init__(self, version: int = 13000) -> None:
         self.version = version
@@ -49,10 +48,6 @@ class FakeRuntime:
         self.batch_calls = 0
         self.events_left: int | None = None  # events it can still create (None: any number)
         self.calls: list[tuple[int, int]] = []
-        self.callers: list[int] = []
-        self.others_may_issue = threading.Event()
-        self.others_may_issue.set()
-        self._maker = threading.get_ident()
         self.waits = 0
         self._events: dict[int, threading.Event] = {}
         self._next = 1
@@ -113,10 +108,7 @@ class FakeRuntime:
             lambda dsts, srcs, sizes, count, *rest: self._batch(dsts, srcs, sizes, count))
 
     def _batch(self, dsts, srcs, sizes, count) -> int:
-        if threading.get_ident() != self._maker:
-            self.others_may_issue.wait()
         call, self.batch_calls = self.batch_calls, self.batch_calls + 1
-        self.callers.append(threading.get_ident())
         if self.fail_batch_from is not None and call >= self.fail_batch_from:
             return INVALID_VALUE
         self.calls.append((dsts[0], count))
@@ -170,34 +162,6 @@ def test_jobs_are_issued_in_submit_order_and_a_later_one_into_a_slot_wins(runtim
     assert all(issuer.query(job) for job in jobs)
     assert (pool[8:16] == 6).all()
     assert [dst for dst, _ in runtime.calls] == [pool[8:].ctypes.data] * 6
-    issuer.close()
-
-
-def test_an_idle_issuer_starts_a_job_on_the_submitting_thread_and_a_busy_one_keeps_order(
-        runtime) -> None:
-    """With no earlier job still to be issued, `submit` issues the first 16 runs itself (the
-    copy engine starts without waiting for the issuing thread to wake) and that thread the rest;
-    behind a job still being issued, a job's runs all wait for that thread, in submit order."""
-    pool = np.zeros((128, ROW), dtype=np.uint8)
-    issuer = issuer_of(runtime)
-    me = threading.get_ident()
-    first_rows = np.ones((40, ROW), dtype=np.uint8)
-    second_rows = np.full((2, ROW), 2, dtype=np.uint8)
-    runtime.others_may_issue.clear()
-    try:  # the issuing thread's calls wait at the gate, whatever the asserts find
-        first = save(issuer, first_rows, np.arange(40) * 2 + 1, pool)  # 40 runs of one slot
-        issued_by_submit = (list(runtime.callers), list(runtime.calls))
-        second = save(issuer, second_rows, [1, 2], pool)  # slot 1: the first job's first run's
-        issued_behind = list(runtime.callers)
-    finally:
-        runtime.others_may_issue.set()
-    assert issued_by_submit == ([me], [(pool[1:].ctypes.data, 16)])
-    assert issued_behind == [me], "a job was issued ahead of one still being issued"
-    issuer.synchronize(second)
-    assert issuer.query(first) and issuer.error(first) is None
-    assert [count for _, count in runtime.calls] == [16, 16, 8, 1]
-    assert runtime.callers[1:] == [runtime.callers[1]] * 3 and runtime.callers[1] != me
-    assert (pool[1:3] == 2).all() and (pool[np.arange(1, 40) * 2 + 1] == 1).all()
     issuer.close()
 
 

@@ -2,12 +2,10 @@
  *
  * A save is a list of runs of consecutive slots; cudaMemcpyBatchAsync moves them all with
  * the DMA engines (no SMs) at the speed of one contiguous copy. The driver spends about
- * 0.4 us a run to issue it, so the engine thread issues little: `submit` checks the slots,
- * plans the runs, orders the copy stream after the caller's stream with an event, issues the
- * first RUNS_PER_CALL runs itself where no earlier job is still to be issued (the copy engine
- * starts without waiting for a thread to wake), and queues the job; a thread of this module,
- * which never takes the GIL, issues the rest and records the job's done event, in submit
- * order. A job is done once it is issued and that event has
+ * 0.4 us a run to issue it, so the engine thread does not: `submit` checks the slots, plans
+ * the runs, orders the copy stream after the caller's stream with an event, and queues the
+ * job; a thread of this module, which never takes the GIL, issues the batch and records the
+ * job's done event, in submit order. A job is done once it is issued and that event has
  * completed, or once an issuing call failed (`error` then names it); the done event follows
  * the runs a failed batch did issue, so such a job is over only once they have landed.
  *
@@ -67,7 +65,6 @@ typedef struct {
     const char *failed_call;
     void *done;
     size_t count, capacity;
-    size_t issued_runs;  /* of `count`, those on the copy stream */
     void **dsts, **srcs;
     size_t *sizes;
 } Job;
@@ -108,19 +105,16 @@ error_name(Issuer *self, int err)
  * driver still takes its later ones (about 0.4 us a run), instead of after all of them. */
 #define RUNS_PER_CALL 16
 
-/* Issue the job's runs from `job->issued_runs` on, at most `limit` of them, RUNS_PER_CALL a
- * call; a failed call is recorded in the job and ends it. Returns the CUDA error. */
-static int
-issue_runs(Issuer *self, Job *job, size_t limit)
+static void
+issue(Issuer *self, Job *job)
 {
     static const MemcpyAttributes attrs = {ACCESS_ORDER_STREAM, 0, 0, 0, 0,
                                            PREFER_OVERLAP_COMPUTE};
-    size_t attr_index = 0, fail_index = 0;
-    size_t end = job->count - job->issued_runs < limit ? job->count : job->issued_runs + limit;
-    while (job->issued_runs < end) {
-        size_t at = job->issued_runs;
-        size_t count = end - at < RUNS_PER_CALL ? end - at : RUNS_PER_CALL;
-        int err = self->batch_has_fail_idx
+    size_t attr_index = 0, fail_index = 0, at = 0;
+    int err = CUDA_SUCCESS;
+    while (at < job->count) {
+        size_t count = job->count - at < RUNS_PER_CALL ? job->count - at : RUNS_PER_CALL;
+        err = self->batch_has_fail_idx
             ? ((Batch12Fn)self->batch)(job->dsts + at, job->srcs + at, job->sizes + at, count,
                                        (void *)&attrs, &attr_index, 1, &fail_index,
                                        self->copy_stream)
@@ -130,19 +124,11 @@ issue_runs(Issuer *self, Job *job, size_t limit)
             self->get_last_error();  /* this thread's; cleared for its next call */
             job->error = err;
             job->failed_call = "cudaMemcpyBatchAsync";
-            return err;
+            break;
         }
-        job->issued_runs = at + count;
+        at += count;
     }
-    return CUDA_SUCCESS;
-}
-
-/* Issue the job's remaining runs (unless a call of it failed already), then its done event. */
-static void
-issue(Issuer *self, Job *job)
-{
-    int err = job->error == CUDA_SUCCESS ? issue_runs(self, job, job->count) : job->error;
-    if (err != CUDA_SUCCESS && job->issued_runs == 0) {
+    if (err != CUDA_SUCCESS && at == 0) {
         return;  /* nothing of it reached the copy stream: over now */
     }
     /* after the runs issued, a failed batch's too: its slots may still be written until then */
@@ -347,8 +333,7 @@ PyDoc_STRVAR(submit_doc,
 "Queue the copy of row i (row_bytes at device address src + i * row_bytes) into slot\n"
 "slots[i] of the host pool at dst (num_slots rows of row_bytes, registered with the device)\n"
 "for each of the int64 slots, a run of consecutive slots at a time. The copy stream waits\n"
-"for `ready` (a cudaEvent_t), or, when it is 0, for the caller's stream as it is now; where\n"
-"no earlier job is still to be issued, the first 16 runs are issued before it returns. Raises,\n"
+"for `ready` (a cudaEvent_t), or, when it is 0, for the caller's stream as it is now. Raises,\n"
 "queuing nothing: IndexError naming the first slot outside 0..num_slots-1; RuntimeError when\n"
 "the ring is full of unreleased jobs, or a stream call fails. One thread submits at a time.");
 
@@ -431,15 +416,6 @@ issuer_submit(Issuer *self, PyObject *const *args, Py_ssize_t nargs)
     job->released = 0;
     job->recorded = 0;
     job->error = CUDA_SUCCESS;
-    job->issued_runs = 0;
-    if (self->issued == self->submitted) {
-        /* The issuing thread is idle (it issues only while a job is queued), so this thread
-         * may use the copy stream: the copy engine starts on the first runs now, not once that
-         * thread has woken; it issues the rest and the done event. A copy may be issued to a
-         * stream of another device than the caller's current one (CUDA Programming Guide,
-         * "Stream and Event Behavior"). A failed call fails the job, as on that thread. */
-        issue_runs(self, job, RUNS_PER_CALL);
-    }
     self->submitted++;
     pthread_cond_signal(&self->work);
     pthread_mutex_unlock(&self->lock);

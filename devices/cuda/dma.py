@@ -6,9 +6,7 @@ run size from one 16-row block up, against 0.87-0.89x for the scatter kernel, an
 GEMM loop it costs 1.002-1.011x against 1.035x. The driver spends about 0.4 us a run issuing
 it, which the issuing thread pays; the engine thread pays a private copy of the rows on the
 device (in-stream saves: the caller may overwrite its rows once its stream moves on) and one
-C call, which issues the first 16 runs itself when the issuing thread is idle, so the copy
-engine starts without waiting for that thread to wake (M1's first copy started 160-230 us
-after the call on an H100 before, 60-80 us after: `benchmarks/m1_timeline.py`).
+C call.
 """
 
 from __future__ import annotations
