@@ -13,33 +13,27 @@ host seeing the copies done). M1 is the reference's wall time over the save's.
 The profiler slows the host's calls, so the walls are longer than M1's unprofiled loop; the
 device's span and gaps are what to read. On an H100 (2026-12-06, `benchmarks/gpu_2026-12-06b/`)
 the kernel's row found no device events in the trace (not understood; the bench times that
-path without the profiler).
+path without the profiler). Since that run its loop is the bench's own (`pipelined`), where it
+had a copy of it; not run on a GPU since.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from prefix_cache import devices
+from prefix_cache.devices.base import Transfer
 from prefix_cache.tools.harness import format_table
-from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, land, saves_by_dma, without_dma
+from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, pipelined, saves_by_dma, without_dma
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, bench_dtype, random_slots
-
-
-def _iteration(backend: devices.DeviceBackend, launch: Callable[[], object]) -> None:
-    transfers = [launch() for _ in range(SAVES_IN_FLIGHT)]
-    for transfer in transfers:
-        if transfer is not None:
-            land(transfer)
-    torch.cuda.synchronize(backend.device)
 
 
 def _timeline(trace_path: str, label: str) -> list[dict[str, float]]:
@@ -85,18 +79,18 @@ def main() -> None:
     rows = torch.randn(args.tokens, WIDTH, device=backend.device).to(dtype)
     slots = random_slots(num_blocks, args.tokens, np.random.default_rng(0))
     stagings = [backend.alloc_host((args.tokens, WIDTH), dtype) for _ in range(SAVES_IN_FLIGHT)]
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
 
-    def save() -> object:
+    def save() -> Transfer:
         return backend.scatter_rows(rows, slots, pool, ready=backend.record_event(),
                                     staging=stagings[next(turn) % SAVES_IN_FLIGHT].tensor)
 
     def contiguous() -> None:
         stagings[next(turn) % SAVES_IN_FLIGHT].tensor.copy_(rows, non_blocking=True)
 
-    ways = {"save": lambda: _iteration(backend, save),
-            "kernel": lambda: without_dma(backend, lambda: _iteration(backend, save)),
-            "contiguous D2H": lambda: _iteration(backend, contiguous)}
+    ways = {"save": pipelined(backend, save),
+            "kernel": lambda: without_dma(backend, pipelined(backend, save)),
+            "contiguous D2H": pipelined(backend, contiguous)}
     for run in ways.values():  # warm-up: compiled kernels, the issuer's first jobs
         for _ in range(3):
             run()

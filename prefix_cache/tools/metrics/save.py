@@ -38,7 +38,7 @@ def without_dma(backend: DeviceBackend, fn: Callable[[], Any]) -> Any:
         backend.dma_min_bytes = threshold
 
 
-def _pipelined(backend: DeviceBackend, launch: Callable[[], Transfer | None]
+def pipelined(backend: DeviceBackend, launch: Callable[[], Transfer | None]
                ) -> Callable[[], None]:
     """SAVES_IN_FLIGHT launches back to back, then wait for all: throughput as steps overlap."""
     def run() -> None:
@@ -85,7 +85,7 @@ def measure_save(backend: DeviceBackend, tokens: int, num_blocks: int, dtype: to
         next(next_staging).copy_(rows, non_blocking=backend.name != "cpu")
 
     def gbs(launch: Callable[[], Transfer | None]) -> float:
-        return SAVES_IN_FLIGHT * nbytes / timeit(_pipelined(backend, launch), repeat) / 1e9
+        return SAVES_IN_FLIGHT * nbytes / timeit(pipelined(backend, launch), repeat) / 1e9
 
     out = {"scatter": gbs(scatter), "contiguous": gbs(contiguous)}
     if saves_by_dma(backend, nbytes):  # the kernel, side by side
