@@ -39,7 +39,7 @@ def without_dma(backend: DeviceBackend, fn: Callable[[], Any]) -> Any:
 
 
 def pipelined(backend: DeviceBackend, launch: Callable[[], Transfer | None]
-               ) -> Callable[[], None]:
+              ) -> Callable[[], None]:
     """SAVES_IN_FLIGHT launches back to back, then wait for all: throughput as steps overlap."""
     def run() -> None:
         transfers = [launch() for _ in range(SAVES_IN_FLIGHT)]
