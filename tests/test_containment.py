@@ -4,9 +4,9 @@ On vLLM's real CPU engine, in-process (so faults can be injected where they woul
 a fault while delivering a finished request, reading its rows back, encoding an entry or
 writing it to the channel fails the entries it touched, each naming the cause, and every other
 request gets its rows; the engine keeps generating, and the cache stays exact. So does a fault
-while a streaming stage reads a chunk back from the pool or writes a step's chunks. Faults in every step stop
-publishing after `MAX_FAULTED_STEPS`; every request then gets a failure naming why, and the
-engine still generates.
+while a streaming stage reads a chunk back from the pool or writes a step's chunks. Faults in
+every step stop publishing after `MAX_FAULTED_STEPS`; every request then gets a failure naming
+why, and the engine still generates.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ run of the bench on this machine's real engine."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -40,7 +42,6 @@ def test_one_run_measures_m9_and_the_engine_threads_time_in_the_cache(tmp_path) 
     """Every figure from a run on the real engine: M9, M9h, M9c, and the engine thread's
     seconds a step in the cache's calls, streaming and not (each stage makes some)."""
     pytest.importorskip("vllm")
-    import json
     out = tmp_path / "m9.json"
     assert stream_bench.main(["--runs", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
