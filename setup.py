@@ -1,7 +1,8 @@
 """Builds the C modules: prefix_cache.core._core, the loops of a step's bookkeeping and the
 host row copies; prefix_cache.channel._shm, the shm channel's puts and expectations with the
-GIL released; and prefix_cache.devices.cuda._dma, the copy-engine issuer (it links no CUDA
-library: the runtime's functions are passed in). Everything else is in pyproject.toml. Needs a
+GIL released; prefix_cache.devices.cuda._dma, the copy-engine issuer, and
+prefix_cache.devices.cuda._events, the recycled done events (neither links a CUDA library: the
+runtime's functions are passed in). Everything else is in pyproject.toml. Needs a
 C compiler and the Python headers (python3-dev)."""
 
 from setuptools import Extension, setup
@@ -15,4 +16,6 @@ setup(ext_modules=[
     Extension("prefix_cache.devices.cuda._dma", ["prefix_cache/devices/cuda/_dma.c"],
               extra_compile_args=[*FLAGS, "-D_GNU_SOURCE", "-pthread"],
               extra_link_args=["-pthread"]),
+    Extension("prefix_cache.devices.cuda._events", ["prefix_cache/devices/cuda/_events.c"],
+              extra_compile_args=FLAGS),
 ])

@@ -326,7 +326,6 @@ class Bench:
         # HostBuffers are kept: dropping one unregisters its memory (a finalizer)
         self.pool = self._alloc((POOL_SLOTS, WIDTH), torch.bfloat16)
         self.pool_view = self.pool.device_view
-        self.pool_words = self.scatter.as_words(self.pool_view) if self.scatter else None
         self.pool_base = self.pool.tensor.data_ptr()
         cap = max(STEP_TOKENS)
         self.page = self._alloc((cap,), torch.int64)
@@ -467,12 +466,12 @@ class Bench:
             if self.scatter is None:
                 raise CudaError("the scatter kernel's module did not load")
             scatter_rows = self.scatter.scatter_rows
-            page_np, page_dev, pool_view, pool_words, flags = (
-                self.page_np, self.page_dev, self.pool_view, self.pool_words, self.flags)
+            page_np, page_dev, pool_view, flags = (
+                self.page_np, self.page_dev, self.pool_view, self.flags)
 
             def issue() -> None:
                 page_np[:n] = slots  # the engine copies a step's slots into a mapped page
-                scatter_rows(rows, page_dev[:n], pool_view, pool_words, flags)
+                scatter_rows(rows, page_dev[:n], pool_view, flags)
             return issue
         if variant in ("batch", "batch-ovl"):
             cr = self._need_cudart(batch=True)

@@ -130,12 +130,17 @@ class AcceleratorBackend(DeviceBackend):
 
     def _record_done(self, in_stream: bool) -> DeviceEvent:
         """An event after the move just issued, inside its `_issue_scope` block."""
-        # blocking: a thread waiting on it sleeps in the driver instead of spinning there,
-        # where a spin contends with the engine thread's launches
-        done = self.module.Event(blocking=True)
-        done.record(self._current_stream() if in_stream else self.copy_stream)
+        done = self._record_blocking(in_stream)
         if in_stream:
             self._in_stream_tail = done
+        return done
+
+    def _record_blocking(self, in_stream: bool) -> DeviceEvent:
+        """A blocking event recorded on the caller's stream (`in_stream`), else the copy stream:
+        a thread waiting on it sleeps in the driver instead of spinning there, where a spin
+        contends with the engine thread's launches."""
+        done = self.module.Event(blocking=True)
+        done.record(self._current_stream() if in_stream else self.copy_stream)
         return done
 
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,

@@ -103,8 +103,6 @@ class HostBuffer:
                          if release is not None else None)
         self.device_view: torch.Tensor | None = None  # set by zero-copy backends
         self._byte_rows: np.ndarray | None = None
-        #: `device_view` as the widest integer words its rows allow (kept by zero-copy scatters)
-        self.device_words: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +117,7 @@ class HostBuffer:
         return self._byte_rows
 
     def close(self) -> None:
-        self.device_view = self.device_words = self._byte_rows = None
+        self.device_view = self._byte_rows = None
         if self._release is not None:
             self._release()  # a finalizer runs at most once: close() stays idempotent
 

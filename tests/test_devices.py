@@ -324,6 +324,61 @@ def test_cuda_events_and_in_stream_writes_follow_the_callers_current_stream() ->
             assert torch.equal(pool.tensor[slots + 32], rows.cpu())
 
 
+@pytest.mark.cuda
+def test_cuda_done_events_follow_their_stream_and_return_to_the_pool_when_dropped() -> None:
+    """A done event completes with the work before it on the stream it was recorded on (a side
+    stream behind a sleep, not the default stream), and its CUDA event is reused once dropped;
+    more events held at once than the pool made grow it."""
+    from prefix_cache.devices.cuda.events import GROW, DoneEvents
+
+    events = DoneEvents(torch.device("cuda", torch.cuda.current_device()))
+    assert events.counts == (GROW, GROW)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s, on `side` only
+        behind = events.record(side.cuda_stream)
+    idle = events.record(torch.cuda.current_stream().cuda_stream)
+    idle.synchronize()
+    assert idle.query() and not behind.query()
+    behind.synchronize()
+    assert behind.query()
+    del idle, behind
+    assert events.counts == (GROW, GROW)
+    held = [events.record(side.cuda_stream) for _ in range(GROW + 3)]  # more than were made
+    assert events.counts == (2 * GROW - len(held), 2 * GROW)
+    held[-1].synchronize()
+    assert all(e.query() for e in held)
+    held.clear()
+    assert events.counts == (2 * GROW, 2 * GROW)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("offset", [0, 2, 4, 6], ids=lambda o: f"rows+{o}B")
+def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_launch(
+        dtype: torch.dtype, offset: int) -> None:
+    """Rows whose address allows narrower words than the pool's (a slice of a larger buffer)
+    are moved in the widest words both allow, by the first launch (which compiles) and by the
+    direct launches after it, from int32 and int64 device slot mappings."""
+    width = 24  # 48 bytes of bf16: every word width divides the rows
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if offset % itemsize:
+        pytest.skip("the offset splits an element")
+    with closing(devices.get_backend("cuda")) as backend, \
+            closing(backend.alloc_host((64, width), dtype)) as pool:
+        assert backend.use_kernel
+        raw = torch.zeros(8 * width * itemsize + 64, dtype=torch.uint8, device="cuda")
+        for turn in range(4):  # compile, then the compiled launcher
+            for slot_dtype in (torch.int64, torch.int32):
+                rows = raw[offset: offset + 8 * width * itemsize].view(dtype).view(8, width)
+                rows.copy_((torch.arange(8 * width, device="cuda") % 97 + turn)
+                           .view(8, width).to(dtype))
+                slots = torch.randperm(64)[:8]
+                backend.scatter_rows(rows, slots.to("cuda", slot_dtype), pool, ready=None,
+                                     staging=None, in_stream=True).event.synchronize()
+                assert torch.equal(pool.tensor[slots], rows.cpu()), (turn, slot_dtype)
+
+
 # ---------------------------------------------------------------- slots outside the pool (issue 21)
 
 def _guarded_pool(backend: CudaBackend, num_slots: int, width: int,

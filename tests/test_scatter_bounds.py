@@ -234,9 +234,9 @@ def run(rows, mapping, n, num_slots, guard=3):
     full = torch.full((num_slots + 2 * guard, rows.shape[1]), -7, dtype=rows.dtype)
     pool = full[guard:guard + num_slots]
     flags = torch.zeros(scatter.FLAG_CELLS, dtype=torch.int64)
-    src, dst = scatter.as_words(rows), scatter.as_words(pool)
-    if src.dtype != dst.dtype:
-        src, dst = rows.view(torch.uint8), pool.view(torch.uint8)
+    word = scatter.word_dtype(rows.shape[1] * rows.element_size(), rows.data_ptr(),
+                              pool.data_ptr())
+    src, dst = scatter.as_words(rows, word), scatter.as_words(pool, word)
     grid = min(scatter.SCATTER_CTAS, -(-n // scatter.SCATTER_ROWS))
     scatter._kernel()[(grid,)](src, dst, mapping, flags, n, src.shape[1], dst.shape[0],
                                BLOCK=scatter._BLOCK, ROWS=scatter.SCATTER_ROWS)

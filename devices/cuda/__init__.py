@@ -31,6 +31,7 @@ from prefix_cache.devices.base import (CHECK_SLOTS_ENV, DeviceEvent, HostBuffer,
                                        slot_checks_on)
 from prefix_cache.devices.cuda import scatter
 from prefix_cache.devices.cuda.dma import DmaDone, RunCopier, dma_enabled, dma_min_bytes
+from prefix_cache.devices.cuda.events import DoneEvents
 from prefix_cache.devices.cuda.host_memory import register_host
 from prefix_cache.devices.cuda.slot_pages import (SlotLease, SlotPages, count_out_of_range,
                                                   out_of_range_error)
@@ -63,6 +64,8 @@ class CudaBackend(AcceleratorBackend):
         self.use_kernel = scatter.triton_available()
         #: check each scatter's slots on the host before it launches (debugging: syncs)
         self.check_slots = slot_checks_on()
+        self._done_events = self._start_done_events()
+        self._copy_stream_handle: int = self.copy_stream.cuda_stream
         self._slot_pages: SlotPages | None = None
         self.zero_copy = zero_copy and self._self_test()
         if not self.zero_copy and self._slot_pages is not None:
@@ -77,6 +80,20 @@ class CudaBackend(AcceleratorBackend):
         """Whether a save of `nbytes` of one key into a mapped pool goes by copy engine (the
         path is on and passed its self-test, and the save is at least `dma_min_bytes`)."""
         return self._dma is not None and nbytes >= self.dma_min_bytes
+
+    def _start_done_events(self) -> DoneEvents | None:
+        """Recycled done events, unless the loaded CUDA runtime cannot be found (torch's then)."""
+        try:
+            return DoneEvents(self.device)
+        except (RuntimeError, OSError, AttributeError) as exc:
+            logger.warning("recycled CUDA events unavailable (%s); using torch's", exc)
+            return None
+
+    def _record_blocking(self, in_stream: bool) -> DeviceEvent:
+        if self._done_events is None:
+            return super()._record_blocking(in_stream)
+        return self._done_events.record(self._raw_current_stream() if in_stream
+                                        else self._copy_stream_handle)
 
     def _start_dma(self) -> RunCopier | None:
         """The copy-engine path, unless turned off or the runtime has no batch copies."""
@@ -153,7 +170,7 @@ class CudaBackend(AcceleratorBackend):
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
-        if slots.device.type == "cpu":
+        if slots.is_cpu:
             host_slots = slots.numpy()
         mapped = self.zero_copy and pool.device_view is not None  # else staged
         # DMA into mapped pools only: a staged write lands on the host later, and a DMA save
@@ -175,13 +192,13 @@ class CudaBackend(AcceleratorBackend):
 
     def _scatter_mapped(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                         ready: DeviceEvent | None, in_stream: bool) -> Transfer:
-        if rows.dtype != pool.tensor.dtype:
-            raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
+        if rows.dtype != pool.dtype:
+            raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.dtype}")
         pages = self._slot_pages
         if pages is None:
             raise RuntimeError("cuda backend: scatter_rows after close()")
-        n, num_slots = rows.shape[0], pool.device_view.shape[0]
-        host_slots = slots.device.type == "cpu"
+        n, num_slots = rows.shape[0], pool.shape[0]  # the mapped view is the pool's rows
+        host_slots = slots.is_cpu
         if not (host_slots or in_stream):
             raise ValueError("cuda backend: device slots are read in stream order only")
         if self.check_slots:
@@ -193,10 +210,7 @@ class CudaBackend(AcceleratorBackend):
         try:
             with self._issue_scope(ready, in_stream):
                 if self.use_kernel:
-                    if pool.device_words is None:  # once per pool
-                        pool.device_words = scatter.as_words(pool.device_view)
-                    scatter.scatter_rows(rows, device_slots, pool.device_view, pool.device_words,
-                                         lease.flags)
+                    scatter.scatter_rows(rows, device_slots, pool.device_view, lease.flags)
                 else:
                     scatter.index_copy_rows(rows, device_slots, pool.device_view, lease.flags)
                 done = self._record_done(in_stream)
@@ -211,8 +225,8 @@ class CudaBackend(AcceleratorBackend):
                      ready: DeviceEvent | None, in_stream: bool) -> Transfer:
         """The rows' copy into their slots by the copy engine, from a private copy where the
         caller's stream may overwrite them (`in_stream`) or they are strided."""
-        if rows.dtype != pool.tensor.dtype:
-            raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.tensor.dtype}")
+        if rows.dtype != pool.dtype:
+            raise TypeError(f"rows are {rows.dtype}, the pool holds {pool.dtype}")
         if in_stream or not rows.is_contiguous():  # copied on the caller's stream: the copy
             rows = rows.clone(memory_format=torch.contiguous_format)  # engine waits for it
             ready = None

@@ -51,7 +51,7 @@ def dma_min_bytes() -> int:
         raise ValueError(f"{DMA_MIN_BYTES_ENV}={value!r} is not a number of bytes") from None
 
 
-def _loaded_cudart() -> ctypes.CDLL:
+def loaded_cudart() -> ctypes.CDLL:
     """The libcudart this process (torch) loaded: its contexts are torch's."""
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -91,7 +91,7 @@ class RunCopier:
     """
 
     def __init__(self, device_index: int, copy_stream: torch.cuda.Stream) -> None:
-        lib = _loaded_cudart()
+        lib = loaded_cudart()
         version = ctypes.c_int(0)
         if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080 \
                 or not hasattr(lib, "cudaMemcpyBatchAsync"):

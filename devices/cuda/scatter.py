@@ -76,14 +76,20 @@ def triton_available() -> bool:
     return True
 
 
-def as_words(t: torch.Tensor) -> torch.Tensor:
-    """`t` ([n, F], contiguous) viewed as the widest integer type its rows and address allow."""
-    row_bytes = t.shape[1] * t.element_size()
-    address = t.data_ptr()
+def word_dtype(row_bytes: int, *addresses: int) -> torch.dtype:
+    """The widest integer type whose size divides `row_bytes` and each of `addresses`."""
     for dtype in (torch.int64, torch.int32, torch.int16):
-        if row_bytes % dtype.itemsize == 0 and address % dtype.itemsize == 0:
-            return t.view(torch.uint8).view(dtype)
-    return t.view(torch.uint8)
+        if row_bytes % dtype.itemsize == 0 and all(a % dtype.itemsize == 0 for a in addresses):
+            return dtype
+    return torch.uint8
+
+
+def as_words(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` ([n, F], contiguous) viewed as `dtype` words (None: the widest its rows and address
+    allow)."""
+    if dtype is None:
+        dtype = word_dtype(t.shape[1] * t.element_size(), t.data_ptr())
+    return t.view(torch.uint8).view(dtype)
 
 
 class _Launcher:
@@ -91,10 +97,11 @@ class _Launcher:
 
     `kernel[grid](...)` re-binds its arguments and re-computes Triton's cache key
     on every call (about 15 µs of a 20 µs launch on an H200 host). A compiled
-    kernel depends on the argument dtypes, on each pointer's 16-byte alignment
-    and on whether the pool's row count needs 64 bits, so those form the key
-    here; the launch itself passes what Triton's own passes (launch metadata and
-    hooks, so profilers still see it).
+    kernel depends on the word type it moves, the slots' dtype, each pointer's 16-byte
+    alignment and whether the pool's row count needs 64 bits, so those form the key
+    here. The direct launch passes the pointers as integers (Triton's launcher takes an
+    int as the address itself), so no word view of the rows is made per save; it passes
+    what Triton's own passes besides (launch metadata and hooks, so profilers still see it).
     A Triton without that launcher keeps the plain path.
     """
 
@@ -107,23 +114,30 @@ class _Launcher:
         except ImportError:  # a Triton before knobs: the plain path
             pass
 
-    def __call__(self, src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor,
+    def __call__(self, rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  flags: torch.Tensor, n: int, grid: int) -> None:
-        num_slots = dst.shape[0]
-        args = (src, dst, slots, flags, n, src.shape[1], num_slots, _BLOCK, SCATTER_ROWS)
+        """`pool[slots[i]] = rows[i]` for i < n (`rows` contiguous, of `pool`'s row bytes)."""
+        row_bytes = rows.shape[1] * rows.element_size()
+        src, dst, slot_ptr, flag_ptr = (rows.data_ptr(), pool.data_ptr(), slots.data_ptr(),
+                                        flags.data_ptr())
+        word = word_dtype(row_bytes, src, dst)
+        num_slots = pool.shape[0]
         # Triton passes an int argument as i32 or i64 by its value: only num_slots can be large
-        key = (src.dtype, dst.dtype, slots.dtype, src.data_ptr() % 16 == 0,
-               dst.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0, flags.data_ptr() % 16 == 0,
-               num_slots >= 2**31)
+        key = (word, slots.dtype, src % 16 == 0, dst % 16 == 0, slot_ptr % 16 == 0,
+               flag_ptr % 16 == 0, num_slots >= 2**31)
         compiled = self._compiled.get(key) if self._knobs is not None else None
         if compiled is None:
-            compiled = _kernel()[(grid,)](*args[:7], BLOCK=_BLOCK, ROWS=SCATTER_ROWS,
+            compiled = _kernel()[(grid,)](as_words(rows, word), as_words(pool, word), slots,
+                                          flags, n, row_bytes // word.itemsize, num_slots,
+                                          BLOCK=_BLOCK, ROWS=SCATTER_ROWS,
                                           num_warps=SCATTER_WARPS)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
                                                    "launch_metadata")):
                 self._compiled[key] = compiled
             return
-        stream = torch._C._cuda_getCurrentRawStream(src.device.index)  # as Triton's launch
+        args = (src, dst, slot_ptr, flag_ptr, n, row_bytes // word.itemsize, num_slots, _BLOCK,
+                SCATTER_ROWS)
+        stream = torch._C._cuda_getCurrentRawStream(rows.device.index)  # as Triton's launch
         try:
             compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata((grid, 1, 1), stream, *args),
@@ -131,27 +145,23 @@ class _Launcher:
         except TypeError as exc:  # another Triton's launcher signature: the plain path only
             logger.warning("direct Triton launch unavailable (%s); using kernel[grid]", exc)
             self._knobs = None
-            self(src, dst, slots, flags, n, grid)
+            self(rows, pool, slots, flags, n, grid)
 
 
 _launch = _Launcher()
 
 
 def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
-                 pool_words: torch.Tensor, flags: torch.Tensor) -> None:
+                 flags: torch.Tensor) -> None:
     """`pool_view[device_slots[i]] = rows[i]` on the current stream with SCATTER_CTAS programs,
-    for each slot in `[0, len(pool_view))`; `pool_words` is `as_words(pool_view)`, which the
-    caller keeps per pool. Program p stores its count of refused rows into `flags[p]` (int64,
+    for each slot in `[0, len(pool_view))`, moving the widest words the rows' width and both
+    addresses allow. Program p stores its count of refused rows into `flags[p]` (int64,
     `FLAG_CELLS` of them, zeroed by the caller; cells of programs not launched stay 0)."""
     n = rows.shape[0]
     if n == 0:
         return
-    rows = rows.contiguous()
-    src = as_words(rows)
-    dst = pool_words
-    if src.dtype != dst.dtype:  # pool and rows aligned differently: move bytes
-        src, dst = rows.view(torch.uint8), pool_view.view(torch.uint8)
-    _launch(src, dst, device_slots, flags, n, min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
+    _launch(rows.contiguous(), pool_view, device_slots, flags, n,
+            min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
 
 
 def index_copy_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,

@@ -51,24 +51,22 @@ def out_of_range_error(what: str, refused: int, n: int, num_slots: int,
 
 
 class _Page:
-    """A registered page with its host cells and the device view of its flag cells, made once
-    (views cost microseconds on the engine thread)."""
+    """A registered page with its host cells and the device views of its slots and flag cells,
+    made once (views cost microseconds on the engine thread)."""
 
-    __slots__ = ("buffer", "cells", "slots", "flags")
+    __slots__ = ("buffer", "cells", "flag_cells", "capacity", "slots", "flags")
 
     def __init__(self, buffer: HostBuffer) -> None:
         self.buffer = buffer
         self.cells: np.ndarray = buffer.tensor.numpy()
+        self.flag_cells: np.ndarray = self.cells[-FLAG_CELLS:]
+        self.capacity = self.cells.shape[0] - FLAG_CELLS
         self.slots: torch.Tensor = buffer.device_view
         self.flags: torch.Tensor = buffer.device_view[-FLAG_CELLS:]
 
-    @property
-    def capacity(self) -> int:
-        return self.cells.shape[0] - FLAG_CELLS
-
     def refused(self) -> int:
         """The count the launch that used this page stored (its event has completed)."""
-        return int(self.cells[-FLAG_CELLS:].sum())
+        return int(self.flag_cells.sum())
 
 
 class SlotLease:
@@ -125,14 +123,16 @@ class SlotPages:
                 page = done.page
                 done.refused, done.page = page.refused(), None  # read before it is zeroed
                 self._free.append(page)
-            page = next((p for p in self._free if p.capacity >= n), None)
-            if page is not None:
-                self._free.remove(page)
+            page = None
+            for i in range(len(self._free) - 1, -1, -1):  # the latest freed first
+                if self._free[i].capacity >= n:
+                    page = self._free.pop(i)
+                    break
         if page is None:  # a step larger than every free page: a new page, kept for later
             page = _Page(self._alloc(max(n, self._capacity) + FLAG_CELLS))
             with self._lock:
                 self._pages.append(page)
-        page.cells[-FLAG_CELLS:] = 0  # numpy copies: a fifth of torch's call cost
+        page.flag_cells.fill(0)  # numpy writes: a fifth of torch's call cost
         if slots is None:
             return SlotLease(page, None)
         page.cells[:n] = slots.numpy()
