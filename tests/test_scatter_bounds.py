@@ -226,6 +226,16 @@ def test_the_slot_check_mode_refuses_a_write_before_it_takes_a_page() -> None:
     assert fake.pages.take(None).page.buffer is fake.allocated[0]  # the page stayed free
 
 
+@pytest.mark.parametrize(("row_bytes", "addresses", "word"), [
+    (48, (0, 16), torch.int64), (48, (4, 16), torch.int32), (48, (16, 2), torch.int16),
+    (47, (0, 16), torch.uint8), (12, (0, 16), torch.int32), (4096, (1 << 40, 8), torch.int64)])
+def test_the_kernel_moves_the_widest_words_the_rows_width_and_both_addresses_allow(
+        row_bytes: int, addresses: tuple[int, int], word: torch.dtype) -> None:
+    """Rows and a pool aligned differently still move in the widest words both allow (a
+    narrower one than either's own): never in words that would split a row or misalign."""
+    assert scatter.word_dtype(row_bytes, *addresses) is word
+
+
 _INTERPRETED = """
 import torch
 from prefix_cache.devices.cuda import scatter

@@ -76,12 +76,17 @@ def triton_available() -> bool:
     return True
 
 
+#: the integer type of each word size
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 def word_dtype(row_bytes: int, *addresses: int) -> torch.dtype:
-    """The widest integer type whose size divides `row_bytes` and each of `addresses`."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if row_bytes % dtype.itemsize == 0 and all(a % dtype.itemsize == 0 for a in addresses):
-            return dtype
-    return torch.uint8
+    """The widest integer type (up to 8 bytes) whose size divides `row_bytes` and each of
+    `addresses`."""
+    common = row_bytes | 8
+    for a in addresses:
+        common |= a
+    return _WORDS[common & -common]  # the lowest bit set: the largest power of two dividing all
 
 
 def as_words(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

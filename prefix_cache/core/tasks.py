@@ -26,11 +26,14 @@ class TaskState(enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (TaskState.WRITTEN, TaskState.FAILED)
+        return self in _TERMINAL
 
 
+_TERMINAL = frozenset((TaskState.WRITTEN, TaskState.FAILED))
+#: each live state's one successor; FAILED may follow any of them
 _NEXT = {TaskState.PENDING: TaskState.QUEUED, TaskState.QUEUED: TaskState.COPYING,
          TaskState.COPYING: TaskState.HOST_READY, TaskState.HOST_READY: TaskState.WRITTEN}
+_FAILED = TaskState.FAILED
 
 
 @dataclass
@@ -75,19 +78,19 @@ class WriteTask:
 
     def transition(self, new: TaskState) -> None:
         """Move to `new`; anything but the next state or FAILED from a live state raises."""
-        with self._lock:
+        with self._lock:  # the state's properties cost more than these set lookups
             old = self.state
-            if old.terminal or (new is not TaskState.FAILED and _NEXT.get(old) is not new):
+            if old in _TERMINAL or (new is not _FAILED and _NEXT.get(old) is not new):
                 raise OmniPrefixCacheUnmatchError(
                     f"illegal transition {old.value} -> {new.value} of {self.describe()}")
             self.state = new
-        if new.terminal:
+        if new in _TERMINAL:
             self.landed.set()
 
     def fail(self, error: BaseException) -> bool:
         """Mark FAILED with `error`; False if the task had already landed."""
         with self._lock:
-            if self.state.terminal:
+            if self.state in _TERMINAL:
                 return False
             self.error = error
             self.state = TaskState.FAILED
