@@ -1,8 +1,9 @@
 """Builds the C modules: prefix_cache.core._core, the loops of a step's bookkeeping and the
 host row copies; prefix_cache.channel._shm, the shm channel's puts and expectations with the
-GIL released; prefix_cache.devices.cuda._dma, the copy-engine issuer, and
-prefix_cache.devices.cuda._events, the recycled done events (neither links a CUDA library: the
-runtime's functions are passed in). Everything else is in pyproject.toml. Needs a
+GIL released; prefix_cache.devices.cuda._dma, the copy-engine issuer,
+prefix_cache.devices.cuda._events, the recycled done events, and prefix_cache.devices.cuda._launch,
+the scatter kernel's launch (none links a CUDA library: the runtime's and the driver's functions
+are passed in). Everything else is in pyproject.toml. Needs a
 C compiler and the Python headers (python3-dev)."""
 
 from setuptools import Extension, setup
@@ -17,5 +18,7 @@ setup(ext_modules=[
               extra_compile_args=[*FLAGS, "-D_GNU_SOURCE", "-pthread"],
               extra_link_args=["-pthread"]),
     Extension("prefix_cache.devices.cuda._events", ["prefix_cache/devices/cuda/_events.c"],
+              extra_compile_args=FLAGS),
+    Extension("prefix_cache.devices.cuda._launch", ["prefix_cache/devices/cuda/_launch.c"],
               extra_compile_args=FLAGS),
 ])

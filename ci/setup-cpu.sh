@@ -36,9 +36,9 @@ ldconfig_bin=$(command -v ldconfig || echo /sbin/ldconfig)
 "$ldconfig_bin" -p | grep 'libnuma\.so\.1 ' >/dev/null ||
     fail "libnuma.so.1 is missing (vLLM's CPU kernels link it): sudo apt-get install libnuma1"
 # The C modules (prefix_cache.core._core, the step's per-slot loops and host row copies,
-# prefix_cache.channel._shm, the shm channel's puts, prefix_cache.devices.cuda._dma, the
-# copy-engine issuer, and prefix_cache.devices.cuda._events, the recycled done events) build at
-# install: a compiler and Python.h.
+# prefix_cache.channel._shm, the shm channel's puts, and the CUDA backend's
+# prefix_cache.devices.cuda._dma, the copy-engine issuer, _events, the recycled done events, and
+# _launch, the scatter kernel's launch) build at install: a compiler and Python.h.
 command -v "${CC:-cc}" >/dev/null || fail "no C compiler ('${CC:-cc}') on PATH: sudo apt-get install gcc"
 "$PYTHON" -c 'import os, sys, sysconfig
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
@@ -53,7 +53,8 @@ if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
 fi
 
 stamp="$VENV/.omni-lock-$(cat "$LOCK" pyproject.toml setup.py prefix_cache/core/_core.c \
-    prefix_cache/channel/_shm.c devices/cuda/_dma.c devices/cuda/_events.c ci/setup-cpu.sh |
+    prefix_cache/channel/_shm.c devices/cuda/_dma.c devices/cuda/_events.c \
+    devices/cuda/_launch.c ci/setup-cpu.sh |
     sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 echo "setting up $VENV from $LOCK with Python $py_version (a few minutes on a new machine)"

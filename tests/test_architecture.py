@@ -20,10 +20,11 @@ PACKAGE = Path(prefix_cache.__file__).parent
 LAYERS = ("errors", "devices", "config", "core", "channel", "manager", "integration",
           "__init__", "vllm_runners", "tools", "__main__")
 #: The C modules import nothing: any layer may call them (the CPU backend's pool write calls
-#: the core's loops; the CUDA backend's copy-engine issuer and done events are its own, and the
-#: shm channel's put steps are the channel's).
+#: the core's loops; the CUDA backend's copy-engine issuer, done events and kernel launch are its
+#: own, and the shm channel's put steps are the channel's).
 LEAVES = {"prefix_cache.core._core", "prefix_cache.devices.cuda._dma",
-          "prefix_cache.devices.cuda._events", "prefix_cache.channel._shm"}
+          "prefix_cache.devices.cuda._events", "prefix_cache.devices.cuda._launch",
+          "prefix_cache.channel._shm"}
 #: Modules directly under prefix_cache/: the package's face.
 FACE = {"__init__", "__main__", "config", "errors", "manager", "vllm_runners"}
 

@@ -21,7 +21,7 @@ import prefix_cache.devices.npu
 from prefix_cache.core.committer import Committer
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, Transfer, host_bytes
 from prefix_cache.devices.cpu import CpuBackend
-from prefix_cache.devices.cuda import CudaBackend
+from prefix_cache.devices.cuda import CudaBackend, scatter
 from prefix_cache.devices.base import CHECK_SLOTS_ENV
 from prefix_cache.devices.cuda.slot_pages import SlotRangeError
 from prefix_cache.devices.kernel_blocks import MultipleOf, accepts
@@ -359,7 +359,7 @@ def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_laun
         dtype: torch.dtype, offset: int) -> None:
     """Rows whose address allows narrower words than the pool's (a slice of a larger buffer)
     are moved in the widest words both allow, by the first launch (which compiles) and by the
-    direct launches after it, from int32 and int64 device slot mappings."""
+    cuLaunchKernel launches after it, from int32 and int64 device slot mappings."""
     width = 24  # 48 bytes of bf16: every word width divides the rows
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if offset % itemsize:
@@ -377,6 +377,9 @@ def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_laun
                 backend.scatter_rows(rows, slots.to("cuda", slot_dtype), pool, ready=None,
                                      staging=None, in_stream=True).event.synchronize()
                 assert torch.equal(pool.tensor[slots], rows.cpu()), (turn, slot_dtype)
+    # each compiled signature is launched by cuLaunchKernel (`_launch.Kernel`), not Triton's
+    compiled = scatter._launch._compiled
+    assert compiled and all(kernel is not None for _, kernel in compiled.values())
 
 
 # ---------------------------------------------------------------- slots outside the pool (issue 21)

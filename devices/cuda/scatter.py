@@ -18,6 +18,7 @@ the launch's event completed, the host sums the cells without a device sync.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from typing import Any
@@ -98,20 +99,23 @@ def as_words(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 class _Launcher:
-    """The scatter kernel's compiled launcher, called directly once a signature was compiled.
+    """The scatter kernel launched without Triton's per-call work once a signature was compiled.
 
     `kernel[grid](...)` re-binds its arguments and re-computes Triton's cache key
     on every call (about 15 µs of a 20 µs launch on an H200 host). A compiled
     kernel depends on the word type it moves, the slots' dtype, each pointer's 16-byte
     alignment and whether the pool's row count needs 64 bits, so those form the key
-    here. The direct launch passes the pointers as integers (Triton's launcher takes an
-    int as the address itself), so no word view of the rows is made per save; it passes
-    what Triton's own passes besides (launch metadata and hooks, so profilers still see it).
-    A Triton without that launcher keeps the plain path.
+    here. Once compiled, a save launches it through `_launch.Kernel` (cuLaunchKernel, its
+    pointers and values packed from ints: no word views, no driver query per pointer);
+    where that cannot serve the kernel (`direct_kernel`) or a profiler's launch hook is set,
+    through Triton's compiled launcher with the same ints (it takes an int as the address
+    itself), passing what Triton's own passes (launch metadata and hooks). A Triton
+    without that launcher keeps the plain path.
     """
 
     def __init__(self) -> None:
-        self._compiled: dict[tuple[Any, ...], Any] = {}
+        #: key -> the compiled kernel and its direct launch (None: Triton's launcher)
+        self._compiled: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self._knobs: Any = None
         try:
             from triton import knobs
@@ -130,19 +134,23 @@ class _Launcher:
         # Triton passes an int argument as i32 or i64 by its value: only num_slots can be large
         key = (word, slots.dtype, src % 16 == 0, dst % 16 == 0, slot_ptr % 16 == 0,
                flag_ptr % 16 == 0, num_slots >= 2**31)
-        compiled = self._compiled.get(key) if self._knobs is not None else None
-        if compiled is None:
+        entry = self._compiled.get(key) if self._knobs is not None else None
+        if entry is None:
             compiled = _kernel()[(grid,)](as_words(rows, word), as_words(pool, word), slots,
                                           flags, n, row_bytes // word.itemsize, num_slots,
                                           BLOCK=_BLOCK, ROWS=SCATTER_ROWS,
                                           num_warps=SCATTER_WARPS)
-            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
-                                                   "launch_metadata")):
-                self._compiled[key] = compiled
+            if self._knobs is not None and all(hasattr(compiled, a) for a in (
+                    "run", "function", "packed_metadata", "launch_metadata")):
+                self._compiled[key] = (compiled, direct_kernel(compiled, SCATTER_PARAMS))
             return
-        args = (src, dst, slot_ptr, flag_ptr, n, row_bytes // word.itemsize, num_slots, _BLOCK,
-                SCATTER_ROWS)
+        compiled, kernel = entry
+        args = (src, dst, slot_ptr, flag_ptr, n, row_bytes // word.itemsize, num_slots)
         stream = torch._C._cuda_getCurrentRawStream(rows.device.index)  # as Triton's launch
+        if kernel is not None and self._knobs.launch_enter_hook is None:
+            kernel.launch(grid, stream, *args)
+            return
+        args += (_BLOCK, SCATTER_ROWS)
         try:
             compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata((grid, 1, 1), stream, *args),
@@ -151,6 +159,35 @@ class _Launcher:
             logger.warning("direct Triton launch unavailable (%s); using kernel[grid]", exc)
             self._knobs = None
             self(rows, pool, slots, flags, n, grid)
+
+
+#: The scatter kernel's parameters a launch passes (its constexprs are compiled in).
+SCATTER_PARAMS = 7
+
+_DRIVER_FUNCTIONS = ("cuLaunchKernel", "cuFuncGetParamInfo", "cuGetErrorName")
+
+
+def direct_kernel(compiled: Any, num_params: int) -> Any:
+    """`compiled` as a `_launch.Kernel` of `num_params` parameters, where a launch of it needs
+    nothing more than cuLaunchKernel (one CTA a cluster, no scratch memory, no cooperative or
+    programmatic-dependent launch) and the driver describes its parameters; else None."""
+    metadata = compiled.metadata
+    if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "global_scratch_size", 0)
+            or getattr(metadata, "profile_scratch_size", 0)
+            or getattr(metadata, "launch_cooperative_grid", False)
+            or getattr(metadata, "launch_pdl", False)):
+        return None
+    try:
+        from prefix_cache.devices.cuda import _launch
+        driver = ctypes.CDLL("libcuda.so.1")  # loaded already: Triton's module is in it
+        functions = tuple(ctypes.cast(getattr(driver, name), ctypes.c_void_p).value
+                          for name in _DRIVER_FUNCTIONS)
+        return _launch.Kernel(functions, compiled.function, 32 * metadata.num_warps,
+                              metadata.shared, num_params)
+    except (OSError, AttributeError, ValueError, ImportError) as exc:
+        logger.warning("cuLaunchKernel of the scatter kernel unavailable (%s); using Triton's "
+                       "launcher", exc)
+        return None
 
 
 _launch = _Launcher()
