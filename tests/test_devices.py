@@ -356,7 +356,7 @@ def test_cuda_done_events_follow_their_stream_and_return_to_the_pool_when_droppe
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("offset", [0, 2, 4, 6], ids=lambda o: f"rows+{o}B")
 def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_launch(
-        dtype: torch.dtype, offset: int) -> None:
+        dtype: torch.dtype, offset: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose address allows narrower words than the pool's (a slice of a larger buffer)
     are moved in the widest words both allow, by the first launch (which compiles) and by the
     cuLaunchKernel launches after it, from int32 and int64 device slot mappings."""
@@ -368,7 +368,12 @@ def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_laun
             closing(backend.alloc_host((64, width), dtype)) as pool:
         assert backend.use_kernel
         raw = torch.zeros(8 * width * itemsize + 64, dtype=torch.uint8, device="cuda")
-        for turn in range(4):  # compile, then the compiled launcher
+        compiled = scatter._launch._compiled
+        for turn in range(4):  # compile, then cuLaunchKernel alone: Triton's launcher refuses
+            if turn == 1:
+                assert compiled and all(kernel is not None for _, kernel in compiled.values())
+                for key, (_, kernel) in list(compiled.items()):
+                    monkeypatch.setitem(compiled, key, (_NoTritonLaunch(), kernel))
             for slot_dtype in (torch.int64, torch.int32):
                 rows = raw[offset: offset + 8 * width * itemsize].view(dtype).view(8, width)
                 rows.copy_((torch.arange(8 * width, device="cuda") % 97 + turn)
@@ -377,9 +382,13 @@ def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_laun
                 backend.scatter_rows(rows, slots.to("cuda", slot_dtype), pool, ready=None,
                                      staging=None, in_stream=True).event.synchronize()
                 assert torch.equal(pool.tensor[slots], rows.cpu()), (turn, slot_dtype)
-    # each compiled signature is launched by cuLaunchKernel (`_launch.Kernel`), not Triton's
-    compiled = scatter._launch._compiled
-    assert compiled and all(kernel is not None for _, kernel in compiled.values())
+
+
+class _NoTritonLaunch:
+    """Stands in for a compiled Triton kernel that must not be launched by Triton's launcher."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"Triton's launcher was used ({name}), not cuLaunchKernel")
 
 
 # ---------------------------------------------------------------- slots outside the pool (issue 21)

@@ -147,7 +147,7 @@ class _Launcher:
         compiled, kernel = entry
         args = (src, dst, slot_ptr, flag_ptr, n, row_bytes // word.itemsize, num_slots)
         stream = torch._C._cuda_getCurrentRawStream(rows.device.index)  # as Triton's launch
-        if kernel is not None and self._knobs.launch_enter_hook is None:
+        if kernel is not None and not self._hooked():
             kernel.launch(grid, stream, *args)
             return
         args += (_BLOCK, SCATTER_ROWS)
@@ -159,6 +159,13 @@ class _Launcher:
             logger.warning("direct Triton launch unavailable (%s); using kernel[grid]", exc)
             self._knobs = None
             self(rows, pool, slots, flags, n, grid)
+
+
+    def _hooked(self) -> bool:
+        """Whether a launch hook (a profiler's) is installed: Triton's launcher calls it. Newer
+        Tritons keep a `HookChain` there, never None, holding the hooks in `calls`."""
+        hook = self._knobs.launch_enter_hook
+        return hook is not None and bool(getattr(hook, "calls", True))
 
 
 #: The scatter kernel's parameters a launch passes (its constexprs are compiled in).
