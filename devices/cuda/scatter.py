@@ -103,9 +103,9 @@ class _Launcher:
 
     `kernel[grid](...)` re-binds its arguments and re-computes Triton's cache key
     on every call (about 15 µs of a 20 µs launch on an H200 host). A compiled
-    kernel depends on the word type it moves, the slots' dtype, each pointer's 16-byte
-    alignment and whether the pool's row count needs 64 bits, so those form the key
-    here. Once compiled, a save launches it through `_launch.Kernel` (cuLaunchKernel, its
+    kernel depends on the device it was loaded on, the word type it moves, the slots'
+    dtype, each pointer's 16-byte alignment and whether the pool's row count needs 64 bits,
+    so those form the key here. Once compiled, a save launches it through `_launch.Kernel` (cuLaunchKernel, its
     pointers and values packed from ints: no word views, no driver query per pointer);
     where that cannot serve the kernel (`direct_kernel`) or a profiler's launch hook is set,
     through Triton's compiled launcher with the same ints (it takes an int as the address
@@ -131,8 +131,9 @@ class _Launcher:
                                         flags.data_ptr())
         word = word_dtype(row_bytes, src, dst)
         num_slots = pool.shape[0]
+        device = rows.get_device()  # a compiled kernel is loaded on one device
         # Triton passes an int argument as i32 or i64 by its value: only num_slots can be large
-        key = (word, slots.dtype, src % 16 == 0, dst % 16 == 0, slot_ptr % 16 == 0,
+        key = (device, word, slots.dtype, src % 16 == 0, dst % 16 == 0, slot_ptr % 16 == 0,
                flag_ptr % 16 == 0, num_slots >= 2**31)
         entry = self._compiled.get(key) if self._knobs is not None else None
         if entry is None:
@@ -146,7 +147,7 @@ class _Launcher:
             return
         compiled, kernel = entry
         args = (src, dst, slot_ptr, flag_ptr, n, row_bytes // word.itemsize, num_slots)
-        stream = torch._C._cuda_getCurrentRawStream(rows.device.index)  # as Triton's launch
+        stream = torch._C._cuda_getCurrentRawStream(device)  # as Triton's launch
         if kernel is not None and not self._hooked():
             kernel.launch(grid, stream, *args)
             return

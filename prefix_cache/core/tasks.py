@@ -33,7 +33,6 @@ _TERMINAL = frozenset((TaskState.WRITTEN, TaskState.FAILED))
 #: each live state's one successor; FAILED may follow any of them
 _NEXT = {TaskState.PENDING: TaskState.QUEUED, TaskState.QUEUED: TaskState.COPYING,
          TaskState.COPYING: TaskState.HOST_READY, TaskState.HOST_READY: TaskState.WRITTEN}
-_FAILED = TaskState.FAILED
 
 
 @dataclass
@@ -80,7 +79,7 @@ class WriteTask:
         """Move to `new`; anything but the next state or FAILED from a live state raises."""
         with self._lock:  # the state's properties cost more than these set lookups
             old = self.state
-            if old in _TERMINAL or (new is not _FAILED and _NEXT.get(old) is not new):
+            if old in _TERMINAL or (new is not TaskState.FAILED and _NEXT.get(old) is not new):
                 raise OmniPrefixCacheUnmatchError(
                     f"illegal transition {old.value} -> {new.value} of {self.describe()}")
             self.state = new
