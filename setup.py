@@ -10,15 +10,18 @@ from setuptools import Extension, setup
 
 FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
+#: The CUDA backend's modules share the header that reads the functions they are handed.
+CUDA_DEPENDS = ["prefix_cache/devices/cuda/_functions.h"]
+
 setup(ext_modules=[
     Extension("prefix_cache.core._core", ["prefix_cache/core/_core.c"], extra_compile_args=FLAGS),
     Extension("prefix_cache.channel._shm", ["prefix_cache/channel/_shm.c"],
               extra_compile_args=[*FLAGS, "-D_GNU_SOURCE"]),
     Extension("prefix_cache.devices.cuda._dma", ["prefix_cache/devices/cuda/_dma.c"],
-              extra_compile_args=[*FLAGS, "-D_GNU_SOURCE", "-pthread"],
+              depends=CUDA_DEPENDS, extra_compile_args=[*FLAGS, "-D_GNU_SOURCE", "-pthread"],
               extra_link_args=["-pthread"]),
     Extension("prefix_cache.devices.cuda._events", ["prefix_cache/devices/cuda/_events.c"],
-              extra_compile_args=FLAGS),
+              depends=CUDA_DEPENDS, extra_compile_args=FLAGS),
     Extension("prefix_cache.devices.cuda._launch", ["prefix_cache/devices/cuda/_launch.c"],
-              extra_compile_args=FLAGS),
+              depends=CUDA_DEPENDS, extra_compile_args=FLAGS),
 ])

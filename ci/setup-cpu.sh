@@ -54,7 +54,7 @@ fi
 
 stamp="$VENV/.omni-lock-$(cat "$LOCK" pyproject.toml setup.py prefix_cache/core/_core.c \
     prefix_cache/channel/_shm.c devices/cuda/_dma.c devices/cuda/_events.c \
-    devices/cuda/_launch.c ci/setup-cpu.sh |
+    devices/cuda/_launch.c devices/cuda/_functions.h ci/setup-cpu.sh |
     sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 echo "setting up $VENV from $LOCK with Python $py_version (a few minutes on a new machine)"

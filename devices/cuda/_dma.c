@@ -22,6 +22,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_functions.h"
+
 typedef int (*SetDeviceFn)(int);
 typedef int (*EventCreateFn)(void **, unsigned);
 typedef int (*EventRecordFn)(void *, void *);
@@ -177,13 +179,6 @@ issue_loop(void *arg)
     return NULL;
 }
 
-static int
-address(PyObject *obj, void **out)
-{
-    *out = PyLong_AsVoidPtr(obj);
-    return *out == NULL && PyErr_Occurred() ? -1 : 0;
-}
-
 PyDoc_STRVAR(issuer_doc,
 "Issuer(functions, runtime_version, device, copy_stream, ring)\n\n"
 "Copies of rows into pool slots, issued by a thread of this module on `copy_stream` (a raw\n"
@@ -209,19 +204,8 @@ issuer_init(Issuer *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     void *f[10];
-    if (PyTuple_GET_SIZE(fns) != 10) {
-        PyErr_Format(PyExc_ValueError, "Issuer: 10 function addresses, got %zd",
-                     PyTuple_GET_SIZE(fns));
+    if (function_addresses(fns, 10, f, "Issuer") < 0) {
         return -1;
-    }
-    for (int i = 0; i < 10; i++) {
-        if (address(PyTuple_GET_ITEM(fns, i), &f[i]) < 0) {
-            return -1;
-        }
-        if (f[i] == NULL) {
-            PyErr_Format(PyExc_ValueError, "Issuer: function %d has a null address", i);
-            return -1;
-        }
     }
     if (version < 12080 || ring <= 0) {
         PyErr_Format(PyExc_ValueError, "Issuer: needs CUDA runtime >= 12.8 (got %d) and a ring "

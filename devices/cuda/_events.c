@@ -8,12 +8,13 @@
  * event may be recorded again whether or not its last record completed). Every call runs with
  * the GIL held, but for `Event.synchronize`, which waits in the driver without it.
  *
- * No CUDA header or library is linked: the caller passes the addresses of the runtime's
- * functions, resolved from the libcudart torch loaded, so this builds on any host.
+ * No CUDA header or library is linked (`_functions.h`): the caller passes the addresses of the
+ * runtime's functions, resolved from the libcudart torch loaded, so this builds on any host.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <stdint.h>
+
+#include "_functions.h"
 
 typedef int (*EventCreateFn)(void **, unsigned);
 typedef int (*EventRecordFn)(void *, void *);
@@ -58,17 +59,6 @@ cuda_error(EventPool *pool, const char *call, int err)
                         err);
 }
 
-static int
-address(PyObject *value, void **out)
-{
-    unsigned long long v = PyLong_AsUnsignedLongLong(value);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        return -1;
-    }
-    *out = (void *)(uintptr_t)v;
-    return 0;
-}
-
 PyDoc_STRVAR(pool_doc,
 "EventPool(functions) -> pool of blocking, untimed CUDA events of the current device\n\n"
 "functions: the addresses of cudaEventCreateWithFlags, cudaEventRecord, cudaEventQuery,\n"
@@ -79,27 +69,16 @@ static int
 pool_init(EventPool *self, PyObject *args, PyObject *kwds)
 {
     PyObject *fns;
-    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &fns)) {
+    if (!PyArg_ParseTuple(args, "O", &fns)) {
         return -1;
     }
     if (self->create != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "EventPool: already initialized");
         return -1;
     }
-    if (PyTuple_GET_SIZE(fns) != FUNCTIONS) {
-        PyErr_Format(PyExc_ValueError, "EventPool: %d function addresses, got %zd", FUNCTIONS,
-                     PyTuple_GET_SIZE(fns));
-        return -1;
-    }
     void *f[FUNCTIONS];
-    for (int i = 0; i < FUNCTIONS; i++) {
-        if (address(PyTuple_GET_ITEM(fns, i), &f[i]) < 0) {
-            return -1;
-        }
-        if (f[i] == NULL) {
-            PyErr_Format(PyExc_ValueError, "EventPool: function %d has a null address", i);
-            return -1;
-        }
+    if (function_addresses(fns, FUNCTIONS, f, "EventPool") < 0) {
+        return -1;
     }
     self->create = (EventCreateFn)f[0];
     self->record = (EventRecordFn)f[1];

@@ -7,13 +7,15 @@
  * packs the values given into it, the parameters past them (a compiler's scratch pointers)
  * as zero, and calls cuLaunchKernel.
  *
- * No CUDA header or library is linked: the caller passes the addresses of the driver's
- * functions, resolved from the libcuda this process loaded.
+ * No CUDA header or library is linked (`_functions.h`): the caller passes the addresses of the
+ * driver's functions, resolved from the libcuda this process loaded.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_functions.h"
 
 typedef int (*LaunchKernelFn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               unsigned, void *, void **, void **);
@@ -46,17 +48,6 @@ driver_error(Kernel *self, const char *call, int err)
     return PyErr_Format(PyExc_RuntimeError, "%s failed: %s (%d)", call, name, err);
 }
 
-static int
-address(PyObject *value, void **out)
-{
-    unsigned long long v = PyLong_AsUnsignedLongLong(value);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        return -1;
-    }
-    *out = (void *)(uintptr_t)v;
-    return 0;
-}
-
 PyDoc_STRVAR(kernel_doc,
 "Kernel(functions, function, block, shared, num_given)\n\n"
 "functions: the addresses of cuLaunchKernel, cuFuncGetParamInfo and cuGetErrorName; function:\n"
@@ -70,26 +61,12 @@ kernel_init(Kernel *self, PyObject *args, PyObject *kwds)
     PyObject *fns, *function;
     unsigned block, shared;
     Py_ssize_t num_given;
-    if (!PyArg_ParseTuple(args, "O!OIIn", &PyTuple_Type, &fns, &function, &block, &shared,
-                          &num_given)) {
-        return -1;
-    }
-    if (PyTuple_GET_SIZE(fns) != FUNCTIONS) {
-        PyErr_Format(PyExc_ValueError, "Kernel: %d function addresses, got %zd", FUNCTIONS,
-                     PyTuple_GET_SIZE(fns));
+    if (!PyArg_ParseTuple(args, "OOIIn", &fns, &function, &block, &shared, &num_given)) {
         return -1;
     }
     void *f[FUNCTIONS];
-    for (int i = 0; i < FUNCTIONS; i++) {
-        if (address(PyTuple_GET_ITEM(fns, i), &f[i]) < 0) {
-            return -1;
-        }
-        if (f[i] == NULL) {
-            PyErr_Format(PyExc_ValueError, "Kernel: function %d has a null address", i);
-            return -1;
-        }
-    }
-    if (address(function, &self->function) < 0) {
+    if (function_addresses(fns, FUNCTIONS, f, "Kernel") < 0 ||
+            address(function, &self->function) < 0) {
         return -1;
     }
     self->launch = (LaunchKernelFn)f[0];
