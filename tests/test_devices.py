@@ -368,7 +368,7 @@ def test_cuda_kernel_scatter_moves_rows_of_any_alignment_through_its_direct_laun
             closing(backend.alloc_host((64, width), dtype)) as pool:
         assert backend.use_kernel
         raw = torch.zeros(8 * width * itemsize + 64, dtype=torch.uint8, device="cuda")
-        compiled = scatter._launch._compiled
+        compiled = scatter._launcher._compiled
         for turn in range(4):  # compile, then cuLaunchKernel alone: Triton's launcher refuses
             if turn == 1:
                 assert compiled and all(kernel is not None for _, kernel in compiled.values())

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from prefix_cache.devices.base import NULL_SLOT
+from prefix_cache.devices.cuda import _launch
 
 logger = logging.getLogger(__name__)
 
@@ -105,17 +106,17 @@ class _Launcher:
     on every call (about 15 µs of a 20 µs launch on an H200 host). A compiled
     kernel depends on the device it was loaded on, the word type it moves, the slots'
     dtype, each pointer's 16-byte alignment and whether the pool's row count needs 64 bits,
-    so those form the key here. Once compiled, a save launches it through `_launch.Kernel` (cuLaunchKernel, its
-    pointers and values packed from ints: no word views, no driver query per pointer);
-    where that cannot serve the kernel (`direct_kernel`) or a profiler's launch hook is set,
-    through Triton's compiled launcher with the same ints (it takes an int as the address
-    itself), passing what Triton's own passes (launch metadata and hooks). A Triton
-    without that launcher keeps the plain path.
+    so those form the key here. Once compiled, a save launches it through `_launch.Kernel`
+    (cuLaunchKernel, its pointers and values packed from ints: no word views, no driver
+    query per pointer); where that cannot serve the kernel (`direct_kernel`) or a profiler's
+    launch hook is set, through Triton's compiled launcher with the same ints (it takes an
+    int as the address itself), passing what Triton's own passes (launch metadata and
+    hooks). A Triton without that launcher keeps the plain path.
     """
 
     def __init__(self) -> None:
         #: key -> the compiled kernel and its direct launch (None: Triton's launcher)
-        self._compiled: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self._compiled: dict[tuple[Any, ...], tuple[Any, _launch.Kernel | None]] = {}
         self._knobs: Any = None
         try:
             from triton import knobs
@@ -161,7 +162,6 @@ class _Launcher:
             self._knobs = None
             self(rows, pool, slots, flags, n, grid)
 
-
     def _hooked(self) -> bool:
         """Whether a launch hook (a profiler's) is installed: Triton's launcher calls it. Newer
         Tritons keep a `HookChain` there, never None, holding the hooks in `calls`."""
@@ -175,7 +175,7 @@ SCATTER_PARAMS = 7
 _DRIVER_FUNCTIONS = ("cuLaunchKernel", "cuFuncGetParamInfo", "cuGetErrorName")
 
 
-def direct_kernel(compiled: Any, num_params: int) -> Any:
+def direct_kernel(compiled: Any, num_params: int) -> _launch.Kernel | None:
     """`compiled` as a `_launch.Kernel` of `num_params` parameters, where a launch of it needs
     nothing more than cuLaunchKernel (one CTA a cluster, no scratch memory, no cooperative or
     programmatic-dependent launch) and the driver describes its parameters; else None."""
@@ -186,19 +186,18 @@ def direct_kernel(compiled: Any, num_params: int) -> Any:
             or getattr(metadata, "launch_pdl", False)):
         return None
     try:
-        from prefix_cache.devices.cuda import _launch
         driver = ctypes.CDLL("libcuda.so.1")  # loaded already: Triton's module is in it
         functions = tuple(ctypes.cast(getattr(driver, name), ctypes.c_void_p).value
                           for name in _DRIVER_FUNCTIONS)
         return _launch.Kernel(functions, compiled.function, 32 * metadata.num_warps,
                               metadata.shared, num_params)
-    except (OSError, AttributeError, ValueError, ImportError) as exc:
+    except (OSError, AttributeError, ValueError) as exc:
         logger.warning("cuLaunchKernel of the scatter kernel unavailable (%s); using Triton's "
                        "launcher", exc)
         return None
 
 
-_launch = _Launcher()
+_launcher = _Launcher()
 
 
 def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
@@ -210,7 +209,7 @@ def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torc
     n = rows.shape[0]
     if n == 0:
         return
-    _launch(rows.contiguous(), pool_view, device_slots, flags, n,
+    _launcher(rows.contiguous(), pool_view, device_slots, flags, n,
             min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
 
 
