@@ -23,7 +23,8 @@ from prefix_cache.channel import (OmniPrefixCacheChannelError, StageEntry,  # no
                                   open_channel)
 from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
-from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
+from prefix_cache.integration.runner_mixin import (PrefixCacheRunnerMixin,  # noqa: E402
+                                                   external_request_id, external_request_ids)
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
 from tests.vllm_fixtures import (PREEMPTING_SHAPE, FirstPreemptedAborter,  # noqa: E402,F401
                                  cpu_async_scheduling, engine_runner, thinker_model_dir,
@@ -153,6 +154,16 @@ def _form_worker(form: str) -> type:
 
 TensorFormWorker, TupleFormWorker, ObjectFormWorker, UnreadableFormWorker = map(
     _form_worker, FORMS)
+
+
+@pytest.mark.parametrize(("disabled", "published_as"), [("0", "req-7"), ("1", "req-7-ab12cd34")])
+def test_rows_are_published_under_the_id_the_engines_caller_gave(
+        monkeypatch: pytest.MonkeyPatch, disabled: str, published_as: str) -> None:
+    """vLLM appends a random suffix to a request's id unless told not to; the delivery's mapping
+    reads that setting once, when the stage starts, and maps each id as the setting says."""
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", disabled)
+    mapping = external_request_ids()
+    assert mapping("req-7-ab12cd34") == external_request_id("req-7-ab12cd34") == published_as
 
 
 @pytest.mark.parametrize("form", ["tensor", "tuple", "object"])

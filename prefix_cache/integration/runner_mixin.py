@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
@@ -76,9 +76,23 @@ def open_stage_channel(vllm_config: Any) -> StageChannel:
 
 def external_request_id(req_id: str) -> str:
     """The id the engine's caller gave a request: vLLM appends `-<8 random chars>` inside."""
+    return external_request_ids()(req_id)
+
+
+def external_request_ids() -> Callable[[str], str]:
+    """`external_request_id` with vLLM's setting read once, now: the delivery maps a request's
+    id for every chunk it publishes, and each read of `vllm.envs` reads the environment."""
     from vllm import envs
     if envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION:
-        return req_id
+        return _same_id
+    return _without_random_suffix
+
+
+def _same_id(req_id: str) -> str:
+    return req_id
+
+
+def _without_random_suffix(req_id: str) -> str:
     return req_id.rsplit("-", 1)[0]
 
 
@@ -153,7 +167,7 @@ class StageRunnerBase:
             channel.close()
             raise
         self._omni_stage = StageOutputDriver(
-            StageDelivery(channel, external_id=external_request_id, stream_every=every),
+            StageDelivery(channel, external_id=external_request_ids(), stream_every=every),
             backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
