@@ -25,24 +25,14 @@
 #include "_functions.h"
 
 typedef int (*SetDeviceFn)(int);
-typedef int (*EventCreateFn)(void **, unsigned);
-typedef int (*EventRecordFn)(void *, void *);
-typedef int (*EventQueryFn)(void *);
-typedef int (*EventSynchronizeFn)(void *);
-typedef int (*EventDestroyFn)(void *);
 typedef int (*StreamWaitEventFn)(void *, void *, unsigned);
 typedef int (*GetLastErrorFn)(void);
-typedef const char *(*GetErrorNameFn)(int);
 /* CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream); 12.8-12.9 have a
  * `size_t *failIdx` before the stream */
 typedef int (*Batch13Fn)(void **, void **, size_t *, size_t, void *, size_t *, size_t, void *);
 typedef int (*Batch12Fn)(void **, void **, size_t *, size_t, void *, size_t *, size_t,
                          size_t *, void *);
 
-#define CUDA_SUCCESS 0
-#define CUDA_NOT_READY 600
-#define EVENT_BLOCKING_SYNC 1
-#define EVENT_DISABLE_TIMING 2
 #define ACCESS_ORDER_STREAM 1     /* cudaMemcpySrcAccessOrderStream */
 #define PREFER_OVERLAP_COMPUTE 1  /* cudaMemcpyFlagPreferOverlapWithCompute */
 
@@ -81,7 +71,7 @@ typedef struct {
     EventDestroyFn event_destroy;
     StreamWaitEventFn stream_wait_event;
     GetLastErrorFn get_last_error;
-    GetErrorNameFn get_error_name;
+    RuntimeErrorNameFn get_error_name;
     void *batch;
     int batch_has_fail_idx;
     int device;
@@ -220,7 +210,7 @@ issuer_init(Issuer *self, PyObject *args, PyObject *kwds)
     self->event_destroy = (EventDestroyFn)f[5];
     self->stream_wait_event = (StreamWaitEventFn)f[6];
     self->get_last_error = (GetLastErrorFn)f[7];
-    self->get_error_name = (GetErrorNameFn)f[8];
+    self->get_error_name = (RuntimeErrorNameFn)f[8];
     self->batch = f[9];
     self->batch_has_fail_idx = version < 13000;
     self->device = device;

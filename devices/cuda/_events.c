@@ -16,17 +16,6 @@
 
 #include "_functions.h"
 
-typedef int (*EventCreateFn)(void **, unsigned);
-typedef int (*EventRecordFn)(void *, void *);
-typedef int (*EventQueryFn)(void *);
-typedef int (*EventSynchronizeFn)(void *);
-typedef int (*EventDestroyFn)(void *);
-typedef const char *(*GetErrorNameFn)(int);
-
-#define CUDA_SUCCESS 0
-#define CUDA_NOT_READY 600
-#define EVENT_BLOCKING_SYNC 1
-#define EVENT_DISABLE_TIMING 2
 #define FUNCTIONS 6
 
 /* Invariant: every CUDA event the pool created is either in `free` or held by exactly one live
@@ -39,7 +28,7 @@ typedef struct {
     EventQueryFn query;
     EventSynchronizeFn synchronize;
     EventDestroyFn destroy;
-    GetErrorNameFn error_name;
+    RuntimeErrorNameFn error_name;
     void **free;
     Py_ssize_t num_free, num_created;
 } EventPool;
@@ -85,7 +74,7 @@ pool_init(EventPool *self, PyObject *args, PyObject *kwds)
     self->query = (EventQueryFn)f[2];
     self->synchronize = (EventSynchronizeFn)f[3];
     self->destroy = (EventDestroyFn)f[4];
-    self->error_name = (GetErrorNameFn)f[5];
+    self->error_name = (RuntimeErrorNameFn)f[5];
     return 0;
 }
 

@@ -1,11 +1,25 @@
 /* The CUDA functions and handles the C modules of devices/cuda are handed as Python ints: the
  * addresses of the runtime's and the driver's functions, resolved in Python from the libraries
  * this process loaded (so no CUDA header or library is linked), and raw handles (streams,
- * events, kernels). Included by each module: every one gets its own static copies. */
+ * events, kernels), and the runtime's types and constants they share. Included by each
+ * module: every one gets its own static copies. */
 #ifndef PREFIX_CACHE_CUDA_FUNCTIONS_H
 #define PREFIX_CACHE_CUDA_FUNCTIONS_H
 
 #include <Python.h>
+
+/* The runtime's event functions, as `_dma` and `_events` call them. */
+typedef int (*EventCreateFn)(void **, unsigned);
+typedef int (*EventRecordFn)(void *, void *);
+typedef int (*EventQueryFn)(void *);
+typedef int (*EventSynchronizeFn)(void *);
+typedef int (*EventDestroyFn)(void *);
+typedef const char *(*RuntimeErrorNameFn)(int);  /* cudaGetErrorName */
+
+#define CUDA_SUCCESS 0  /* cudaSuccess and CUDA_SUCCESS alike */
+#define CUDA_NOT_READY 600
+#define EVENT_BLOCKING_SYNC 1
+#define EVENT_DISABLE_TIMING 2
 
 /* An int's value as an address or handle (0 is a valid one: the legacy default stream). */
 static int

@@ -20,9 +20,8 @@
 typedef int (*LaunchKernelFn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               unsigned, void *, void **, void **);
 typedef int (*FuncGetParamInfoFn)(void *, size_t, size_t *, size_t *);
-typedef int (*GetErrorNameFn)(int, const char **);
+typedef int (*DriverErrorNameFn)(int, const char **);  /* cuGetErrorName */
 
-#define CUDA_SUCCESS 0
 #define MAX_PARAMS 32
 #define FUNCTIONS 3
 
@@ -31,7 +30,7 @@ typedef int (*GetErrorNameFn)(int, const char **);
 typedef struct {
     PyObject_HEAD
     LaunchKernelFn launch;
-    GetErrorNameFn error_name;
+    DriverErrorNameFn error_name;
     void *function;
     unsigned block, shared;
     Py_ssize_t num_params, num_given;
@@ -70,7 +69,7 @@ kernel_init(Kernel *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->launch = (LaunchKernelFn)f[0];
-    self->error_name = (GetErrorNameFn)f[2];
+    self->error_name = (DriverErrorNameFn)f[2];
     FuncGetParamInfoFn param_info = (FuncGetParamInfoFn)f[1];
     self->block = block;
     self->shared = shared;
