@@ -20,6 +20,7 @@ import torch
 
 from prefix_cache.devices.base import HostBuffer
 from prefix_cache.devices.cuda import _dma
+from prefix_cache.devices.cuda.libraries import function_addresses, loaded_cudart
 
 
 #: Set to 0: every save takes the scatter kernel (for side-by-side measurements).
@@ -49,16 +50,6 @@ def dma_min_bytes() -> int:
         return DMA_MIN_BYTES if value == "" else max(0, int(value))
     except ValueError:
         raise ValueError(f"{DMA_MIN_BYTES_ENV}={value!r} is not a number of bytes") from None
-
-
-def loaded_cudart() -> ctypes.CDLL:
-    """The libcudart this process (torch) loaded: its contexts are torch's."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if os.path.basename(path).startswith("libcudart.so"):
-                return ctypes.CDLL(path)
-    raise RuntimeError("no libcudart is loaded in this process")
 
 
 class DmaDone:
@@ -97,10 +88,8 @@ class RunCopier:
                 or not hasattr(lib, "cudaMemcpyBatchAsync"):
             raise RuntimeError(f"CUDA runtime {version.value} has no cudaMemcpyBatchAsync "
                                f"(needs 12.8 or later)")
-        addresses = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                          for name in _RUNTIME_FUNCTIONS)
-        self._issuer = _dma.Issuer(addresses, version.value, device_index,
-                                   copy_stream.cuda_stream, RING)
+        self._issuer = _dma.Issuer(function_addresses(lib, _RUNTIME_FUNCTIONS), version.value,
+                                   device_index, copy_stream.cuda_stream, RING)
         self._tail: DmaDone | None = None  # the latest job
         self._lock = threading.Lock()
         self.submitted = 0  # jobs submitted since start

@@ -8,12 +8,10 @@ earlier, and takes it back when the last reference to it goes.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from prefix_cache.devices.cuda import _events
-from prefix_cache.devices.cuda.dma import loaded_cudart
+from prefix_cache.devices.cuda.libraries import function_addresses, loaded_cudart
 
 #: Events created at a time: the first batch covers the saves in flight of a few steps.
 GROW = 64
@@ -26,9 +24,7 @@ class DoneEvents:
     """Blocking, untimed events of one device, recorded on a stream by its raw handle."""
 
     def __init__(self, device: torch.device) -> None:
-        lib = loaded_cudart()
-        self._pool = _events.EventPool(tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p)
-                                             .value for name in _RUNTIME_FUNCTIONS))
+        self._pool = _events.EventPool(function_addresses(loaded_cudart(), _RUNTIME_FUNCTIONS))
         self._device = device
         self._grow()
 

@@ -18,7 +18,6 @@ the launch's event completed, the host sums the cells without a device sync.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from prefix_cache.devices.base import NULL_SLOT
 from prefix_cache.devices.cuda import _launch
+from prefix_cache.devices.cuda.libraries import function_addresses, loaded_driver
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +186,7 @@ def direct_kernel(compiled: Any, num_params: int) -> _launch.Kernel | None:
             or getattr(metadata, "launch_pdl", False)):
         return None
     try:
-        driver = ctypes.CDLL("libcuda.so.1")  # loaded already: Triton's module is in it
-        functions = tuple(ctypes.cast(getattr(driver, name), ctypes.c_void_p).value
-                          for name in _DRIVER_FUNCTIONS)
+        functions = function_addresses(loaded_driver(), _DRIVER_FUNCTIONS)
         return _launch.Kernel(functions, compiled.function, 32 * metadata.num_warps,
                               metadata.shared, num_params)
     except (OSError, AttributeError, ValueError) as exc:
@@ -210,7 +208,7 @@ def scatter_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torc
     if n == 0:
         return
     _launcher(rows.contiguous(), pool_view, device_slots, flags, n,
-            min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
+              min(SCATTER_CTAS, -(-n // SCATTER_ROWS)))
 
 
 def index_copy_rows(rows: torch.Tensor, device_slots: torch.Tensor, pool_view: torch.Tensor,
