@@ -63,9 +63,11 @@ class Committer:
         """Queue a task whose copies were issued; a host half wakes the committer's thread."""
         task.lander = self.wait
         task.launched_at = time.monotonic()
+        # whether landing it moves bytes on the host (a staged write's scatter)
+        task.host_half = any(t.finish is not None for t in task.transfers)
         with self._cond:
             self._queue.append(task)
-            if _has_host_half(task):
+            if task.host_half:
                 self._cond.notify()
 
     def sweep(self, *, host_halves: bool = False) -> None:
@@ -78,10 +80,13 @@ class Committer:
         with self._cond:
             if self._landing:
                 return  # another thread is landing: it lands in order, this one need not
+            ready = self._take_ready(host_halves)
+            if not ready:
+                return
             self._landing = True
         try:
-            while (head := self._take_ready(host_halves)) is not None:
-                self.land(*head)
+            for task, error in ready:
+                self.land(task, error)
         finally:
             with self._cond:
                 self._landing = False
@@ -128,27 +133,27 @@ class Committer:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def _take_ready(self, host_halves: bool) -> tuple[WriteTask, BaseException | None] | None:
-        """The head task if it can land now, with the error it fails with: its copies completed,
-        or a query of them failed, or it is `timeout_s` old (the error names its state)."""
-        with self._cond:
-            if not self._queue:
-                return None
+    def _take_ready(self, host_halves: bool) -> list[tuple[WriteTask, BaseException | None]]:
+        """The head tasks that can land now, in order, each with the error it fails with: their
+        copies completed, or a query of them failed, or the task is `timeout_s` old (the error
+        names its state). Caller holds `_cond`."""
+        ready = []
+        while self._queue:
             task = self._queue[0]
-            if not host_halves and self._staged_head():
-                return None
+            if task.host_half and not host_halves:
+                break
             error = None
             try:
-                ready = all(t.event is None or t.event.query() for t in task.transfers)
+                done = all(t.event is None or t.event.query() for t in task.transfers)
             except Exception as exc:  # a driver error: the copy failed
-                ready, error = True, exc
-            if not ready:
+                done, error = True, exc
+            if not done:
                 if time.monotonic() - task.launched_at < self._timeout_s:
-                    return None
+                    break
                 error = OmniPrefixCacheError(
                     f"{task.describe()}: device copy not complete after {self._timeout_s:.1f}s")
-            self._queue.popleft()
-            return task, error
+            ready.append((self._queue.popleft(), error))
+        return ready
 
     def _run(self) -> None:
         self._bind_thread()
@@ -168,9 +173,4 @@ class Committer:
 
     def _staged_head(self) -> bool:
         """Whether the head task has a host half (caller holds `_cond`)."""
-        return bool(self._queue) and _has_host_half(self._queue[0])
-
-
-def _has_host_half(task: WriteTask) -> bool:
-    """Whether landing `task` moves bytes on the host (a staged write's scatter)."""
-    return any(t.finish is not None for t in task.transfers)
+        return bool(self._queue) and self._queue[0].host_half

@@ -69,6 +69,7 @@ class WriteTask:
     landed: Latch = field(default_factory=Latch)
     #: set by the committer that queued it (when, and how to land tasks up to this one)
     launched_at: float = 0.0
+    host_half: bool = False  # landing it runs a transfer's `finish` (the committer's thread)
     lander: Callable[[WriteTask, float], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
