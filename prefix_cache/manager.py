@@ -60,6 +60,18 @@ __all__ = ["OmniPrefixCacheManager", "StageCacheOutputs", "StepRows"]
 #: them, so neither they nor their registrations are released while this process lives.
 _STRANDED: list[tuple[PrefixBlockPool, StagingPool]] = []
 
+#: This process's id, renewed in a forked child: every public call compares it with the
+#: manager's, and `os.getpid()` is a system call.
+_PID = os.getpid()
+
+
+def _renew_pid() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_renew_pid)
+
 
 @dataclass
 class _PendingStep:
@@ -97,7 +109,7 @@ class OmniPrefixCacheManager:
         self.group_id = group_id
         self._owns_backend = backend is None  # a backend passed in stays open for its owner
         self.backend = backend if backend is not None else devices.get_backend(config.device)
-        self._pid = os.getpid()  # streams and registrations belong to this process
+        self._pid = _PID  # streams and registrations belong to this process
         self.policy = ModelCachePolicy()
         self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend)
         self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
@@ -413,7 +425,7 @@ class OmniPrefixCacheManager:
         if self._closed:
             return
         self._closed = True
-        if os.getpid() != self._pid:
+        if _PID != self._pid:
             return
         timeout = self.config.staging_claim_timeout_s
         landed = self._launcher.committer.close(timeout)
@@ -442,10 +454,10 @@ class OmniPrefixCacheManager:
 
     def _check_usable(self, call: str) -> None:
         """Refuse calls after shutdown or in a forked child; raise the oldest unreported failure."""
-        if os.getpid() != self._pid:
+        if _PID != self._pid:
             raise OmniPrefixCacheError(
                 f"{call}: this prefix cache was built in process {self._pid}; a forked child "
-                f"(process {os.getpid()}) cannot use its streams or pinned pools; build a new "
+                f"(process {_PID}) cannot use its streams or pinned pools; build a new "
                 f"manager in the child")
         if self._closed:
             raise OmniPrefixCacheError(f"{call}: the prefix cache was shut down")
