@@ -159,16 +159,18 @@ class OutputChecker:
 
     @staticmethod
     def _token_counts(unpadded: Any, padded: Any) -> tuple[int, int]:
-        counts = []
-        for name, value in (("num_tokens_unpadded", unpadded), ("num_tokens_padded", padded)):
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                counts.append(operator.index(value))
-            except TypeError:
-                raise OmniPrefixCacheInputError(
-                    f"save_outputs: {name} must be an int, got {value!r}") from None
-        n, padded_n = counts
+        n, padded_n = unpadded, padded
+        if type(n) is not int or type(padded_n) is not int:  # numpy ints, say; never a bool
+            counts = []
+            for name, value in (("num_tokens_unpadded", n), ("num_tokens_padded", padded_n)):
+                try:
+                    if isinstance(value, bool):
+                        raise TypeError
+                    counts.append(operator.index(value))
+                except TypeError:
+                    raise OmniPrefixCacheInputError(
+                        f"save_outputs: {name} must be an int, got {value!r}") from None
+            n, padded_n = counts
         if not 0 <= n <= padded_n:
             raise OmniPrefixCacheInputError(
                 f"save_outputs: num_tokens_unpadded={n} must be within "

@@ -106,18 +106,21 @@ class StepWriter:
             device_slots = None
         if device_slots is not None and self._check_slots:
             self._check_slot_mapping(step_id, device_slots[:n], layout.slots)
-        immediate = {k: self._private(v) for k, v in outputs.immediate.items()}
-        deferred = {k: self._private(v) for k, v in outputs.deferred.items()}
+        immediate = self._privates(outputs.immediate, in_stream)
+        deferred = self._privates(outputs.deferred, in_stream)
         chunks = self._deferred.snapshot(outputs.deferred, layout)
-        leftover = map_tensors(outputs.leftover, self._private)
+        leftover = map_tensors(outputs.leftover, self._private) if outputs.leftover else {}
         # copy-stream moves start after every private copy: they read them
         ready = None if in_stream else self._backend.record_event()
         arena = self._staging.arenas[slot]
         arena.reset()
-        host_rows = {key: HostCopy.start(self._backend, arena, rows, ready, in_stream=in_stream)
-                     for key, rows in deferred.items()}
-        leftover = map_tensors(leftover, lambda t: HostCopy.start(
-            self._backend, arena, t, ready, in_stream=in_stream))
+        host_rows: dict[str, HostCopy] = {}
+        if deferred or leftover:
+            host_rows = {key: HostCopy.start(self._backend, arena, rows, ready,
+                                             in_stream=in_stream)
+                         for key, rows in deferred.items()}
+            leftover = map_tensors(leftover, lambda t: HostCopy.start(
+                self._backend, arena, t, ready, in_stream=in_stream))
         self._reads.resolve_conflicts(layout.runs)
         task = None
         with self._lock:
@@ -144,14 +147,24 @@ class StepWriter:
             self._deferred.append(chunks, layout.slots, claim)
         record = StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                             {}, host_rows, {}, leftover, readable=plan_reads)
-        hits = hits.select([i for i, req_id in enumerate(hits.req_ids) if req_id in layout])
+        if hits:
+            hits = hits.select([i for i, req_id in enumerate(hits.req_ids) if req_id in layout])
         if plan_reads:
             self._step_reads.plan(record, immediate.keys(), claim, task, hits.select(
-                [i for i, req_id in enumerate(hits.req_ids) if req_id not in handed_over]))
+                [i for i, req_id in enumerate(hits.req_ids) if req_id not in handed_over])
+                if handed_over else hits)
         self._stats.add(rows_saved=n, miss_tokens=n, hit_tokens=sum(hits.tokens),
                         hit_requests=len(hits), bytes_saved=n * sum(
                             self._pool.keys[key].row_bytes for key in outputs.shapes))
         return record
+
+    def _privates(self, rows: dict[str, torch.Tensor], in_stream: bool
+                  ) -> dict[str, torch.Tensor]:
+        """`rows` with each tensor's private copy (`_private`): `rows` itself where the copies
+        that read them are issued in stream order (`in_stream`)."""
+        if in_stream or not rows:
+            return rows
+        return {k: self._private(v) for k, v in rows.items()}
 
     def _private(self, tensor: torch.Tensor) -> torch.Tensor:
         """A device tensor's private copy, ordered on the caller's stream; none is needed
