@@ -21,6 +21,9 @@ from prefix_cache.devices.base import DeviceBackend, DeviceEvent, HostBuffer, Tr
 #: Stream objects `_current_stream` keeps (a runner uses a handful of streams).
 _MAX_CACHED_STREAMS = 64
 
+#: The issue scope of an in-stream move: the caller's stream as it is (reentrant, so shared).
+_IN_STREAM = contextlib.nullcontext()
+
 
 class _StreamScope:
     """`with` block on `stream`, restoring the previous current stream and current device on exit.
@@ -123,7 +126,7 @@ class AcceleratorBackend(DeviceBackend):
                      in_stream: bool) -> _StreamScope | contextlib.nullcontext[None]:
         """Where a move is issued: the copy stream after `ready`, or the caller's own stream."""
         if in_stream:
-            return contextlib.nullcontext()
+            return _IN_STREAM
         if ready is not None:
             self.copy_stream.wait_event(ready)
         return _StreamScope(self.module, self.copy_stream, self._current_stream)

@@ -50,6 +50,10 @@ def out_of_range_error(what: str, refused: int, n: int, num_slots: int,
                           f"[0, {num_slots}){detail}; they were not written to the pool")
 
 
+#: The flag cells' bytes of a launch that refused no row.
+_NONE_REFUSED = bytes(8 * FLAG_CELLS)
+
+
 class _Page:
     """A registered page with its host cells and the device views of its slots and flag cells,
     made once (views cost microseconds on the engine thread)."""
@@ -66,6 +70,8 @@ class _Page:
 
     def refused(self) -> int:
         """The count the launch that used this page stored (its event has completed)."""
+        if self.flag_cells.tobytes() == _NONE_REFUSED:  # the usual case: a tenth of a sum's cost
+            return 0
         return int(self.flag_cells.sum())
 
 
