@@ -156,6 +156,18 @@ TensorFormWorker, TupleFormWorker, ObjectFormWorker, UnreadableFormWorker = map(
     _form_worker, FORMS)
 
 
+class _HookedMm:
+    """Above the mixin: a model that hands its mm outputs over through the runner's hook, its
+    forward returning the hidden states alone."""
+
+    def omni_mm_outputs(self, model_output: Any) -> dict[str, Any]:
+        return {"codes": {"audio": audio_codes(model_output)}}
+
+
+HookFormWorker = type("HookFormWorker", (PrefixCacheCPUWorker,), {"runner_cls": type(
+    "HookFormRunner", (_HookedMm, PrefixCacheRunnerMixin, CPUModelRunner), {})})
+
+
 @pytest.mark.parametrize(("disabled", "published_as"), [("0", "req-7"), ("1", "req-7-ab12cd34")])
 def test_rows_are_published_under_the_id_the_engines_caller_gave(
         monkeypatch: pytest.MonkeyPatch, disabled: str, published_as: str) -> None:
@@ -166,8 +178,10 @@ def test_rows_are_published_under_the_id_the_engines_caller_gave(
     assert mapping("req-7-ab12cd34") == external_request_id("req-7-ab12cd34") == published_as
 
 
-@pytest.mark.parametrize("form", ["tensor", "tuple", "object"])
+@pytest.mark.parametrize("form", ["tensor", "tuple", "object", "hook"])
 def test_omni_forward_outputs_reach_the_next_stage(thinker_model_dir: Path, form: str) -> None:
+    """Each form of forward output, and mm outputs a runner's `omni_mm_outputs` override hands
+    over (`hook`), reach the next stage at every position."""
     requests = shared_prefix_requests()
     with multiprocessing_mode(False), open_channel() as channel:
         engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,

@@ -328,8 +328,11 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
                           self.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
                           self.query_start_loc.np[1: num_reqs + 1].tolist())
         view = getattr(self.omni_prefix_cache, "view", None)
+        # the output is read once: the hook is called only where a subclass overrides it
+        mm = read.mm if type(self).omni_mm_outputs is PrefixCacheRunnerMixin.omni_mm_outputs \
+            else self.omni_mm_outputs(output)
         self._omni_stage.save_step(
-            read.hidden, self.omni_mm_outputs(output), batch,
+            read.hidden, mm, batch,
             num_tokens_padded=read.hidden.shape[0],
             slot_mapping=view.device_slot_mapping()
             if isinstance(view, FullAttentionGroupView) else None)
