@@ -25,7 +25,7 @@ from typing import Any
 
 from prefix_cache import manager
 from prefix_cache.core import block_pool, chunk_reads, committer, hits, launcher, layout, reads
-from prefix_cache.core import outputs, staging, tasks, writes
+from prefix_cache.core import outputs, staging, step_reads, tasks, writes
 from prefix_cache.integration import stage_outputs
 from prefix_cache.manager import OmniPrefixCacheManager
 
@@ -61,6 +61,8 @@ M2_TIMED: dict[str, tuple[Any, str]] = {
     "TaskTable.new": (tasks.TaskTable, "new"),
     "WriteLauncher.launch": (launcher.WriteLauncher, "launch"),
     "hits.StepHits.select": (hits.StepHits, "select"),
+    "manager.discard_step": (OmniPrefixCacheManager, "discard_step"),
+    "StepReads.release": (step_reads.StepReads, "release"),
 }
 
 
