@@ -24,6 +24,10 @@ class TaskState(enum.Enum):
     WRITTEN = "WRITTEN"        # its rows are readable in the pool
     FAILED = "FAILED"
 
+    #: Members are singletons, equal only to themselves: hashed by identity in C, not by
+    #: Enum's hash of the name in Python (every state change looks states up in sets)
+    __hash__ = object.__hash__
+
     @property
     def terminal(self) -> bool:
         return self in _TERMINAL
