@@ -36,6 +36,7 @@ class StagingPool:
         self._buffers: dict[tuple[int, str], HostBuffer] = {}
         self.arenas = [SlotArena(backend) for _ in range(depth)]  # each slot's host copies
         self._cond = threading.Condition()
+        self._claimers_waiting = 0  # a release wakes them; with none, it notifies nobody
         self.waits = 0
         self.wait_time_s = 0.0
 
@@ -61,7 +62,11 @@ class StagingPool:
                         f"step {step_id}: no staging slot free after {timeout_s:.1f}s; "
                         f"unused step ids {unused}, {pending_tasks()} write tasks pending "
                         f"(materialize or discard_step each step id)")
-                self._cond.wait(remaining)
+                self._claimers_waiting += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._claimers_waiting -= 1
 
     def hold(self, slot: int, holder: Holder) -> None:
         """Add a holder to a slot the caller already holds (a write passing through it)."""
@@ -74,7 +79,7 @@ class StagingPool:
         """Drop `holder`'s hold; a holder that holds nothing there changes nothing."""
         with self._cond:
             self._holders[slot].discard(holder)
-            if not self._holders[slot]:
+            if self._claimers_waiting and not self._holders[slot]:
                 self._cond.notify_all()
 
     def buffer(self, slot: int, key: str, width: int, dtype: torch.dtype) -> torch.Tensor:
