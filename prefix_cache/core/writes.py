@@ -75,6 +75,8 @@ class StepWriter:
 
     def install_keys(self, new_keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Allocate pools for keys seen for the first time (unlocked), then install them all."""
+        if not new_keys:  # every step after a key's first
+            return
         allocated = []
         try:
             for key, (feat, dtype) in new_keys.items():
