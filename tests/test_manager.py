@@ -445,7 +445,8 @@ def test_a_steps_chunks_are_read_together_in_place_and_let_go_once_written(backe
                              mm_width=None, materialize=False))  # hidden rows only
         for sid in sids:
             manager.discard_step(sid)
-        chunks = manager.plan_chunk_rows({"a": (6, 9), "b": (8, 9), "gone": (0, 1)})
+        with torch.inference_mode():  # as vLLM's engine thread calls it
+            chunks = manager.plan_chunk_rows({"a": (6, 9), "b": (8, 9), "gone": (0, 1)})
         assert sorted(chunks) == ["a", "b"]  # a request the view does not hold: none
         assert [(c.start, c.num_rows) for c in chunks.values()] == [(6, 9), (8, 9)]
         held = {req_id: rows.hold() for req_id, rows in chunks.items()}

@@ -20,6 +20,7 @@ import torch
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.devices.base import NULL_SLOT, DeviceBackend, Transfer
 from prefix_cache.errors import OmniPrefixCacheError
+from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.runs import slot_runs
 from prefix_cache.core.tasks import DeferredChunk, TaskState, TaskTable, WriteTask
@@ -120,7 +121,8 @@ class DeferredWriter:
                     ready=ready, staging=None)
 
         try:
-            self._launch(task, issue() if parts else (), True)
+            with keeping_tensors():  # the launch's slots, joined rows and copies outlive it
+                self._launch(task, issue() if parts else (), True)
         except Exception:
             pass  # the task failed alone; the next public call raises its error
 
