@@ -173,16 +173,16 @@ class CudaBackend(AcceleratorBackend):
         if slots.is_cpu:
             host_slots = slots.numpy()
         mapped = self.zero_copy and pool.device_view is not None  # else staged
-        dma_pending = self._dma is not None and self._dma.pending()
         # DMA into mapped pools only: a staged write lands on the host later, and a DMA save
         # into one of its slots could land first
         if self._dma is not None and host_slots is not None and mapped and (
-                dma_pending or rows.nbytes >= self.dma_min_bytes):
+                rows.nbytes >= self.dma_min_bytes or self._dma.pending()):
             return self._scatter_dma(rows, host_slots[: rows.shape[0]], pool, ready=ready,
                                      in_stream=in_stream)
         # device slots alone (no caller in the core), or the first save after mapping was
         # given up: neither may overtake a DMA save into its slots
-        if dma_pending and not self.drain(CLOSE_DRAIN_TIMEOUT_S):
+        if self._dma is not None and self._dma.pending() and not self.drain(
+                CLOSE_DRAIN_TIMEOUT_S):
             raise RuntimeError(f"cuda backend: a copy-engine save still running after "
                                f"{CLOSE_DRAIN_TIMEOUT_S:.0f}s")
         if mapped:
