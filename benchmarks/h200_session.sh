@@ -8,9 +8,14 @@
 #                                            # names what failed
 #   bash benchmarks/h200_session.sh bench    # the quick bench (5 runs), the hit gather's
 #                                            # thread sweep
-#   bash benchmarks/h200_session.sh engine   # the GPU engine tests (every save by DMA), then
-#                                            # pipeline_bench (M5e, M8); needs .vllm-gpu/,
+#   bash benchmarks/h200_session.sh engine   # the GPU engine tests without preemption:
+#                                            # in-process, V2, the CUDA graph case,
+#                                            # multiprocess, the multimodal key (about 65 s each
+#                                            # on an H100), every save by DMA; needs .vllm-gpu/,
 #                                            # a copy of ../shared/tools/vllm-gpu (carry it)
+#   bash benchmarks/h200_session.sh preempt  # the GPU engine tests with preemption (V1 and V2,
+#                                            # an abort while preempted), every save by DMA;
+#                                            # needs .vllm-gpu/ (carry it)
 #   bash benchmarks/h200_session.sh stream   # the streaming engine tests (preemption while
 #                                            # streaming included), stream_step_cost.py (M9c
 #                                            # without vLLM), then stream_bench (M9),
@@ -30,11 +35,11 @@
 #                                            # GPU engine's tensor-parallel case and the
 #                                            # reliability suite's second-GPU case; needs
 #                                            # .vllm-gpu/ (carry it)
-#   bash benchmarks/h200_session.sh perf     # issue 30 in about 9 minutes: the GPU engine
-#                                            # tests' CUDA graph case, then pipeline_bench: M5e
-#                                            # on the 7b model eager (with the profile) and with
-#                                            # CUDA graphs, M8 on 7b, M5e on the small model
-#                                            # eager and with graphs; needs .vllm-gpu/ and, for
+#   bash benchmarks/h200_session.sh perf     # issue 30 in about 6 minutes: pipeline_bench's
+#                                            # M5e on the 7b model eager (with the profile) and
+#                                            # with CUDA graphs, M8 on 7b, M5e on the small
+#                                            # model eager and with graphs (340 s on an H100,
+#                                            # 2026-12-06); needs .vllm-gpu/ and, for
 #                                            # py-spy, .profilers/ (a copy of
 #                                            # ../shared/tools/profilers; carry both)
 #   bash benchmarks/h200_session.sh variants # M5e for copies of the tree with one part of
@@ -51,9 +56,10 @@
 # it leaves 8 files: perf.log, install.log, one JSON per pipeline_bench run and
 # perf-profiles.tar.gz (the profiles and vLLM's logs of each run).
 set -uo pipefail
-part=${1:?usage: h200_session.sh units|bench|engine|stream|serve|tp2|perf|variants}
-case "$part" in units|bench|engine|stream|serve|tp2|perf|variants) ;; *)
-    echo "unknown part $part (units, bench, engine, stream, serve, tp2, perf or variants)"; exit 2 ;;
+part=${1:?usage: h200_session.sh units|bench|engine|preempt|stream|serve|tp2|perf|variants}
+case "$part" in units|bench|engine|preempt|stream|serve|tp2|perf|variants) ;; *)
+    echo "unknown part $part (units, bench, engine, preempt, stream, serve, tp2, perf or" \
+         "variants)"; exit 2 ;;
 esac
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -108,11 +114,13 @@ bench)
     run timeout 60 env PYTHONPATH=. python3 benchmarks/gather_sweep.py --pinned
     run timeout 60 env PYTHONPATH=. python3 benchmarks/gather_sweep.py
     ;;
-engine)
-    run env OMNI_PREFIX_CACHE_CUDA_DMA_MIN_BYTES=0 timeout 300 python3 -m pytest -q \
-        -p no:cacheprovider tests/test_gpu_engine.py -k "in-process or preempted or v2-main"
-    run timeout 360 python3 -m prefix_cache.tools.pipeline_bench --runs 5 \
-        --json "$out/pipeline_bench.json"
+engine|preempt)
+    # the nine single-GPU engine tests take about 10 minutes: two calls (the last test was cut
+    # twice on 2026-12-06, when they shared a call with other work)
+    tests="in-process or v2-main or graphs or multiprocess or multimodal"
+    [ "$part" = preempt ] && tests="preempted or v2-preempt"
+    step 530 env OMNI_PREFIX_CACHE_CUDA_DMA_MIN_BYTES=0 python3 -m pytest -v \
+        -p no:cacheprovider tests/test_gpu_engine.py -k "$tests"
     ;;
 stream)
     run timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_stream_engine.py
@@ -151,10 +159,7 @@ perf)
     profiles=/tmp/perf-profiles
     rm -rf "$profiles" /tmp/omni-prefix-cache-pipeline-bench-*.log
     bench=(python3 -m prefix_cache.tools.pipeline_bench)
-    # expected on a warm H200 (engine starts 10-40 s each): 126 s, 75, 101, over 150 (cut at
-    # its second run on 2026-12-03), 46-55, 96-107: more than one call's budget, so the last
-    # steps are skipped when the budget runs out
-    step 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py -k graphs
+    # on a warm H100 (2026-12-06): 77 s, 66, 88, 35, 68 (the graph test runs in `engine`)
     step 200 "${bench[@]}" --only M5e --model 7b --runs 5 --profile "$profiles/m5e-7b-eager" \
         --profile-seconds 6 --json "$out/m5e-7b-eager.json"
     step 150 "${bench[@]}" --only M5e --model 7b --cudagraphs --runs 5 \
