@@ -46,3 +46,32 @@ def test_concurrent_sweeps_and_waiters_land_every_write_once_in_launch_order() -
     assert not errors
     assert landed == [task.task_id for task in tasks]
     assert all(task.state is TaskState.WRITTEN for task in tasks)
+
+
+def test_a_landing_that_raises_leaves_the_ready_tasks_behind_it_queued_in_order() -> None:
+    """A sweep takes every ready task at once; where one's landing raises (a hook), the tasks
+    after it stay queued and the next sweep lands them, in launch order."""
+    landed: list[int] = []
+
+    def on_landed(task: WriteTask) -> None:
+        landed.append(task.task_id)
+        if task.task_id == 1:
+            raise RuntimeError("a landing hook failed")
+
+    committer = Committer(10.0, on_landed, lambda: None)
+    copy = threading.Event()
+    tasks = []
+    for i in range(3):
+        task = WriteTask(i + 1, f"step {i + 1}", transfers=[Transfer(event=GatedEvent(None, copy))])
+        task.transition(TaskState.QUEUED)
+        committer.submit(task)
+        tasks.append(task)
+    copy.set()
+    try:
+        committer.sweep()
+    except RuntimeError:
+        pass  # the engine thread's sweep raises it; the committer's own thread logs it
+    committer.sweep()
+    assert landed == [1, 2, 3]
+    assert all(task.state is TaskState.WRITTEN for task in tasks)
+    assert committer.close(5.0)

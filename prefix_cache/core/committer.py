@@ -84,11 +84,15 @@ class Committer:
             if not ready:
                 return
             self._landing = True
+        landed = 0
         try:
             for task, error in ready:
                 self.land(task, error)
+                landed += 1
         finally:
             with self._cond:
+                # a landing that raised (its hooks) leaves the tasks after it queued, in order
+                self._queue.extendleft(reversed([task for task, _ in ready[landed + 1:]]))
                 self._landing = False
 
     def wait(self, task: WriteTask, timeout_s: float) -> None:
