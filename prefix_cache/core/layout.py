@@ -57,9 +57,7 @@ class StepLayout:
     def of_step(cls, view: GroupView, scheduled: Mapping[str, int], num_rows: int,
                 block_size: int, num_slots: int) -> StepLayout:
         """The layout of a step's `num_rows` rows, checked against the scheduler's counts."""
-        batch = view.batch_req_ids()
-        order, ends, total, smallest = _scheduled_rows(
-            batch if isinstance(batch, list) else list(batch), scheduled)
+        order, ends, total, smallest = _scheduled_rows(list(view.batch_req_ids()), scheduled)
         left_out = len(scheduled) - len(order)  # only requests scheduled for 0 tokens may be
         if total != num_rows or smallest <= 0 < len(order) or (
                 left_out and left_out != sum(1 for c in scheduled.values() if c <= 0)):

@@ -127,9 +127,8 @@ def request_slot_runs(req_ids: Sequence[str], num_scheduled_tokens: Mapping[str,
     """The slots of each request's next scheduled positions, from `computed[index_of[r]]` on,
     `slot = table[index_of[r], p // unit] * unit + p % unit`, as `[k, 2]` runs of consecutive
     slots found a block at a time; `batch` names the batch in the error."""
-    # a request's positions span at most count // unit + 2 blocks; `req_ids` are among the
-    # scheduled and no count is negative, so the sum of all the counts (in C) bounds theirs
-    tokens = sum(num_scheduled_tokens.values())
+    # a request's positions span at most count // unit + 2 blocks
+    tokens = sum(map(num_scheduled_tokens.__getitem__, req_ids))
     runs = np.empty((tokens // unit + 2 * len(req_ids), 2), dtype=np.int64)
     try:
         k, _, _ = _core.request_runs(req_ids, num_scheduled_tokens, index_of, computed, table,
