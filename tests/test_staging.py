@@ -39,4 +39,4 @@ def test_a_claim_that_finds_no_slot_in_time_names_the_steps_holding_them() -> No
                        match=r"step 2: .*unused step ids \[1\]"):
         staging.claim(2, 0.1, lambda: 0)
     staging.release(0, ("step", 1))
-    assert staging.claim(3, 0.1, lambda: 0) == 0  # a timed-out claim left no waiter behind
+    assert staging.claim(3, 0.1, lambda: 0) == 0  # free again once its step released it

@@ -328,9 +328,9 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
                           self.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
                           self.query_start_loc.np[1: num_reqs + 1].tolist())
         view = getattr(self.omni_prefix_cache, "view", None)
-        # the output is read once: the hook is called only where a subclass overrides it
-        mm = read.mm if type(self).omni_mm_outputs is PrefixCacheRunnerMixin.omni_mm_outputs \
-            else self.omni_mm_outputs(output)
+        # the output is read once: the hook is called only where it is overridden
+        hook = self.omni_mm_outputs
+        mm = read.mm if getattr(hook, "__func__", None) is _READ_MM else hook(output)
         self._omni_stage.save_step(
             read.hidden, mm, batch,
             num_tokens_padded=read.hidden.shape[0],
@@ -350,3 +350,8 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
                        "published: %s", reason)
         self._omni_stage.turn_off(reason)  # closed (cache shut down) at the runner's shutdown
         self.omni_prefix_cache = None
+
+
+#: The mixin's own `omni_mm_outputs`: a runner whose hook is this one takes the mm outputs from
+#: the forward's output it read already.
+_READ_MM = PrefixCacheRunnerMixin.omni_mm_outputs
