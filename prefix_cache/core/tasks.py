@@ -28,11 +28,8 @@ class TaskState(enum.Enum):
     #: Enum's hash of the name in Python (every state change looks states up in sets)
     __hash__ = object.__hash__
 
-    @property
-    def terminal(self) -> bool:
-        return self in _TERMINAL
 
-
+#: the states a task ends in
 _TERMINAL = frozenset((TaskState.WRITTEN, TaskState.FAILED))
 #: each live state's one successor; FAILED may follow any of them
 _NEXT = {TaskState.PENDING: TaskState.QUEUED, TaskState.QUEUED: TaskState.COPYING,
