@@ -91,11 +91,8 @@ def word_dtype(row_bytes: int, *addresses: int) -> torch.dtype:
     return _WORDS[common & -common]  # the lowest bit set: the largest power of two dividing all
 
 
-def as_words(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`t` ([n, F], contiguous) viewed as `dtype` words (None: the widest its rows and address
-    allow)."""
-    if dtype is None:
-        dtype = word_dtype(t.shape[1] * t.element_size(), t.data_ptr())
+def as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` ([n, F], contiguous) viewed as `dtype` words (`word_dtype` of its rows and address)."""
     return t.view(torch.uint8).view(dtype)
 
 
