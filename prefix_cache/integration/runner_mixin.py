@@ -115,6 +115,7 @@ class StageRunnerBase:
     _omni_preempted: Mapping[str, int | None] = MappingProxyType({})
     _omni_policy: ModelCachePolicy = ModelCachePolicy()
     _omni_stage: StageOutputDriver | None = None
+    _omni_external_id: Callable[[str], str]  # set with the stage: its caller's id of a request
     _omni_paused = False  # warm-up steps with made-up requests: neither cached nor published
 
     # ------------------------------------------------------------------ lifecycle
@@ -166,8 +167,9 @@ class StageRunnerBase:
         except BaseException:
             channel.close()
             raise
+        self._omni_external_id = external_request_ids()  # chunks and finishes alike
         self._omni_stage = StageOutputDriver(
-            StageDelivery(channel, external_id=external_request_ids(), stream_every=every),
+            StageDelivery(channel, external_id=self._omni_external_id, stream_every=every),
             backend, cache=manager,
             policy=self._omni_policy,
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
@@ -254,8 +256,8 @@ class StageRunnerBase:
 
     def _omni_finished(self, req_id: str, rows_standing: int | None = None) -> FinishedRequest:
         # prompt length None: aborted before it was ever scheduled
-        return FinishedRequest(req_id, external_request_id(req_id), self._omni_prompt_len(req_id),
-                               rows_standing)
+        return FinishedRequest(req_id, self._omni_external_id(req_id),
+                               self._omni_prompt_len(req_id), rows_standing)
 
     # ------------------------------------------------------------------ per step
 
