@@ -55,14 +55,20 @@ def test_the_7b_model_is_7b_class_and_written_as_a_config_alone(tmp_path) -> Non
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny model is CPU only")
-def test_m5e_on_the_tiny_model_measures_python_bound_steps_of_both_workers(tmp_path) -> None:
+def test_m5e_on_the_tiny_model_measures_python_bound_steps_of_both_workers(tmp_path,
+                                                                          capsys) -> None:
     """`--model tiny` is the CPU's stand-in for a GPU step under CUDA graphs: the real CPU
-    engine, steps of a few ms bound by the engine's own Python, both workers measured."""
+    engine, steps of a few ms bound by the engine's own Python, both workers measured; then
+    profiled, each traced by torch's profiler, whose device side a CPU run leaves empty."""
     pytest.importorskip("vllm")
     import json
-    out = tmp_path / "m5e.json"
+    out, profiles = tmp_path / "m5e.json", tmp_path / "profiles"
     assert pipeline_bench.main(["--only", "M5e", "--model", "tiny", "--runs", "1",
-                                "--json", str(out)]) == 0
+                                "--json", str(out), "--profile", str(profiles),
+                                "--profile-seconds", "1"]) == 0
+    assert "no device work in the traces" in capsys.readouterr().out
+    assert {p.name for p in profiles.glob("*.torch-trace.json")} == {
+        "plain.torch-trace.json", "cache.torch-trace.json"}
     data = json.loads(out.read_text())
     steps = data["step_time"]
     plain, cache = steps["step_s_plain"]["median"], steps["step_s_cache"]["median"]
@@ -72,3 +78,5 @@ def test_m5e_on_the_tiny_model_measures_python_bound_steps_of_both_workers(tmp_p
     decode = steps["decode_step_s_mean"]  # the prompt steps, several times longer, left out
     assert 0 < decode["plain"] < 2 * plain and 0 < decode["cache"] < 2 * cache
     assert "hidden 64 x 1 layers" in steps["workload"]
+    assert data["device_work"] == {name: {"counts": {}, "busy_us": {}, "d2h_during_h2d_us": 0.0}
+                                   for name in ("plain", "cache")}

@@ -10,7 +10,8 @@ prefix caches are emptied, so every run starts cold. It prints its progress and 
 bench's; vLLM's logs go to a file it names. `--profile DIR` then profiles both engines of the
 step comparison (`profile_capture`) and prints where their threads spent the window (`profile`);
 with `--cudagraphs`, vLLM's worker profiler also traces `TRACE_PASSES` alternating passes of each
-engine, and their decode steps are compared function by function (`step_trace`).
+engine, and their decode steps are compared function by function (`step_trace`). Either way,
+what the device ran in each engine's traced steps is shown side by side (`device_trace`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from typing import Any
 
 from prefix_cache.channel import StageChannel
 from prefix_cache.tools.bench_report import Metric, metric_json, report
+from prefix_cache.tools.device_trace import DeviceWork, device_work
+from prefix_cache.tools.device_trace import compare_table as device_compare_table
 from prefix_cache.tools.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.harness import (REPORT_WIDTH, machine, source_commit, spread, unwritable,
                                         write_json)
@@ -269,11 +272,21 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
                 name: _profile(name, engine, requests, channels[name], profile_dir,
                                profile_seconds, in_process=not cudagraphs, progress=progress)
                 for name, engine in engines.items()}
-            traces = _vllm_traces(engines, requests, channels, trace_dirs,
-                                  progress) if trace_dirs else {}
+            if trace_dirs:  # engine-core processes: vLLM's worker profiler traces each
+                trace_files = _vllm_traces(engines, requests, channels, trace_dirs, progress)
+            else:  # in-process: torch's profiler traced each in `_profile`
+                trace_files = {} if profile_dir is None else {
+                    name: profile_dir / f"{name}.torch-trace.json" for name in engines}
         finally:
             for engine in engines.values():
                 engine.close()
+    traces: dict[str, StepTrace] = {}  # the decode steps compared, where vLLM traced them
+    devices: dict[str, DeviceWork] = {}
+    for name, path in trace_files.items():  # one trace's events in memory at a time
+        events = read_trace(path)
+        devices[name] = device_work(events)
+        if trace_dirs:
+            traces[name] = step_trace([events])
     library = cache_engine_thread_s(stats) / stats["calls.save_outputs"]
     return {
         "device": device,
@@ -292,6 +305,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
         "engine_thread_library_s_per_step_spread": spread(library_steps),
         "profile": profiles,
         "trace": traces,
+        "device_work": devices,
     }
 
 
@@ -321,10 +335,10 @@ def _library_per_step(engine: Engine, requests: list[StageRequest], channel: Sta
 
 def _vllm_traces(engines: dict[str, Engine], requests: list[StageRequest],
                  channels: dict[str, StageChannel | None], trace_dirs: dict[str, Path],
-                 progress: Callable[[str], None]) -> dict[str, StepTrace]:
+                 progress: Callable[[str], None]) -> dict[str, Path]:
     """`TRACE_PASSES` passes of each engine, alternating, under vLLM's worker profiler, which
     runs over all of them (one trace an engine; a single traced pass varies too much to compare
-    two engines by), read back."""
+    two engines by): each engine's trace file."""
     progress(f"{TRACE_PASSES} traced passes of each engine (vLLM's worker profiler, torch with "
              f"Python stacks) ...")
     before = {name: set(trace_dir.glob("*.pt.trace.json*"))
@@ -336,14 +350,14 @@ def _vllm_traces(engines: dict[str, Engine], requests: list[StageRequest],
             order = list(engines.items())
             for name, engine in order if i % 2 == 0 else order[::-1]:
                 _cold_pass(engine, requests, channels[name])
-    traces = {}
+    files: dict[str, Path] = {}
     for name, trace_dir in trace_dirs.items():
         written = set(trace_dir.glob("*.pt.trace.json*")) - before[name]
         if len(written) != 1:
             raise RuntimeError(f"vLLM's profiler wrote {len(written)} new traces into "
                                f"{trace_dir}, not one")
-        traces[name] = step_trace([read_trace(written.pop())])
-    return traces
+        files[name] = written.pop()
+    return files
 
 
 def _profile(name: str, engine: Engine, requests: list[StageRequest],
@@ -474,11 +488,15 @@ def main(argv: list[str] | None = None) -> int:
                "m8": figures.get("M8"), "step_time": figures.get("M5e")}
     profiles = results["step_time"] and results["step_time"].pop("profile")
     traces = results["step_time"] and results["step_time"].pop("trace")
+    devices = results["step_time"] and results["step_time"].pop("device_work")
     if profiles:
         results["profile"] = {name: summary and dataclasses.asdict(summary)
                               for name, summary in profiles.items()}
     if traces:
         results["trace"] = {name: dataclasses.asdict(trace) for name, trace in traces.items()}
+    if devices:
+        results["device_work"] = {name: dataclasses.asdict(work)
+                                  for name, work in devices.items()}
     print(report(results, specs), flush=True)
     if profiles:
         print(profile_report(profiles, Path(args.profile), in_process=not args.cudagraphs),
@@ -489,10 +507,22 @@ def main(argv: list[str] | None = None) -> int:
                             "see prefix_cache/tools/step_trace.py):", REPORT_WIDTH,
                             initial_indent="\n"), compare_table(traces["plain"], traces["cache"]),
               f"traces: {args.profile}/{{plain,cache}}-trace", sep="\n", flush=True)
+    if devices:
+        print(device_report(devices), flush=True)
     print(f"\nvLLM's logs and warnings: {log_path}")
     if args.json:
         write_json(args.json, results)
     return 0
+
+
+def device_report(devices: dict[str, DeviceWork]) -> str:
+    """The device work of both engines' traces side by side, or why there is none."""
+    if all(work.empty for work in devices.values()):
+        return ("\nno device work in the traces: they hold no CUDA activity (a CPU run records "
+                "none)")
+    return textwrap.fill("what the device ran in each engine's traced steps (torch's profiler; "
+                         "see prefix_cache/tools/device_trace.py):", REPORT_WIDTH,
+                         initial_indent="\n") + f"\n{device_compare_table(devices)}"
 
 
 def profile_report(profiles: dict[str, ProfileSummary | None], out_dir: Path, *,
