@@ -75,3 +75,28 @@ def test_a_landing_that_raises_leaves_the_ready_tasks_behind_it_queued_in_order(
     assert landed == [1, 2, 3]
     assert all(task.state is TaskState.WRITTEN for task in tasks)
     assert committer.close(5.0)
+
+
+def test_close_waits_for_a_landing_another_thread_is_making() -> None:
+    """A thread waiting on a row may be landing writes it took off the queue when the cache
+    shuts down: `close` reports the writes landed (after which shutdown frees the pools they
+    write into) only once that landing is done."""
+    started, in_hook, leave_hook = threading.Event(), threading.Event(), threading.Event()
+
+    def on_landed(task: WriteTask) -> None:
+        in_hook.set()
+        leave_hook.wait(10.0)
+
+    # the committer's own thread waits at its start, so the reader's sweep takes the task
+    committer = Committer(10.0, on_landed, lambda: started.wait(10.0))
+    task = WriteTask(1, "step 1", transfers=[Transfer(event=None)])
+    task.transition(TaskState.QUEUED)
+    committer.submit(task)
+    reader = threading.Thread(target=task.wait, args=(10.0,))
+    reader.start()
+    assert in_hook.wait(5.0)
+    started.set()
+    assert not committer.close(0.2)  # the reader is still landing the task
+    leave_hook.set()
+    reader.join(5.0)
+    assert committer.close(5.0) and task.state is TaskState.WRITTEN

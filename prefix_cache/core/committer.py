@@ -130,7 +130,8 @@ class Committer:
             self._on_landed(task)
 
     def close(self, timeout_s: float) -> bool:
-        """Land every queued task, then stop; False if that took longer than `timeout_s`."""
+        """Land every queued task, and wait for the landings other threads are making, then
+        stop; False if that took longer than `timeout_s`."""
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -163,7 +164,8 @@ class Committer:
         self._bind_thread()
         while True:
             with self._cond:
-                if self._closing and not self._queue:
+                # a sweep of another thread's may still be landing what it took off the queue
+                if self._closing and not (self._queue or self._landing):
                     return
                 if not (self._closing or self._staged_head()):
                     self._cond.wait(_BACKSTOP_S)
@@ -172,8 +174,8 @@ class Committer:
             except BaseException:  # on_landed must never kill the thread
                 logger.exception("prefix cache committer: landing failed")
             with self._cond:
-                if self._queue and (self._closing or self._staged_head()):
-                    self._cond.wait(_POLL_PAUSE_S)  # the head's copies are still running
+                if (self._queue or self._landing) and (self._closing or self._staged_head()):
+                    self._cond.wait(_POLL_PAUSE_S)  # the head's copies or a landing still run
 
     def _staged_head(self) -> bool:
         """Whether the head task has a host half (caller holds `_cond`)."""
