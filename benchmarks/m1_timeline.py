@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from prefix_cache import devices
 from prefix_cache.devices.base import Transfer
+from prefix_cache.tools.device_trace import merged_spans
 from prefix_cache.tools.harness import format_table
 from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, pipelined, saves_by_dma, without_dma
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, bench_dtype, random_slots
@@ -51,20 +52,10 @@ def _timeline(trace_path: str, label: str) -> list[dict[str, float]]:
         if not inside:
             continue
         first, last = inside[0][0], max(e for _, e in inside)
-        busy = sum(e - s for s, e in _merged(inside))
+        busy = sum(e - s for s, e in merged_spans(inside))
         rows.append({"wall": end - start, "to_first": first - start, "span": last - first,
                      "busy": busy, "after_last": end - last, "copies": len(inside)})
     return rows
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def main() -> None:

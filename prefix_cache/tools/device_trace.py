@@ -81,10 +81,10 @@ def device_work(events: Iterable[dict[str, Any]]) -> DeviceWork:
         if kind in spans:
             spans[kind].append((event["ts"], event["ts"] + event["dur"]))
     return DeviceWork(dict(counts), {k: float(v) for k, v in busy.items()},
-                      _together_us(_union(spans["DtoH"]), _union(spans["HtoD"])))
+                      _together_us(merged_spans(spans["DtoH"]), merged_spans(spans["HtoD"])))
 
 
-def _union(spans: list[Span]) -> list[Span]:
+def merged_spans(spans: list[Span]) -> list[Span]:
     """`spans` merged into disjoint spans, in order."""
     merged: list[Span] = []
     for begin, end in sorted(spans):
