@@ -79,7 +79,7 @@ def test_a_landing_that_raises_leaves_the_ready_tasks_behind_it_queued_in_order(
 
 def test_close_waits_for_a_landing_another_thread_is_making() -> None:
     """A thread waiting on a row may be landing writes it took off the queue when the cache
-    shuts down: `close` reports the writes landed (after which shutdown frees the pools they
+    shuts down: `close` reports the writes landed (after which shutdown closes the pools they
     write into) only once that landing is done."""
     started, in_hook, leave_hook = threading.Event(), threading.Event(), threading.Event()
 
