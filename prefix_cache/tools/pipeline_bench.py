@@ -45,7 +45,7 @@ from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
                                         vllm_trace_config, write_dummy_qwen2, write_random_qwen2)
 from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
 from prefix_cache.tools.profile import ProfileSummary, format_table
-from prefix_cache.tools.profile_capture import profile_engine
+from prefix_cache.tools.profile_capture import profile_engine, torch_trace_path
 from prefix_cache.tools.step_trace import StepTrace, compare_table, read_trace, step_trace
 
 
@@ -276,7 +276,7 @@ def measure_step_time(*, runs: int = 5, decode_tokens: int = 16, model: str = "s
                 trace_files = _vllm_traces(engines, requests, channels, trace_dirs, progress)
             else:  # in-process: torch's profiler traced each in `_profile`
                 trace_files = {} if profile_dir is None else {
-                    name: profile_dir / f"{name}.torch-trace.json" for name in engines}
+                    name: torch_trace_path(profile_dir / name) for name in engines}
         finally:
             for engine in engines.values():
                 engine.close()

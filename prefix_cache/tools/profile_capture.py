@@ -123,6 +123,12 @@ class PySpy:
                     for seconds in _LAG.findall(log.read_text(errors="replace"))), default=0.0)
 
 
+def torch_trace_path(prefix: Path) -> Path:
+    """Where `profile_engine` writes an in-process engine's torch trace, beside its py-spy
+    outputs."""
+    return prefix.with_name(f"{prefix.name}.torch-trace.json")
+
+
 @contextmanager
 def torch_trace(path: Path) -> Iterator[Callable[[], None]]:
     """torch's profiler (CPU, and CUDA where present) over `TRACE_STEPS` steps after
@@ -153,6 +159,6 @@ def profile_engine(run_pass: Pass, *, pid: int, prefix: Path, seconds: float,
                     break
         summary = spy.summary()
     if in_process:
-        with torch_trace(prefix.with_name(f"{prefix.name}.torch-trace.json")) as step:
+        with torch_trace(torch_trace_path(prefix)) as step:
             run_pass(step)
     return summary
