@@ -14,7 +14,8 @@ from prefix_cache.devices.cuda import _events
 from tests.test_dma_issuer import FakeRuntime
 
 #: the runtime functions an EventPool takes, by their index in FakeRuntime.addresses
-_EVENT_FUNCTIONS = (1, 2, 3, 4, 5, 8)  # create, record, query, synchronize, destroy, error name
+#: create, record, query, synchronize, destroy, last error, error name
+_EVENT_FUNCTIONS = (1, 2, 3, 4, 5, 7, 8)
 
 
 def _pool(runtime: FakeRuntime) -> _events.EventPool:
@@ -59,8 +60,23 @@ def test_a_runtime_error_raises_naming_the_call_and_the_error() -> None:
                                            r"cudaErrorInvalidValue \(2\)"):
         pool.grow(2)
     assert pool.counts == (1, 1)  # the one made before the failure stays usable
-    with pytest.raises(ValueError, match="EventPool: a tuple of 6 function addresses"):
+    with pytest.raises(ValueError, match="EventPool: a tuple of 7 function addresses"):
         _events.EventPool(runtime.addresses[:5])
+
+
+def test_a_failed_runtime_call_is_raised_and_cleared_from_the_runtimes_last_error() -> None:
+    """The runtime keeps a failed call's error for the thread's next launch check, where torch
+    would raise it from an unrelated kernel: each failure raised here is cleared first."""
+    runtime = FakeRuntime()
+    runtime.events_left = 1
+    pool = _pool(runtime)
+    with pytest.raises(RuntimeError, match="cudaEventCreateWithFlags failed"):
+        pool.grow(2)
+    assert runtime.last_error == 0
+    runtime.record_error = 400  # cudaErrorInvalidResourceHandle
+    with pytest.raises(RuntimeError, match=r"cudaEventRecord failed: .* \(400\)"):
+        pool.record(7)
+    assert runtime.last_error == 0 and pool.counts == (1, 1)  # its event back in the pool
 
 
 def test_the_pool_destroys_its_events_once_the_last_one_handed_out_is_dropped() -> None:

@@ -10,6 +10,8 @@ against the real runtime in `tests/test_cuda_dma.py`.
 from __future__ import annotations
 
 import ctypes
+import gc
+import multiprocessing
 import threading
 import time
 
@@ -37,14 +39,18 @@ class FakeRuntime:
 
     `device_busy` cleared: events recorded from then on stay incomplete until it is set.
     `fail_batch_from`: batch calls from that one on (0: the first) return
-    cudaErrorInvalidValue. `calls` records each batch call that copied: (first destination,
-    runs)."""
+    cudaErrorInvalidValue; `record_error`, where set, is what cudaEventRecord returns.
+    `calls` records each batch call that copied: (first destination, runs). `last_error` is
+    the runtime's last error (one for every thread here): each failing call sets it, cudaGetLastError
+    returns and clears it (left set, torch's next launch check raises it)."""
 
     def __init__(self, version: int = 13000) -> None:
         self.version = version
         self.device_busy = threading.Event()
         self.device_busy.set()
         self.fail_batch_from: int | None = None
+        self.record_error = 0
+        self.last_error = 0
         self.batch_calls = 0
         self.events_left: int | None = None  # events it can still create (None: any number)
         self.calls: list[tuple[int, int]] = []
@@ -61,17 +67,25 @@ class FakeRuntime:
             proto(_int, _vp)(lambda ev: self._events[ev].wait() and 0),
             proto(_int, _vp)(self._destroy),
             proto(_int, _vp, _vp, ctypes.c_uint)(self._wait_event),
-            proto(_int)(lambda: 0),
+            proto(_int)(self._get_last_error),
             proto(_vp, _int)(lambda err: ctypes.addressof(ERROR_NAME)),
             self._batch_function(),
         ]
         self.addresses = tuple(ctypes.cast(f, _vp).value for f in self.functions)
         _ALIVE.append(self.functions)
 
+    def _failed(self, error: int) -> int:
+        self.last_error = error
+        return error
+
+    def _get_last_error(self) -> int:
+        error, self.last_error = self.last_error, 0
+        return error
+
     def _create(self, out, flags) -> int:
         if self.events_left is not None:
             if self.events_left == 0:
-                return 2  # cudaErrorMemoryAllocation
+                return self._failed(2)  # cudaErrorMemoryAllocation
             self.events_left -= 1
         with self._lock:
             handle, self._next = self._next, self._next + 1
@@ -85,6 +99,8 @@ class FakeRuntime:
         return 0
 
     def _record(self, event, stream) -> int:
+        if self.record_error:
+            return self._failed(self.record_error)
         gate = self._events[event]
         gate.clear()
         if self.device_busy.is_set():
@@ -110,7 +126,7 @@ class FakeRuntime:
     def _batch(self, dsts, srcs, sizes, count) -> int:
         call, self.batch_calls = self.batch_calls, self.batch_calls + 1
         if self.fail_batch_from is not None and call >= self.fail_batch_from:
-            return INVALID_VALUE
+            return self._failed(INVALID_VALUE)
         self.calls.append((dsts[0], count))
         for i in range(count):
             ctypes.memmove(dsts[i], srcs[i], sizes[i])
@@ -188,6 +204,7 @@ def test_a_failed_batch_is_over_and_names_its_call(runtime) -> None:
     job = save(issuer, np.ones((2, ROW), dtype=np.uint8), [4, 5], pool)
     assert issuer.wait(job, 5.0)
     assert issuer.error(job) == "cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)"
+    assert runtime.last_error == 0  # not left for the issuing thread's next call
     runtime.fail_batch_from = None
     rows = np.ones((2, ROW), dtype=np.uint8)  # alive until copied
     later = save(issuer, rows, [4, 5], pool)
@@ -214,6 +231,41 @@ def test_a_batch_failing_partway_is_over_only_once_the_runs_it_issued_have_lande
     assert issuer.error(job) == "cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)"
     issuer.synchronize(job)  # over: returns at once
     assert [count for _, count in runtime.calls] == [16]
+    issuer.close()
+
+
+def test_a_job_failing_before_it_issued_anything_is_over_only_once_the_jobs_before_it_are(
+        runtime) -> None:
+    """The job before it still writes when a job's first batch call fails: the failed job is
+    not over until that one is (its done event is recorded on the copy stream whatever
+    happened), so a caller that finds the latest job over knows every earlier one is, and
+    a later save by another path cannot run beside an earlier copy into the same slots."""
+    pool = np.zeros((64, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    runtime.device_busy.clear()
+    rows = np.ones((8, ROW), dtype=np.uint8)  # alive until copied
+    earlier = save(issuer, rows, np.arange(8, 16), pool)
+    runtime.fail_batch_from = 1  # the next job's first call
+    failed = save(issuer, rows, np.arange(16, 24), pool)
+    assert issuer.flush(5.0)
+    assert not issuer.query(earlier)
+    assert not issuer.query(failed) and not issuer.wait(failed, 0.05)
+    assert issuer.error(failed) is None  # not over yet
+    runtime.device_busy.set()
+    assert issuer.wait(failed, 5.0) and issuer.query(earlier)
+    assert issuer.error(failed) == "cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)"
+    assert issuer.error(earlier) is None and runtime.last_error == 0
+    assert (pool[8:16] == 1).all() and not pool[16:24].any()
+    issuer.close()
+
+
+def test_a_stream_call_that_fails_refuses_the_save_and_leaves_no_error(runtime) -> None:
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    issuer = issuer_of(runtime)
+    runtime.record_error = 400  # cudaErrorInvalidResourceHandle
+    with pytest.raises(RuntimeError, match=r"cuda DMA: cudaEventRecord failed: .* \(400\)"):
+        save(issuer, np.ones((2, ROW), dtype=np.uint8), [4, 5], pool)
+    assert runtime.last_error == 0 and issuer.flush(5.0) and not runtime.calls
     issuer.close()
 
 
@@ -275,6 +327,42 @@ def test_an_issuer_whose_events_cannot_be_made_raises_and_frees_what_it_made(run
     runtime.events_left = 3  # the ready event and two of eight done events
     with pytest.raises(RuntimeError, match="cudaEventCreateWithFlags failed"):
         _dma.Issuer(runtime.addresses, 13000, 0, 1234, 8)
-    import gc
+    assert runtime.last_error == 0
     gc.collect()  # the half-made issuer is released without a thread to stop
     assert not runtime._events, "events it made were not destroyed"
+
+
+def _drop_in_child(held: list[_dma.Issuer], pool: np.ndarray) -> None:
+    """In a forked child: the parent's issuer refuses a save, then goes with its last reference."""
+    issuer = held.pop()
+    try:
+        save(issuer, np.ones((1, ROW), dtype=np.uint8), [1], pool)
+    except RuntimeError as exc:
+        assert "forked" in str(exc), exc
+    else:
+        raise AssertionError("a forked child's save was queued for its parent's thread")
+    del issuer
+    gc.collect()
+
+
+def test_a_forked_child_drops_its_parents_issuer_without_waiting_for_its_thread(
+        runtime) -> None:
+    """vLLM forks its workers: a child holding the parent's issuer has none of its thread, so it
+    neither joins that thread nor queues work for it, and exits."""
+    pool = np.zeros((16, ROW), dtype=np.uint8)
+    held = [issuer_of(runtime)]  # the child's only reference goes with its pop
+    rows = np.ones((1, ROW), dtype=np.uint8)
+    held[0].synchronize(save(held[0], rows, [2], pool))  # the issuing thread runs
+    child = multiprocessing.get_context("fork").Process(target=_drop_in_child,
+                                                        args=(held, pool))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join(10)
+        pytest.fail("the forked child hung dropping its parent's issuer")
+    assert child.exitcode == 0
+    job = save(held[0], rows, [3], pool)  # the parent's issuer is untouched
+    held[0].synchronize(job)
+    assert (pool[2:4] == 1).all()
+    held.pop().close()

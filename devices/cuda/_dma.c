@@ -5,9 +5,14 @@
  * 0.4 us a run to issue it, so the engine thread does not: `submit` checks the slots, plans
  * the runs, orders the copy stream after the caller's stream with an event, and queues the
  * job; a thread of this module, which never takes the GIL, issues the batch and records the
- * job's done event, in submit order. A job is done once it is issued and that event has
- * completed, or once an issuing call failed (`error` then names it); the done event follows
- * the runs a failed batch did issue, so such a job is over only once they have landed.
+ * job's done event, in submit order. A job is over once it is issued and that event has
+ * completed; `error` then names an issuing call of it that failed. The done event is recorded
+ * whatever happened to the job's batch, after the runs a failed batch did issue and after every
+ * earlier job, so a job is over only once its runs and every earlier job's have landed (a job
+ * whose event could not be recorded at all is over, failed, once issued).
+ *
+ * A forked child has none of the issuer's thread: there the issuer refuses every call but
+ * `release` and `close`, which do nothing, and going away frees its memory alone.
  *
  * No CUDA header or library is linked: the caller passes the addresses of the runtime's
  * functions, resolved from the libcudart torch loaded, so this builds on any host.
@@ -21,12 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "_functions.h"
 
 typedef int (*SetDeviceFn)(int);
 typedef int (*StreamWaitEventFn)(void *, void *, unsigned);
-typedef int (*GetLastErrorFn)(void);
 /* CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream); 12.8-12.9 have a
  * `size_t *failIdx` before the stream */
 typedef int (*Batch13Fn)(void **, void **, size_t *, size_t, void *, size_t *, size_t, void *);
@@ -81,10 +86,35 @@ typedef struct {
     size_t ring;
     uint64_t submitted, issued;  /* job ids: [issued, submitted) are QUEUED, in order */
     int stopping, running;
+    unsigned long forks;  /* `forks` when it was made: another value in a forked child */
+    pid_t owner;          /* the process that made it */
     pthread_t thread;
     pthread_mutex_t lock;
     pthread_cond_t work, progress;
 } Issuer;
+
+/* Forks this process came through (pthread_atfork): a forked child has none of the threads
+ * its parent's issuers started, and their locks may have been held by those threads. */
+static unsigned long forks;
+
+static void
+count_fork_in_child(void)
+{
+    forks++;
+}
+
+/* Whether this process is a forked child of the one that made the issuer; RuntimeError if so. */
+static int
+refuse_in_child(Issuer *self)
+{
+    if (self->forks == forks) {
+        return 0;
+    }
+    PyErr_Format(PyExc_RuntimeError, "dma: the copy-engine issuer of process %d is not usable in "
+                 "its forked child (process %d): its thread is not here", (int)self->owner,
+                 (int)getpid());
+    return -1;
+}
 
 static const char *
 error_name(Issuer *self, int err)
@@ -120,10 +150,9 @@ issue(Issuer *self, Job *job)
         }
         at += count;
     }
-    if (err != CUDA_SUCCESS && at == 0) {
-        return;  /* nothing of it reached the copy stream: over now */
-    }
-    /* after the runs issued, a failed batch's too: its slots may still be written until then */
+    /* whatever happened: after the runs issued (a failed batch's slots may still be written
+     * until then) and after every earlier job, which may still write when none of this
+     * job's runs was issued */
     int recorded = self->event_record(job->done, self->copy_stream);
     if (recorded != CUDA_SUCCESS) {
         self->get_last_error();
@@ -141,6 +170,9 @@ issue_loop(void *arg)
 {
     Issuer *self = arg;
     int bound = self->set_device(self->device);
+    if (bound != CUDA_SUCCESS) {
+        self->get_last_error();
+    }
     pthread_mutex_lock(&self->lock);
     for (;;) {
         while (!self->stopping && self->issued == self->submitted) {
@@ -214,6 +246,8 @@ issuer_init(Issuer *self, PyObject *args, PyObject *kwds)
     self->batch = f[9];
     self->batch_has_fail_idx = version < 13000;
     self->device = device;
+    self->forks = forks;
+    self->owner = getpid();
     if (address(stream, &self->copy_stream) < 0) {
         return -1;
     }
@@ -244,10 +278,13 @@ issuer_init(Issuer *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-/* The job `id` names, or NULL with an error set. */
+/* The job `id` names, or NULL with an error set (in a forked child too). */
 static Job *
 job_of(Issuer *self, PyObject *arg, uint64_t *id)
 {
+    if (refuse_in_child(self) < 0) {
+        return NULL;
+    }
     unsigned long long value = PyLong_AsUnsignedLongLong(arg);
     if (value == (unsigned long long)-1 && PyErr_Occurred()) {
         return NULL;
@@ -316,6 +353,9 @@ issuer_submit(Issuer *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 7) {
         return PyErr_Format(PyExc_TypeError, "submit takes 7 arguments, got %zd", nargs);
+    }
+    if (refuse_in_child(self) < 0) {
+        return NULL;
     }
     if (!self->running) {
         return PyErr_Format(PyExc_RuntimeError, "dma: submit after close()");
@@ -529,8 +569,8 @@ issuer_synchronize(Issuer *self, PyObject *arg)
     }
     int issued = job->state == JOB_ISSUED;
     pthread_mutex_unlock(&self->lock);
-    if (issued) {  /* the event alone: settle() records what its query then finds */
-        self->event_synchronize(job->done);
+    if (issued && self->event_synchronize(job->done) != CUDA_SUCCESS) {
+        self->get_last_error();  /* settle() records what the event's query then finds */
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -558,11 +598,15 @@ issuer_error(Issuer *self, PyObject *arg)
 }
 
 PyDoc_STRVAR(release_doc,
-"release(job) -> None\n\nThe job's handle is gone: its place in the ring is free once issued.");
+"release(job) -> None\n\nThe job's handle is gone: its place in the ring is free once issued\n"
+"(nothing, in a forked child).");
 
 static PyObject *
 issuer_release(Issuer *self, PyObject *arg)
 {
+    if (self->forks != forks) {
+        Py_RETURN_NONE;  /* the parent's ring */
+    }
     uint64_t id;
     Job *job = job_of(self, arg, &id);
     if (job == NULL) {
@@ -586,7 +630,7 @@ static PyObject *
 issuer_flush(Issuer *self, PyObject *arg)
 {
     double timeout_s = PyFloat_AsDouble(arg);
-    if (timeout_s == -1.0 && PyErr_Occurred()) {
+    if ((timeout_s == -1.0 && PyErr_Occurred()) || refuse_in_child(self) < 0) {
         return NULL;
     }
     struct timespec deadline;
@@ -607,12 +651,13 @@ issuer_flush(Issuer *self, PyObject *arg)
 }
 
 PyDoc_STRVAR(close_doc,
-"close() -> None\n\nIssue what is queued, stop the thread. Call once every job is over.");
+"close() -> None\n\nIssue what is queued, stop the thread. Call once every job is over. In a\n"
+"forked child, nothing: the thread is the parent's.");
 
 static PyObject *
 issuer_close(Issuer *self, PyObject *unused)
 {
-    if (!self->running) {
+    if (!self->running || self->forks != forks) {
         Py_RETURN_NONE;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -632,27 +677,35 @@ issuer_dealloc(Issuer *self)
     /* kept across the runtime calls below: a failed __init__ deallocates with its error set */
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    if (self->running) {
+    /* a forked child frees its copy of the memory alone: the thread, the events and the lock
+     * (which a thread of the parent may have held at the fork) are the parent's */
+    int owned = self->forks == forks, destroyed = CUDA_SUCCESS;
+    if (owned && self->running) {
         PyObject *ignored = issuer_close(self, NULL);
         Py_XDECREF(ignored);
     }
     if (self->jobs != NULL) {
         for (size_t i = 0; i < self->ring; i++) {
             Job *job = &self->jobs[i];
-            if (job->done != NULL) {
-                self->event_destroy(job->done);
+            if (owned && job->done != NULL) {
+                destroyed |= self->event_destroy(job->done);
             }
             PyMem_Free(job->dsts);
             PyMem_Free(job->srcs);
             PyMem_Free(job->sizes);
         }
-        if (self->ready != NULL) {
-            self->event_destroy(self->ready);
+        if (owned && self->ready != NULL) {
+            destroyed |= self->event_destroy(self->ready);
+        }
+        if (destroyed != CUDA_SUCCESS) {
+            self->get_last_error();
         }
         PyMem_Free(self->jobs);
-        pthread_mutex_destroy(&self->lock);
-        pthread_cond_destroy(&self->work);
-        pthread_cond_destroy(&self->progress);
+        if (owned) {
+            pthread_mutex_destroy(&self->lock);
+            pthread_cond_destroy(&self->work);
+            pthread_cond_destroy(&self->progress);
+        }
     }
     PyErr_Restore(type, value, traceback);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -694,6 +747,9 @@ PyInit__dma(void)
 {
     if (PyType_Ready(&IssuerType) < 0) {
         return NULL;
+    }
+    if (pthread_atfork(NULL, NULL, count_fork_in_child) != 0) {
+        return PyErr_Format(PyExc_RuntimeError, "_dma: pthread_atfork failed");
     }
     PyObject *module = PyModule_Create(&dma_module);
     if (module == NULL || PyModule_AddObjectRef(module, "Issuer", (PyObject *)&IssuerType) < 0) {

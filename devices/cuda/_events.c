@@ -6,7 +6,8 @@
  * takes an event the pool created earlier, records it, and hands it out as an `Event`; when the
  * last reference to that `Event` goes, its CUDA event goes back to the pool's free list (a CUDA
  * event may be recorded again whether or not its last record completed). Every call runs with
- * the GIL held, but for `Event.synchronize`, which waits in the driver without it.
+ * the GIL held, but for `Event.synchronize`, which waits in the driver without it. A failed
+ * runtime call raises RuntimeError naming it, its error cleared from the thread's last error.
  *
  * No CUDA header or library is linked (`_functions.h`): the caller passes the addresses of the
  * runtime's functions, resolved from the libcudart torch loaded, so this builds on any host.
@@ -16,7 +17,7 @@
 
 #include "_functions.h"
 
-#define FUNCTIONS 6
+#define FUNCTIONS 7
 
 /* Invariant: every CUDA event the pool created is either in `free` or held by exactly one live
  * `Event`, which holds a reference to the pool; so the pool outlives its events, and destroys
@@ -28,6 +29,7 @@ typedef struct {
     EventQueryFn query;
     EventSynchronizeFn synchronize;
     EventDestroyFn destroy;
+    GetLastErrorFn get_last_error;
     RuntimeErrorNameFn error_name;
     void **free;
     Py_ssize_t num_free, num_created;
@@ -41,9 +43,11 @@ typedef struct {
 
 static PyTypeObject EventType;
 
+/* Raise the failure of `call`, cleared from the thread's last error (`_functions.h`). */
 static PyObject *
 cuda_error(EventPool *pool, const char *call, int err)
 {
+    pool->get_last_error();
     return PyErr_Format(PyExc_RuntimeError, "%s failed: %s (%d)", call, pool->error_name(err),
                         err);
 }
@@ -51,8 +55,9 @@ cuda_error(EventPool *pool, const char *call, int err)
 PyDoc_STRVAR(pool_doc,
 "EventPool(functions) -> pool of blocking, untimed CUDA events of the current device\n\n"
 "functions: the addresses of cudaEventCreateWithFlags, cudaEventRecord, cudaEventQuery,\n"
-"cudaEventSynchronize, cudaEventDestroy and cudaGetErrorName. Events are created by `grow`,\n"
-"on the device current when it is called.");
+"cudaEventSynchronize, cudaEventDestroy, cudaGetLastError and cudaGetErrorName. Events are\n"
+"created by `grow`, on the device current when it is called. A failed call raises\n"
+"RuntimeError naming it, its error cleared from the thread's last error.");
 
 static int
 pool_init(EventPool *self, PyObject *args, PyObject *kwds)
@@ -74,7 +79,8 @@ pool_init(EventPool *self, PyObject *args, PyObject *kwds)
     self->query = (EventQueryFn)f[2];
     self->synchronize = (EventSynchronizeFn)f[3];
     self->destroy = (EventDestroyFn)f[4];
-    self->error_name = (RuntimeErrorNameFn)f[5];
+    self->get_last_error = (GetLastErrorFn)f[5];
+    self->error_name = (RuntimeErrorNameFn)f[6];
     return 0;
 }
 
@@ -144,8 +150,12 @@ pool_counts(EventPool *self, void *closure)
 static void
 pool_dealloc(EventPool *self)
 {
+    int destroyed = CUDA_SUCCESS;
     for (Py_ssize_t i = 0; i < self->num_free; i++) {
-        self->destroy(self->free[i]);
+        destroyed |= self->destroy(self->free[i]);
+    }
+    if (destroyed != CUDA_SUCCESS) {
+        self->get_last_error();
     }
     PyMem_Free(self->free);
     Py_TYPE(self)->tp_free((PyObject *)self);

@@ -14,6 +14,10 @@ typedef int (*EventRecordFn)(void *, void *);
 typedef int (*EventQueryFn)(void *);
 typedef int (*EventSynchronizeFn)(void *);
 typedef int (*EventDestroyFn)(void *);
+/* cudaGetLastError: a failed runtime call leaves its error as the calling thread's last error,
+ * which torch's next launch check on that thread raises from an unrelated kernel; so every
+ * failure a module handles is cleared with it. */
+typedef int (*GetLastErrorFn)(void);
 typedef const char *(*RuntimeErrorNameFn)(int);  /* cudaGetErrorName */
 
 #define CUDA_SUCCESS 0  /* cudaSuccess and CUDA_SUCCESS alike */

@@ -78,7 +78,9 @@ class RunCopier:
     """The copy-engine path of one device's saves, issued on its copy stream.
 
     Invariant: jobs are issued on the copy stream in submit order, each after its caller's
-    stream (or `ready`) at submit time; one thread submits at a time (`submit`'s lock).
+    stream (or `ready`) at submit time, and are over in that order (a job's done event is
+    recorded after every earlier job's runs, its own batch failed or not); one thread
+    submits at a time (`submit`'s lock).
     """
 
     def __init__(self, device_index: int, copy_stream: torch.cuda.Stream) -> None:
@@ -95,7 +97,8 @@ class RunCopier:
         self.submitted = 0  # jobs submitted since start
 
     def pending(self) -> bool:
-        """Whether a job submitted earlier may still be writing."""
+        """Whether a job submitted earlier may still be writing (the latest one is not over:
+        jobs are over in submit order)."""
         return self._tail is not None and not self._tail.query()
 
     def submit(self, rows: torch.Tensor, slots: np.ndarray, pool: HostBuffer,

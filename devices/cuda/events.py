@@ -17,7 +17,8 @@ from prefix_cache.devices.cuda.libraries import function_addresses, loaded_cudar
 GROW = 64
 
 _RUNTIME_FUNCTIONS = ("cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                      "cudaEventSynchronize", "cudaEventDestroy", "cudaGetErrorName")
+                      "cudaEventSynchronize", "cudaEventDestroy", "cudaGetLastError",
+                      "cudaGetErrorName")
 
 
 class DoneEvents:
