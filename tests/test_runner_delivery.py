@@ -205,13 +205,18 @@ def test_bounded_waits_refuse_a_timeout_that_would_never_end(timeout_s: float) -
         thread.close()
 
 
-def test_a_stuck_job_makes_submit_raise_after_its_timeout_instead_of_hanging() -> None:
+def test_submit_never_waits_and_raises_at_once_only_behind_a_stuck_job() -> None:
+    """Jobs queue behind a slow one without the submitter waiting; once it has run past its
+    time with more than `max_pending` jobs behind it, a submit raises at once, naming it."""
     release = threading.Event()
     thread = OutputThread("test-output", max_pending=1, timeout_s=0.2)
-    thread.submit("stuck copy", lambda: release.wait(10))
-    thread.submit("queued", lambda: None)
+    thread.submit("slow copy", lambda: release.wait(10))
+    for i in range(5):  # behind a job still within its time: queued, nobody waits
+        thread.submit(f"step {i}", lambda: None)
+    time.sleep(0.3)
     start = time.monotonic()
-    with pytest.raises(OmniPrefixCacheError, match="no room for step 9"):
+    with pytest.raises(OmniPrefixCacheError, match="step 9 not queued: 5 jobs wait behind "
+                                                   "slow copy, which has run for .*stuck"):
         thread.submit("step 9", lambda: None)
     assert time.monotonic() - start < 2
     with pytest.raises(OmniPrefixCacheError, match="still pending"):

@@ -8,7 +8,11 @@ chunk that would leave a gap, overlap the rows before it, or follow the final on
 A put never replaces an unconsumed entry: entries under one id are taken in put order, each
 exactly once (clients reuse request ids). A namespace holds at most `capacity_bytes` of
 unconsumed entries; a put that finds no room waits up to `full_wait_s`, then fails that entry
-alone. Entries expire `ttl_s` after their put, by the clock of the machine that published them.
+alone. Puts into a channel that stays full share that wait: once it has passed, each fails at
+once until one finds room, so a consumer that lags costs its producer one wait, not one per
+entry. An entry that waits for room never holds a pool's rows meanwhile (`PoolRows`: it is
+copied out first). Entries expire `ttl_s` after their put, by the clock of the machine that
+published them.
 
 A producer may say which requests it will publish (`register_producer`, then `expect`): a
 consumer waiting for such a request learns within `LIVENESS_CHECK_S` or so that the producing
@@ -39,7 +43,7 @@ from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
                                          OmniPrefixCacheChannelProducerError,
                                          OmniPrefixCacheChannelTimeoutError)
-from prefix_cache.core.pool_rows import PoolRows
+from prefix_cache.core.pool_rows import PoolRows, reading
 from prefix_cache.devices.base import check_timeout, poll_until
 
 logger = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class StageChannel(ABC):
         self.ttl_s = ttl_s
         self.capacity_bytes = capacity_bytes
         self.full_wait_s = check_timeout(full_wait_s, "channel full wait")
+        self._full_since: float | None = None  # a put found no room, and none found room since
         self._sweep_every_s = min(ttl_s, 60.0) / 4
         self._next_sweep = 0.0
         self._closed = False
@@ -121,7 +126,8 @@ class StageChannel(ABC):
         for all of them), as a stage puts a step's chunks or finished entries. Returns, per
         chunk in order, None where it was published, else the exception that failed it alone
         (it published nothing, its stream stays where it was); an id may appear once. Pool
-        rows of a chunk published at once are let go before any other waits for room."""
+        rows of a chunk published at once are let go, and those of every other copied out,
+        before any waits for room."""
         self._check_open()
         failures: list[Exception | None] = [None] * len(chunks)
         entries: list[tuple[int, StageEntry, int]] = []  # (index, entry, where its stream stands)
@@ -234,9 +240,12 @@ class StageChannel(ABC):
 
     def _put_entries(self, entries: Sequence[StageEntry], *, bounded: bool
                      ) -> list[Exception | None]:
-        """Publishes each entry (`bounded`: counted against the capacity, waiting up to
-        `full_wait_s` for room; else always): those with room now at once (`_put_now_all`),
-        the others one by one as room comes. Per entry, None or the exception that failed it."""
+        """Publishes each entry (`bounded`: counted against the capacity; else always): those
+        with room now at once (`_put_now_all`), the others as room comes. Every entry left to
+        wait for room is copied out of any pool first, and they all wait within one window
+        (`_room_deadline`): entries into a channel that stays full fail one by one, at once
+        after the first full wait, each naming why. Per entry, None or the exception that
+        failed it."""
         failures: list[Exception | None] = [None] * len(entries)
         encoded: list[tuple[int, StageEntry, EncodedEntry]] = []
         for i, entry in enumerate(entries):
@@ -249,38 +258,63 @@ class StageChannel(ABC):
         with self._operation(encoded[0][1].request_id):  # a reservation never outlives it
             self._maybe_sweep()
             try:
-                placed = self._put_now_all(
-                    [(entry.request_id, data, entry.final) for _, entry, data in encoded],
-                    force=not bounded)
+                with reading(piece for _, _, data in encoded for _, piece in data.pieces):
+                    placed = self._put_now_all(
+                        [(entry.request_id, data, entry.final) for _, entry, data in encoded],
+                        force=not bounded)
             except Exception as exc:  # one failure of the backend's call fails each of them
                 placed = [exc] * len(encoded)
-            for (_, _, data), done in zip(encoded, placed):
+            waiting = []
+            for (i, entry, data), done in zip(encoded, placed):
                 if done is True:  # written: no pool's rows wait for a later entry's room
                     data.let_go()
-            for (i, entry, data), done in zip(encoded, placed):
-                if isinstance(done, Exception):
+                    self._had_room(bounded)
+                elif isinstance(done, Exception):
                     failures[i] = done
-                elif not done:
+                else:
                     try:
-                        self._put_waiting(entry, data, bounded=bounded)
+                        reservation = self._reserve(data.nbytes, force=not bounded)
+                        if reservation is None:  # no pool's rows wait for room
+                            waiting.append((i, entry, data.owned()))
+                        else:
+                            self._had_room(bounded)
+                            self._publish_reserved(entry, data, reservation)
                     except Exception as exc:
                         failures[i] = exc
+            for i, entry, data in waiting:
+                try:
+                    self._publish_reserved(entry, data,
+                                           self._wait_for_room(entry.request_id, data.nbytes))
+                except Exception as exc:
+                    failures[i] = exc
         return failures
 
-    def _put_waiting(self, entry: StageEntry, encoded: EncodedEntry, *, bounded: bool) -> None:
-        """Reserve (waiting for room where `bounded`) and publish one entry."""
-        reservation = self._reserve(encoded.nbytes, force=not bounded)
-        if reservation is None:  # no room: the wait must not hold a pool's rows
-            encoded = encoded.owned()
-            reservation = self._wait_for_room(entry.request_id, encoded.nbytes)
+    def _publish_reserved(self, entry: StageEntry, encoded: EncodedEntry, reservation: Any
+                          ) -> None:
+        """Publish one entry in its reserved room (returned if that fails)."""
         try:
-            self._publish(entry.request_id, encoded, reservation, final=entry.final)
+            with reading(piece for _, piece in encoded.pieces):
+                self._publish(entry.request_id, encoded, reservation, final=entry.final)
         except BaseException:
             self._unreserve(reservation)
             raise
 
+    def _had_room(self, bounded: bool) -> None:
+        """A put counted against the capacity found room: the channel is not full."""
+        if bounded:
+            self._full_since = None
+
+    def _room_deadline(self) -> float:
+        """Until when a put that finds no room waits for it: `full_wait_s` after a put first
+        found the channel full since the last one found room, so puts into a channel that
+        stays full wait that long once in all, not once each."""
+        if self._full_since is None:
+            self._full_since = time.monotonic()
+        return self._full_since + self.full_wait_s
+
     def _wait_for_room(self, request_id: str, nbytes: int) -> Any:
-        """A reservation of `nbytes` of the capacity, waiting up to `full_wait_s`; else raises."""
+        """A reservation of `nbytes` of the capacity, waiting up to `_room_deadline`; else
+        raises."""
         if nbytes > self.capacity_bytes:
             raise OmniPrefixCacheChannelFullError(
                 f"request {request_id}: its entry of {nbytes} bytes exceeds the whole capacity "
@@ -290,9 +324,12 @@ class StageChannel(ABC):
             reservation = self._reserve(nbytes, force=False)
             if reservation is None:
                 self._maybe_sweep()  # expired entries make room too
+            else:
+                self._had_room(True)
             return reservation
 
-        return poll_until(room, self.full_wait_s, lambda: OmniPrefixCacheChannelFullError(
+        left = max(0.0, self._room_deadline() - time.monotonic())
+        return poll_until(room, left, lambda: OmniPrefixCacheChannelFullError(
             f"request {request_id}: channel {self.spec} stayed full for {self.full_wait_s:g} s "
             f"(capacity {self.capacity_bytes} bytes, entry {nbytes} bytes); is its consumer "
             f"reading?"), first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)

@@ -64,9 +64,7 @@ class StepChunks:
             self._spans_out.add(i)
         lo, hi = self._bounds[i], self._bounds[i + 1]
         let_go = functools.partial(self._span_let_go, i)
-        return {key: PoolRows(rows.pool, rows.slots[lo:hi], (hi - lo, *rows.shape[1:]),
-                              rows.dtype, let_go)
-                if isinstance(rows, PoolRows) else rows[lo:hi]
+        return {key: rows.span(lo, hi, let_go) if isinstance(rows, PoolRows) else rows[lo:hi]
                 for key, rows in self._held.items()
                 if (has := self._has_key[key]) is None or has[i]}
 

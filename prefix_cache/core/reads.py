@@ -29,7 +29,7 @@ from prefix_cache.core.latch import Latch
 from prefix_cache.core.output_buffers import OutputBuffers
 from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.core.runs import runs_slots
-from prefix_cache.core.tasks import TaskTable, WriteTask
+from prefix_cache.core.tasks import TaskState, TaskTable, WriteTask
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class RowRead:
         self.out_shape = (num_rows, width)
         self.dtype = dtype
         self.out: torch.Tensor | None = None  # set once DONE
+        self.held: PoolRows | None = None  # set when `hold` claims it
         self.state = ReadState.PLANNED
         self.error: BaseException | None = None
         self.done = Latch()
@@ -103,6 +104,13 @@ class RowRead:
         if not self._claim():
             self._wait(timeout_s)
             return
+        self._resolve_claimed(pool, outputs, timeout_s, release)
+        self._raise_if_failed()
+
+    def _resolve_claimed(self, pool: PrefixBlockPool, outputs: OutputBuffers, timeout_s: float,
+                         release: Callable[[RowRead], None]) -> None:
+        """Wait for the producers and gather the rows of a read this thread claimed; it ends
+        DONE, or FAILED with the error its consumer raises, the rows released either way."""
         try:
             for task in self.producers:
                 task.wait(timeout_s)
@@ -111,16 +119,20 @@ class RowRead:
             self._end(ReadState.FAILED, release, exc)
         else:
             self._end(ReadState.DONE, release)
-        self._raise_if_failed()
 
     def hold(self, pool: PrefixBlockPool, shape: tuple[int, ...], timeout_s: float,
              release: Callable[[RowRead], None]) -> PoolRows | None:
         """Claim the read and wait for its producers, leaving its rows in the pool for a writer
         to read in place: they are held (RESOLVING) until their `let_go`, which ends the read
-        DONE without `out`. None where another thread resolves it (`resolve` then waits for
-        its tensor). Raises if the rows cannot be had. For reads of hit rows alone (`shape`:
-        theirs, `(len(slots), *feat)`)."""
-        if not self._claim():
+        DONE without `out`, or until a writer of their slots moves them out (`free_slots`).
+        None where another thread resolves it (`resolve` then waits for its tensor). Raises if
+        the rows cannot be had. For reads of hit rows alone (`shape`: theirs,
+        `(len(slots), *feat)`)."""
+        slots = self.slots if self.present is None else np.where(self.present, self.slots, -1)
+        rows = PoolRows(pool.keys[self.key].storage.byte_rows,
+                        np.ascontiguousarray(slots, dtype=np.int64), shape, self.dtype,
+                        functools.partial(self._end, ReadState.DONE, release))
+        if not self._claim(rows):
             return None
         try:
             for task in self.producers:
@@ -128,17 +140,43 @@ class RowRead:
         except BaseException as exc:
             self._end(ReadState.FAILED, release, exc)
             self._raise_if_failed()
-        slots = self.slots if self.present is None else np.where(self.present, self.slots, -1)
-        return PoolRows(pool.keys[self.key].storage.byte_rows,
-                        np.ascontiguousarray(slots, dtype=np.int64), shape, self.dtype,
-                        functools.partial(self._end, ReadState.DONE, release))
+        return rows
 
-    def _claim(self) -> bool:
-        """Whether this thread resolves the read (PLANNED -> RESOLVING)."""
+    def free_slots(self, pool: PrefixBlockPool, outputs: OutputBuffers, timeout_s: float,
+                   release: Callable[[RowRead], None]) -> None:
+        """Before a writer claims this read's slots: its rows gathered (copy-on-write), or,
+        held for a writer reading them in place, moved out of the pool for it, so the read
+        holds the slots no more. Never waits for the holder's writer, only for a copy under way
+        and for the read's producers; raises if the rows still sit there after `timeout_s`
+        (the write must not go on over them)."""
+        if self._claim():
+            self._resolve_claimed(pool, outputs, timeout_s, release)  # a failure is the consumer's
+            return
+        if (held := self.held) is not None:
+            for task in self.producers:
+                try:
+                    task.wait(timeout_s)
+                except OmniPrefixCacheError:
+                    if task.state is not TaskState.FAILED:
+                        raise  # still landing: its rows are not all there to move
+                    # failed: `hold` raises it, and nobody reads these rows
+            if not held.evict(timeout_s):
+                raise OmniPrefixCacheError(
+                    f"{self.describe()}: its rows were still being copied out of the pool "
+                    f"after {timeout_s:.1f}s, so their slots cannot be written yet")
+            self._end(ReadState.DONE, release)
+            return
+        if not self.done.wait(timeout_s):  # another thread gathers them
+            raise OmniPrefixCacheError(f"{self.describe()} still held its rows after "
+                                       f"{timeout_s:.1f}s, so their slots cannot be written yet")
+
+    def _claim(self, held: PoolRows | None = None) -> bool:
+        """Whether this thread resolves the read (PLANNED -> RESOLVING); `held`: the rows it
+        leaves in the pool for a writer (`hold`), recorded with the claim."""
         with self._lock:
             mine = self.state is ReadState.PLANNED
             if mine:
-                self.state = ReadState.RESOLVING
+                self.state, self.held = ReadState.RESOLVING, held
         return mine
 
     def _end(self, state: ReadState, release: Callable[[RowRead], None],
@@ -333,8 +371,9 @@ class ReadPlanner:
                     del self._by_claim[read.claim]
 
     def resolve_conflicts(self, runs: np.ndarray) -> None:
-        """Before a write claims the slots of `runs`, resolve every read still holding rows
-        there; one pass over the runs when none does."""
+        """Before a write claims the slots of `runs`, free every read still holding rows there
+        (`RowRead.free_slots`; raises where one cannot be, and the write must not go on); one
+        pass over the runs when none does."""
         with self._lock:
             if not (self._by_claim or self._pinned) or not self._pool.any_held(
                     runs, self._oldest_held_claim(), pins=bool(self._pinned)):
@@ -350,10 +389,7 @@ class ReadPlanner:
         self.copy_on_write_reads += len(conflicts)
         with keeping_tensors():  # the outputs go to the read's consumer, then back to reuse
             for read in conflicts:
-                try:
-                    self.resolve(read)
-                except OmniPrefixCacheError:
-                    pass  # the read keeps its error for its consumer
+                read.free_slots(self._pool, self.outputs, self._timeout_s, self.release)
 
     def close(self) -> None:
         """Stop the prefetch thread, cancel every read still planned, drop the free outputs."""

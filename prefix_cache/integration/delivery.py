@@ -225,6 +225,11 @@ class StageDelivery:
         return self._stream_every is not None
 
     @property
+    def put_wait_s(self) -> float:
+        """How long one put may wait for room in the sink (a sink without a capacity: none)."""
+        return getattr(self._sink, "full_wait_s", 0.0)
+
+    @property
     def stream_every(self) -> int | None:
         """Positions a chunk waits for (None: whole entries at the finish)."""
         return self._stream_every
@@ -507,9 +512,14 @@ class StageDelivery:
     def stop_publishing(self, cause: str) -> int:
         """Publish no rows from now on: every request held gets a failure naming `cause` now
         (`fail_held`), every later one when it finishes. Returns how many were held."""
+        self.stop(cause)
+        return self.fail_held(cause)
+
+    def stop(self, cause: str) -> None:
+        """Publish no rows from now on: every request that finishes later gets a failure
+        naming `cause` (those held and never finished get theirs from `fail_held`)."""
         with self._lock:
             self._stopped = cause
-        return self.fail_held(cause)
 
     def _publish(self, requests: Sequence[FinishedRequest]) -> None:
         """Put the requests' entries; where one fails, put a failure in its place (its

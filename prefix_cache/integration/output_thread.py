@@ -1,10 +1,11 @@
 """The runner's output thread: row work (materialize, publish) in step order, off the engine thread.
 
-The engine thread only submits jobs; it never waits for rows. The queue is
-bounded: a submit waits at most `timeout_s` for room (the manager's staging
-depth already bounds unconsumed steps, so this only binds when the thread
-is stuck) and then raises. The first job that fails stops the thread's work;
-its error is raised to the engine thread at the next submit or `check()`.
+The engine thread only submits jobs; it never waits for rows, nor for room in the queue: a
+job that waits (a put into a full channel) waits a bounded time, and the jobs behind it catch
+up after. Only a thread that is stuck (its job has run past `timeout_s` while more than
+`max_pending` jobs wait behind it) makes a submit raise, at once. The first job that fails
+stops the thread's work; its error is raised to the engine thread at the next submit or
+`check()`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,8 +33,9 @@ class OutputThread:
     """Runs submitted jobs one at a time in submission order; the first failure is sticky.
 
     Invariant: `_submitted - _finished` jobs are queued or running. Submitters count
-    `_submitted` under `_submit_lock`, this thread alone counts `_finished`, and each reads the
-    other's count without a lock: a count read stale only makes a wait poll once more.
+    `_submitted` under `_submit_lock`, this thread alone counts `_finished` and sets
+    `_running` (the job it runs and since when), and each reads the other's without a lock: a
+    value read stale only makes a wait poll once more, or a stuck job seem stuck a step later.
     """
 
     def __init__(self, name: str, *, max_pending: int, timeout_s: float) -> None:
@@ -44,25 +47,31 @@ class OutputThread:
         self._submit_lock = threading.Lock()
         self._submitted = 0
         self._finished = 0
+        self._running: tuple[str, float] | None = None  # what runs now, since (monotonic)
         self._error: OmniPrefixCacheError | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, what: str, run: Callable[[], None]) -> None:
-        """Queue `run` after every job submitted before it; raises an earlier job's failure."""
+        """Queue `run` after every job submitted before it, without waiting; raises an earlier
+        job's failure, or that the thread is stuck."""
         self.check()
         if self._closed:
             raise OmniPrefixCacheError(f"{self.name}: {what} submitted after close")
         with self._submit_lock:
             if self._pending() > self._max_pending:  # the running job and max_pending more
-                poll_until(lambda: self._pending() <= self._max_pending, self._timeout_s,
-                           lambda: OmniPrefixCacheError(
-                               f"{self.name}: no room for {what} after {self._timeout_s:.1f}s; "
-                               f"{self._pending() - 1} jobs are waiting behind a stuck one"),
-                           max_pause_s=1e-3)
+                self._check_not_stuck(what)
             self._submitted += 1
             self._jobs.put(_Job(what, run))
+
+    def _check_not_stuck(self, what: str) -> None:
+        """Raise, naming it, where the job running now has run past `timeout_s`."""
+        running = self._running
+        if running is not None and (ran := time.monotonic() - running[1]) > self._timeout_s:
+            raise OmniPrefixCacheError(
+                f"{self.name}: {what} not queued: {self._pending() - 1} jobs wait behind "
+                f"{running[0]}, which has run for {ran:.1f}s (stuck: over {self._timeout_s:.1f}s)")
 
     def check(self) -> None:
         """Raise the failure of an earlier job, if one failed."""
@@ -96,6 +105,7 @@ class OutputThread:
         while (job := self._jobs.get()) is not None:
             try:
                 if self._error is None:
+                    self._running = (job.what, time.monotonic())
                     job.run()
             except BaseException as exc:  # surfaced on the engine thread
                 logger.error("%s: %s failed: %s", self.name, job.what, exc)
@@ -105,4 +115,5 @@ class OutputThread:
                     error.__cause__ = exc
                 self._error = error
             finally:
+                self._running = None
                 self._finished += 1

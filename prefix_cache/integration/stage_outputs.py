@@ -56,8 +56,9 @@ from prefix_cache.core.outputs import split_outputs
 
 logger = logging.getLogger(__name__)
 
-#: Jobs the output thread may hold (three per step at most: a finish, a prefix hit's chunks
-#: and the step's rows or chunks).
+#: Jobs that may wait behind one running past its time before the output thread counts as
+#: stuck (a step queues three at most: a finish, a prefix hit's chunks and the step's rows or
+#: chunks); below that, or behind a job still in its time, they just queue.
 MAX_PENDING_JOBS = 16
 #: Steps in a row whose rows may fault on the output thread before the stage stops publishing.
 MAX_FAULTED_STEPS = 3
@@ -112,8 +113,9 @@ class StageOutputDriver:
         self.policy = policy
         self._empty_hidden = empty_hidden
         self._timeout_s = timeout_s
+        # a job may wait for room in the channel besides its own bounded waits
         self._thread = OutputThread("omni-stage-outputs", max_pending=MAX_PENDING_JOBS,
-                                    timeout_s=timeout_s)
+                                    timeout_s=timeout_s + delivery.put_wait_s)
         self._step: _SavedStep | None = None
         self._in_step = False
         self._off = False
@@ -306,14 +308,12 @@ class StageOutputDriver:
         request still held, and each one that finishes later, gets a failure naming `reason`
         in place of its rows."""
         self._off, self._in_step, self._step = True, False, None
+        cause = f"the stage stopped publishing before the request finished: {reason}"
         try:
             self._thread.submit("stop publishing rows",
-                                lambda: self.delivery.stop_publishing(
-                                    f"the stage stopped publishing before the request "
-                                    f"finished: {reason}"))
-        except OmniPrefixCacheError:
-            pass  # the thread failed: the next step's begin_step raises that, and `close`
-            # fails the held requests
+                                lambda: self.delivery.stop_publishing(cause))
+        except OmniPrefixCacheError:  # the thread failed or is stuck: nothing goes out from now
+            self.delivery.stop(cause)  # on, and `close` fails the requests held
 
     def end_step(self) -> None:
         """The step's output is built: discard it (read back: its chunks made due pinned) or
@@ -363,6 +363,8 @@ class StageOutputDriver:
                                                               step_rows))
         except OmniPrefixCacheError as exc:  # the thread is stuck or stopped
             self._engine_fault(f"queueing {what}", exc)
+            # the job's requests get their failures now: nothing else will publish them
+            self.delivery.fail_requests(req_ids, f"queueing {what} failed: {exc}")
 
     def _contained(self, what: str, req_ids: list[str], job: Callable[[], None],
                    step_rows: bool) -> None:
