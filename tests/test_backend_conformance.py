@@ -2,7 +2,8 @@
 
 Every test that takes the `backend` fixture runs on cpu, cuda and npu (unavailable ones
 skip), so an accelerator must pass exactly what the CPU reference passes. Transfers are
-completed the way the core's committer does it: a bounded `wait_event`, then `finish()`.
+completed the way the core's committer does it: a bounded `wait_event`, `verify()`, then
+`finish()`.
 CUDA-only behaviour (mapped pools, the staged fallback) is at the end.
 """
 
@@ -67,6 +68,8 @@ def staging_for(backend: DeviceBackend, alloc: Alloc, n: int, width: int,
 
 def complete(transfer: Transfer) -> None:
     devices.wait_event(transfer.event, 10, lambda: "conformance transfer")
+    if transfer.verify is not None:
+        transfer.verify()
     if transfer.finish is not None:
         transfer.finish()
 
@@ -173,6 +176,25 @@ def test_scatter_of_zero_rows_leaves_the_pool_unchanged(backend: DeviceBackend,
     rows = torch.empty((0, 16), dtype=torch.bfloat16, device=backend.device)
     scatter_and_check(backend, pool, rows, torch.empty(0, dtype=torch.int64),
                       staging_for(backend, alloc, 0, 16, torch.bfloat16))
+    assert torch.all(pool.tensor == SENTINEL)
+
+
+@pytest.mark.parametrize(("n", "given", "width"), [(4, 2, 16), (2, 4, 16), (4, 4, 24), (4, 4, 8)],
+                         ids=["more-rows-than-slots", "more-slots-than-rows", "wider-rows",
+                              "narrower-rows"])
+def test_scatter_of_rows_that_do_not_match_their_slots_or_pool_raises_and_writes_nothing(
+        backend: DeviceBackend, alloc: Alloc, n: int, given: int, width: int) -> None:
+    """Rows beyond their slots must not land in slots a page kept from an earlier write, nor be
+    dropped while the write reports success; rows of another width must not run past their
+    slot or the pool. Refused at the call, or by a staged write at its landing."""
+    pool = filled(alloc((24, 16), torch.float32))
+    rows = random_rows(n, width, torch.float32).to(backend.device)
+    with pytest.raises((ValueError, IndexError, RuntimeError)):
+        complete(backend.scatter_rows(rows, random_slots(given, 24), pool,
+                                      ready=backend.record_event(),
+                                      staging=staging_for(backend, alloc, n, width,
+                                                          torch.float32)))
+    assert backend.drain(10)
     assert torch.all(pool.tensor == SENTINEL)
 
 

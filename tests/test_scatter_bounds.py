@@ -226,6 +226,33 @@ def test_the_slot_check_mode_refuses_a_write_before_it_takes_a_page() -> None:
     assert fake.pages.take(None).page.buffer is fake.allocated[0]  # the page stayed free
 
 
+@pytest.mark.parametrize(("n", "given", "width", "device_slots"), [
+    (4, 2, 4, False), (2, 4, 4, False), (4, 4, 6, False), (4, 4, 2, False), (4, 2, 4, True)],
+    ids=["more-rows-than-slots", "more-slots-than-rows", "wider-rows", "narrower-rows",
+         "more-rows-than-device-slots"])
+def test_the_backends_write_refuses_rows_that_do_not_fit_their_slots_or_pool_before_a_launch(
+        n: int, given: int, width: int, device_slots: bool) -> None:
+    """Rows past their slots would be written into slots a page kept from an earlier launch
+    (kernel) or dropped as the write lands clean (DMA); rows of another width run past their
+    slot and the pool's end. A device slot mapping may be longer than the rows, not shorter
+    (a meta tensor stands in for it: only its length is read)."""
+    fake = _Pages(pages=1)
+    backend = _host_cuda_backend(fake.pages)
+    full, pool = _host_pool(16, 4)
+    slots = torch.arange(1, given + 1, device="meta" if device_slots else "cpu")
+    with pytest.raises(ValueError, match=rf"^cuda scatter: {given} slots for {n} rows of {width} "
+                                         rf"float32, into a pool of 16 rows of 4 float32; "
+                                         rf"nothing was written$"):
+        backend.scatter_rows(torch.ones(n, width), slots, pool, ready=None, staging=None,
+                             in_stream=device_slots)
+    with pytest.raises(ValueError, match="cuda scatter: 3 slots for 2 rows"):  # host slots too
+        backend.scatter_rows(torch.ones(2, 4), torch.arange(1, 3, device="meta"), pool,
+                             ready=None, staging=None, in_stream=True,
+                             host_slots=np.array([1, 2, 3]))
+    assert (full == -7).all()
+    assert fake.pages.take(None).page.buffer is fake.allocated[0]  # no page was taken
+
+
 @pytest.mark.parametrize(("row_bytes", "addresses", "word"), [
     (48, (0, 16), torch.int64), (48, (4, 16), torch.int32), (48, (16, 2), torch.int16),
     (47, (0, 16), torch.uint8), (12, (0, 16), torch.int32), (4096, (1 << 40, 8), torch.int64)])

@@ -9,6 +9,13 @@ later save goes by DMA too, so copies into one slot land in save order. If mappi
 memory is not available (no unified addressing, a driver refusal, no Triton and no mapped
 view), a start-up self-test falls back to the staged path shared with NPU.
 
+No shape is trusted either: a save whose rows are not the pool's rows (another row shape), or
+whose slots are not one a row (a device slot mapping may be longer), raises ValueError before
+anything is launched or queued; rows past their slots would otherwise land in slots a page
+kept from an earlier launch (kernel) or be dropped while the write lands clean (DMA), and rows
+of another width run past their slots and the pool's end. A save of no bytes (no rows, or a
+key of zero width) writes nothing: it returns complete, and waits for no copy before it.
+
 No slot is trusted. A DMA save checks its host slots before it queues anything and raises
 IndexError naming the first outside the pool. The kernel does not write a row whose slot
 lies outside its pool (host memory outside the mapped pool is not the cache's), and the
@@ -170,15 +177,19 @@ class CudaBackend(AcceleratorBackend):
     def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
-        if slots.is_cpu:
+        shape = rows.shape
+        on_host = slots.is_cpu
+        if on_host:
             host_slots = slots.numpy()
+        _check_shapes(rows, shape, slots.shape[0], on_host, host_slots, pool)
+        if 0 in shape:  # nothing to write: no copy to order it after, none to wait for
+            return Transfer()
         mapped = self.zero_copy and pool.device_view is not None  # else staged
         # DMA into mapped pools only: a staged write lands on the host later, and a DMA save
         # into one of its slots could land first
         if self._dma is not None and host_slots is not None and mapped and (
                 rows.nbytes >= self.dma_min_bytes or self._dma.pending()):
-            return self._scatter_dma(rows, host_slots[: rows.shape[0]], pool, ready=ready,
-                                     in_stream=in_stream)
+            return self._scatter_dma(rows, host_slots, pool, ready=ready, in_stream=in_stream)
         # device slots alone (no caller in the core), or the first save after mapping was
         # given up: neither may overtake a DMA save into its slots
         if self._dma is not None and self._dma.pending() and not self.drain(
@@ -290,6 +301,26 @@ class CudaBackend(AcceleratorBackend):
         kernel = kernel_block_size if kernel_block_size is not None else int(table.block_size)
         return check_kernel_block(CUDA_KERNEL_BLOCK_SIZES, "CUDA", kernel, block_size,
                                   attention_backend)
+
+
+def _check_shapes(rows: torch.Tensor, shape: torch.Size, num_given: int, on_host: bool,
+                  host_slots: np.ndarray | None, pool: HostBuffer) -> None:
+    """Refuse a save of `rows` (of `shape`) into `pool` unless they are the pool's rows and get
+    one slot each from the `num_given` slots (on the host: exactly one a row; a device slot
+    mapping may be longer) and from `host_slots`."""
+    n = shape[0]
+    slots_fit = num_given == n if on_host else num_given >= n
+    given = n if host_slots is None else host_slots.shape[0]
+    if slots_fit and given == n and shape[1:] == pool.shape[1:]:
+        return
+    raise ValueError(f"cuda scatter: {given if slots_fit else num_given} slots for {n} rows of "
+                     f"{_row_type(shape, rows.dtype)}, into a pool of {pool.shape[0]} rows of "
+                     f"{_row_type(pool.shape, pool.dtype)}; nothing was written")
+
+
+def _row_type(shape: Sequence[int], dtype: torch.dtype) -> str:
+    """A row's shape and element type: "2048 bfloat16", "4x2 float32"."""
+    return f"{'x'.join(map(str, shape[1:])) or 1} {str(dtype).removeprefix('torch.')}"
 
 
 def _dma_failed(done: DmaDone) -> None:
