@@ -175,7 +175,7 @@ def test_a_zero_width_key_beside_a_dma_save_makes_the_engine_thread_wait_for_not
             assert torch.equal(out.hidden_states[f"r{i}"], token_rows(tokens, 2))
             assert out.mm_outputs["empty"][f"r{i}"].shape == (16, 0)
             d.advance()
-    assert backend.stats()["dma_jobs"] >= 5  # the hidden rows went by DMA
+        assert backend.stats()["dma_jobs"] >= 5  # the hidden rows went by DMA
 
 
 # ---------------------------------------------------------------- shapes a scatter cannot take
@@ -215,13 +215,15 @@ def test_a_forked_child_drops_the_backends_dma_issuer_and_exits() -> None:
     backend = devices.get_backend("cuda")
     if backend._dma is None:
         pytest.fail("the cuda backend started without copy-engine saves")
-    held = [backend]
-    del backend
     pid = os.fork()
     if pid == 0:  # the child: drop the backend's issuer, touch no device
-        held[0]._dma = None
-        gc.collect()
-        os._exit(0)
+        code = 1
+        try:
+            backend._dma = None
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
     deadline = time.monotonic() + 30
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -230,4 +232,4 @@ def test_a_forked_child_drops_the_backends_dma_issuer_and_exits() -> None:
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung dropping its parent's DMA issuer")
     assert os.waitstatus_to_exitcode(done[1]) == 0
-    held.pop().close()  # the parent's issuer is whole: its close joins its thread
+    backend.close()  # the parent's issuer is whole: its close joins its thread

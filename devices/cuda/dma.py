@@ -86,8 +86,10 @@ class RunCopier:
     def __init__(self, device_index: int, copy_stream: torch.cuda.Stream) -> None:
         lib = loaded_cudart()
         version = ctypes.c_int(0)
-        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080 \
-                or not hasattr(lib, "cudaMemcpyBatchAsync"):
+        asked = lib.cudaRuntimeGetVersion(ctypes.byref(version))
+        if asked != 0:
+            lib.cudaGetLastError()  # not left for torch's next launch check
+        if asked != 0 or version.value < 12080 or not hasattr(lib, "cudaMemcpyBatchAsync"):
             raise RuntimeError(f"CUDA runtime {version.value} has no cudaMemcpyBatchAsync "
                                f"(needs 12.8 or later)")
         self._issuer = _dma.Issuer(function_addresses(lib, _RUNTIME_FUNCTIONS), version.value,
