@@ -1,9 +1,10 @@
-"""`python -m prefix_cache demo` (the main job), `python -m prefix_cache bench` and
-`python -m prefix_cache channel gc`."""
+"""`python -m prefix_cache demo` (the main job), `python -m prefix_cache bench`,
+`python -m prefix_cache soak` and `python -m prefix_cache channel gc`."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -32,6 +33,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
 
 
@@ -69,6 +80,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=_positive_int, default=1, metavar="N",
                        help="run everything N times back to back; report each metric's median "
                             "and spread (default: 1)")
+    soak = sub.add_parser(
+        "soak", help="a stage under random faults, every entry checked against a run without "
+                     "prefix caching: nothing wrong or lost",
+        description="Run stage 1 (vLLM's engine with the cache, prefix caching and streaming "
+                    "on) and a consumer process under a seeded schedule of faults (consumer "
+                    "stalls and kills, producer kills with retries, aborts, expiries, duplicate "
+                    "ids, preemption); check every delivered row; print a table. Exit status 1 "
+                    "on any wrong or lost entry or engine death.")
+    soak.add_argument("--minutes", type=_positive_float, default=2.0, metavar="N",
+                      help="minutes of traffic, after the reference run and the first engine "
+                           "start (default: 2)")
+    soak.add_argument("--channel", default="shm", metavar="shm|mooncake|SPEC",
+                      help="shm, mooncake (a loopback Mooncake Store started from this "
+                           "checkout's tests/mooncake_store.py) or the mooncake://HOST:PORT"
+                           "?metadata=URL of a running store (default: shm)")
+    soak.add_argument("--seed", type=int, default=0,
+                      help="seeds the prompts, the requests and the fault schedule (default: 0)")
+    soak.add_argument("--faults", default=None, metavar="KINDS",
+                      help="only these faults, separated by commas (consumer stall, consumer "
+                           "kill, producer kill, abort, expiry, duplicate id), or none "
+                           "(default: all)")
     channel = sub.add_parser("channel", help="manage stage channels on this machine")
     channel_sub = channel.add_subparsers(dest="channel_command", required=True,
                                          parser_class=_Parser)
@@ -97,6 +129,17 @@ def main(argv: list[str] | None = None) -> int:
             from prefix_cache.tools.stream_demo import run_stream_demo
             return demo.main(device=args.device, run=run_stream_demo, name="stream-demo")
         return demo.main(device=args.device)
+    if args.command == "soak":
+        from prefix_cache.tools import soak
+        from prefix_cache.tools.demo import missing_packages
+        try:
+            faults = soak.FAULTS if args.faults is None else soak.fault_kinds(args.faults)
+        except ValueError as exc:
+            parser.exit(2, f"{parser.prog} soak: error: --faults: {exc}\n")
+        if missing_packages():
+            parser.exit(2, f"{parser.prog} soak: error: needs {' and '.join(missing_packages())}"
+                           f" (bash ci/setup-cpu.sh installs them)\n")
+        return soak.main(args.minutes, args.channel, args.seed, faults)
     if args.command == "channel":
         from prefix_cache.tools import channel_gc
         return channel_gc.main(args.dir, dry_run=args.dry_run)
