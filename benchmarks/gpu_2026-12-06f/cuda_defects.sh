@@ -16,7 +16,7 @@ echo "+ before the fixes (6e62745)"
 (cd devrun/old54 && python3 setup.py -q build_ext --inplace > "$out/old-build.log" 2>&1) \
     || tail "$out/old-build.log"
 cp tests/test_cuda_faults.py devrun/old54/tests/test_cuda_faults_new.py
-(cd devrun/old54 && PYTHONPATH=$PWD timeout -s INT -k 10 150 python3 -m pytest -q \
+(cd devrun/old54 && PYTHONPATH=$PWD timeout -s INT -k 10 120 python3 -m pytest -q \
     -p no:cacheprovider -rfE --tb=line tests/test_cuda_faults_new.py \
     -k "zero_width or do_not_fit or forked" 2>&1 | tail -12)
 (cd devrun/old54 && PYTHONPATH=$PWD timeout 60 python3 "$root/$here/register_twice.py")
@@ -25,10 +25,10 @@ echo "+ the working tree"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/install.log" 2>&1 \
     || tail "$out/install.log"
 timeout 60 python3 "$here/register_twice.py"
-timeout -s INT -k 30 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+timeout -s INT -k 20 240 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     tests/test_cuda_faults.py tests/test_dma_issuer.py tests/test_cuda_events.py \
     > "$out/new.log" 2>&1 &
-timeout -s INT -k 30 420 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+timeout -s INT -k 20 280 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     --durations=5 -m cuda tests/test_reliability.py tests/test_cuda_*.py \
     tests/test_dma_issuer.py tests/test_scatter_bounds.py tests/test_backend_conformance.py \
     > "$out/suite.log" 2>&1 &
