@@ -31,6 +31,15 @@ _MIN_HOST_BYTES_PER_SLOT = 8 + 4 + 8 + 8
 HOST_POOL_SHARE = 0.5
 
 
+def devices_on_host(device_type: str) -> int:
+    """The devices of `device_type` this process sees, each of which may run an engine that
+    builds a pool on this host (CPU: one)."""
+    if device_type == "cpu":
+        return 1
+    import torch
+    return max(1, torch.get_device_module(device_type).device_count())
+
+
 def _host_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from prefix_cache import devices
-from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
+from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, devices_on_host
 from prefix_cache.core import _core
 from prefix_cache.core.adapter import allocated_blocks, translate_step
 from prefix_cache.core.block_copies import BlockCopyMirror
@@ -111,7 +111,9 @@ class OmniPrefixCacheManager:
         self.backend = backend if backend is not None else devices.get_backend(config.device)
         self._pid = _PID  # streams and registrations belong to this process
         self.policy = ModelCachePolicy()
-        self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend)
+        self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend,
+                                    budget_bytes=config.host_budget(
+                                        devices_on_host(self.backend.name)))
         self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
                                    self.backend)
         self._stats = CacheStats()

@@ -11,7 +11,7 @@ import torch
 
 from prefix_cache import OmniPrefixCacheUnmatchError
 from prefix_cache import config as config_module
-from prefix_cache.config import HOST_POOL_SHARE, PrefixCacheConfig
+from prefix_cache.config import HIDDEN_KEY, HOST_POOL_SHARE, PrefixCacheConfig
 from prefix_cache.integration import runner_mixin
 from prefix_cache.integration.gate import check_host_pool, stage_options
 from tests.vllm_fixtures import thinker_model_dir  # noqa: F401
@@ -34,6 +34,30 @@ def test_the_default_budget_is_a_share_of_host_memory_split_over_its_devices(
                              host_budget_bytes=123).host_budget(devices_on_host=8) == 123
     monkeypatch.setattr(config_module, "_host_memory_bytes", lambda: None)
     assert config.host_budget(devices_on_host=1) is None
+
+
+def test_every_keys_pool_counts_against_the_budget_before_it_is_allocated() -> None:
+    """A multimodal key seen first in a step gets its pool only where every pool together stays
+    within `host_budget_bytes`; else the save is refused in one line naming the key and the
+    budget, nothing is allocated, and the same step saves without that key."""
+    from prefix_cache import OmniPrefixCacheManager
+    from tests.sim import StepDriver
+
+    sim = StepDriver(block_size=4)
+    # the hidden key: 64 slots x 8 x 4 B = 2 KiB; an mm key of 64 slots x 65,536 x 4 B = 16 MiB
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4,
+                                                       host_budget_bytes=1 << 20), sim)
+    manager.new_step_starts(sim.step(new=[("a", list(range(8)), [1, 2], 0, 8)]))
+    with pytest.raises(OmniPrefixCacheUnmatchError) as refused:
+        manager.save_outputs(sim.outputs(8), {"audio": torch.zeros(8, 65_536)},
+                             num_tokens_unpadded=8, num_tokens_padded=8)
+    message = str(refused.value)
+    assert "\n" not in message and "'audio'" in message and "host_budget_bytes" in message
+    assert not manager.pool.keys  # the step's hidden key was new too: neither is allocated
+    manager.save_outputs(sim.outputs(8), None, num_tokens_unpadded=8, num_tokens_padded=8)
+    assert set(manager.pool.nbytes()) == {HIDDEN_KEY}
+    assert sum(manager.pool.nbytes().values()) <= 1 << 20
+    manager.shutdown()
 
 
 @pytest.mark.parametrize("budget", [-1, 1.5, True, "1G"])

@@ -286,12 +286,12 @@ def test_a_finished_requests_rows_read_back_whole_after_its_blocks_go_to_a_new_t
                            token_rows(c, 2))
 
 
-def test_rows_held_for_the_channel_stay_until_let_go_though_a_new_tenant_writes_their_blocks(
+def test_rows_held_for_the_channel_move_out_of_the_pool_when_a_new_tenant_writes_their_blocks(
         backend):
     """The one-copy read-back: a finished request's rows held for the channel's writer
-    (`hold`) stay in the pool, pinned; the step whose new tenant rewrites their blocks waits
-    until they are let go (by the writer once it wrote them, or `cancel`), and the entry
-    holds the request's own rows."""
+    (`hold`) stay in the pool, pinned, until the step whose new tenant rewrites their blocks:
+    that step moves them into memory of their own and goes on, without waiting for the writer,
+    and the entry the writer makes later holds the request's own rows."""
     manager, d = make(backend)
     a, c = list(range(40, 50)), list(range(300, 308))
     with manager, open_channel("shm") as channel:
@@ -309,16 +309,15 @@ def test_rows_held_for_the_channel_stay_until_let_go_though_a_new_tenant_writes_
             manager, d, d.step(new=[("c", c, [2, 1], 0, 8)], finished=["a"]), backend.device),
             kwargs={"materialize": False})
         new_tenant.start()
-        new_tenant.join(0.5)
-        assert new_tenant.is_alive()  # its write of blocks 2 and 1 waits for the held rows
-        channel.put("a", held)  # the writer copies them into the entry, then lets them go
         new_tenant.join(30)
-        assert not new_tenant.is_alive() and manager.stats()["copy_on_write_reads"] >= 1
+        assert not new_tenant.is_alive()  # its write of blocks 2 and 1 did not wait
+        assert manager.stats()["copy_on_write_reads"] >= 1
+        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
+        channel.put("a", held)  # the writer copies the moved rows into the entry
         rows.cancel()  # let go already: nothing is left to release
         got = channel.get("a", timeout_s=5)
         assert torch.equal(got[HIDDEN_KEY], token_rows(a, 2))
         assert torch.equal(got["mm_feature"], token_rows(a, 16, salt=1))
-        assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
 
 
 def test_a_steps_hits_that_earlier_steps_wrote_are_read_before_its_forward(backend):

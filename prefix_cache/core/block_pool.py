@@ -18,6 +18,7 @@ import torch
 
 from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend, HostBuffer, byte_rows
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 #: Threads a large gather is split across (2 MiB of rows each at least, the caller's thread
 #: among them). Threads of its own, not torch's: vLLM sets torch's to 1 in serving workers
@@ -78,11 +79,15 @@ class PrefixBlockPool:
     change only through the methods below, under the caller's lock.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend) -> None:
+    def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend, *,
+                 budget_bytes: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self._backend = backend
+        #: what every key's storage may take together (None: unbounded), checked before each
+        #: key's storage is allocated
+        self.budget_bytes = budget_bytes
         self._next_claim = 1  # what `claim` returns next
         #: per block, the first claim its latest allocation by vLLM can carry (`mark_allocated`;
         #: 0: never seen allocated)
@@ -162,9 +167,21 @@ class PrefixBlockPool:
                               self._read_pins if pins else None,
                               self._block_pins if pins else None)
 
-    def allocate(self, name: str, feat_shape: tuple[int, ...], dtype: torch.dtype) -> PoolKey:
-        """Host storage for a new key; does not touch shared tables, so it may run unlocked."""
+    def allocate(self, name: str, feat_shape: tuple[int, ...], dtype: torch.dtype,
+                 allocating: int = 0) -> PoolKey:
+        """Host storage for a new key, refused before it is allocated where it would bring
+        every key's (and `allocating` bytes of keys allocated beside it, not installed yet)
+        over the budget; does not touch shared tables, so it may run unlocked."""
         width = math.prod(feat_shape)
+        nbytes = self.num_slots * width * dtype.itemsize
+        # installed keys change on the allocating thread alone: read here without the lock
+        held = sum(key.storage.nbytes for key in self.keys.values()) + allocating
+        if self.budget_bytes is not None and held + nbytes > self.budget_bytes:
+            raise OmniPrefixCacheUnmatchError(
+                f"pool key {name!r}: its {nbytes:,} bytes ({self.num_slots:,} KV slots x "
+                f"{width} x {dtype.itemsize} B of {dtype}) would bring the host pools to "
+                f"{held + nbytes:,} bytes, over the host budget of {self.budget_bytes:,} "
+                f"(host_budget_bytes); the stage cannot cache it")
         storage = self._backend.alloc_host((self.num_slots, width), dtype)
         return PoolKey(name, storage, tuple(feat_shape), dtype, width,
                        Tiers(self.num_blocks, self.block_size),

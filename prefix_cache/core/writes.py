@@ -81,7 +81,8 @@ class StepWriter:
         try:
             for key, (feat, dtype) in new_keys.items():
                 with self._stats.timed("pool_allocation"):
-                    allocated.append(self._pool.allocate(key, feat, dtype))
+                    allocated.append(self._pool.allocate(
+                        key, feat, dtype, sum(k.storage.nbytes for k in allocated)))
         except BaseException:
             for pool_key in allocated:
                 pool_key.storage.close()

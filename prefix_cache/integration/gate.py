@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from prefix_cache.config import HOST_POOL_SHARE, PrefixCacheConfig
+from prefix_cache.config import HOST_POOL_SHARE, PrefixCacheConfig, devices_on_host
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 _FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
@@ -109,14 +109,6 @@ def stage_prefix_cache_config(*, kv_cache_config: Any, cache_config: Any,
                                               scheduler_config=scheduler_config,
                                               model_config=model_config,
                                               host_budget_bytes=host_budget_bytes)
-
-
-def devices_on_host(device_type: str) -> int:
-    """The devices of `device_type` this process sees, each of which may run an engine that
-    builds a pool on this host (CPU: one)."""
-    if device_type == "cpu":
-        return 1
-    return max(1, torch.get_device_module(device_type).device_count())
 
 
 def _size(nbytes: int) -> str:
