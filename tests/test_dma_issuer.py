@@ -37,7 +37,8 @@ class FakeRuntime:
     """cudaSetDevice ... cudaMemcpyBatchAsync as ctypes callbacks, in the forms of runtime
     `version` (12.8-12.9 give the batch call a `failIdx` before the stream; 13 drops it).
 
-    `device_busy` cleared: events recorded from then on stay incomplete until it is set.
+    `device_busy` cleared: events recorded from then on stay incomplete until it is set, then
+    complete in record order (one stream).
     `fail_batch_from`: batch calls from that one on (0: the first) return
     cudaErrorInvalidValue; `record_error`, where set, is what cudaEventRecord returns.
     `calls` records each batch call that copied: (first destination, runs). `last_error` is
@@ -56,6 +57,7 @@ class FakeRuntime:
         self.calls: list[tuple[int, int]] = []
         self.waits = 0
         self._events: dict[int, threading.Event] = {}
+        self._behind: list[threading.Event] = []  # recorded while busy, in record order
         self._next = 1
         self._lock = threading.Lock()
         proto = ctypes.CFUNCTYPE
@@ -105,10 +107,19 @@ class FakeRuntime:
         gate.clear()
         if self.device_busy.is_set():
             gate.set()
-        else:  # completes when the device is free again
-            threading.Thread(target=lambda: (self.device_busy.wait(), gate.set()),
-                             daemon=True).start()
+            return 0
+        with self._lock:  # completes when the device is free again, after those before it
+            self._behind.append(gate)
+            if len(self._behind) == 1:
+                threading.Thread(target=self._complete_behind, daemon=True).start()
         return 0
+
+    def _complete_behind(self) -> None:
+        self.device_busy.wait()
+        with self._lock:
+            gates, self._behind = self._behind, []
+        for gate in gates:  # in record order, as one stream's events complete
+            gate.set()
 
     def _wait_event(self, stream, event, flags) -> int:
         self.waits += 1
