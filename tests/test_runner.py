@@ -4,6 +4,7 @@ outputs are read (or refused out loud)."""
 from __future__ import annotations
 
 import logging
+import re
 import random
 import threading
 import time
@@ -168,6 +169,17 @@ HookFormWorker = type("HookFormWorker", (PrefixCacheCPUWorker,), {"runner_cls": 
     "HookFormRunner", (_HookedMm, PrefixCacheRunnerMixin, CPUModelRunner), {})})
 
 
+class _RaisingMm:
+    """Above the mixin: a model whose `omni_mm_outputs` override raises."""
+
+    def omni_mm_outputs(self, model_output: Any) -> dict[str, Any]:
+        raise KeyError("audio codes missing from the forward's output")
+
+
+RaisingHookWorker = type("RaisingHookWorker", (PrefixCacheCPUWorker,), {"runner_cls": type(
+    "RaisingHookRunner", (_RaisingMm, PrefixCacheRunnerMixin, CPUModelRunner), {})})
+
+
 @pytest.mark.parametrize(("disabled", "published_as"), [("0", "req-7"), ("1", "req-7-ab12cd34")])
 def test_rows_are_published_under_the_id_the_engines_caller_gave(
         monkeypatch: pytest.MonkeyPatch, disabled: str, published_as: str) -> None:
@@ -204,13 +216,21 @@ def test_omni_forward_outputs_reach_the_next_stage(thinker_model_dir: Path, form
             assert torch.equal(outputs["codes.audio"], audio_codes(hidden))
 
 
+@pytest.mark.parametrize(("worker", "why"), [
+    ("UnreadableFormWorker", "dict, which it cannot read"),
+    ("RaisingHookWorker", "reading the step's outputs failed: KeyError: .*audio codes missing"),
+], ids=["unreadable", "raising-hook"])
 def test_an_unreadable_forward_output_turns_the_cache_off_with_one_warning(
-        thinker_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+        thinker_model_dir: Path, caplog: pytest.LogCaptureFixture, worker: str,
+        why: str) -> None:
+    """A forward output the runner cannot read, or an `omni_mm_outputs` override that raises,
+    never reaches the forward: the engine runs on, the cache turns off with one warning, and
+    every request gets a failure naming why."""
     requests = shared_prefix_requests()
     with multiprocessing_mode(False), open_channel() as channel, \
             caplog.at_level(logging.WARNING, logger="prefix_cache"):
         engine = start_thinker(thinker_model_dir, channel, prefix_caching=True,
-                               worker_cls=f"{__name__}.UnreadableFormWorker")
+                               worker_cls=f"{__name__}.{worker}")
         try:
             runner = engine_runner(engine)
             for request in requests:
@@ -222,14 +242,13 @@ def test_an_unreadable_forward_output_turns_the_cache_off_with_one_warning(
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
             assert runner.omni_prefix_cache is None
             for request in requests:  # in place of its rows, at once: no consumer waits
-                with pytest.raises(OmniPrefixCacheChannelError, match="cannot read"):
+                with pytest.raises(OmniPrefixCacheChannelError, match=why):
                     channel.get(request.req_id, timeout_s=5)
         finally:
             engine.close()
     warnings = [r for r in caplog.records if r.name.startswith("prefix_cache")]
     assert len(warnings) == 1
-    assert "cannot read" in warnings[0].getMessage()
-    assert "dict" in warnings[0].getMessage()
+    assert re.search(why, warnings[0].getMessage())
     assert all(len(tokens[r.req_id]) == r.max_tokens for r in requests)  # the engine ran on
 
 

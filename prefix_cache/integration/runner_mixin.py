@@ -315,8 +315,16 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         output = super()._model_forward(*args, **kwargs)
         if self._omni_in_step:  # dummy and profile runs are not steps
             self._omni_in_step = False
-            self._omni_save(output)
+            self._omni_save_contained(output)
         return output
+
+    def _omni_save_contained(self, output: Any) -> None:
+        """`_omni_save`, a fault in it (an `omni_mm_outputs` override that raises, a batch it
+        cannot read) turning the stage off: it never reaches the forward."""
+        try:
+            self._omni_save(output)
+        except Exception as exc:
+            self._omni_turn_off(f"reading the step's outputs failed: {type(exc).__name__}: {exc}")
 
     def _omni_save(self, output: Any) -> None:
         read = read_forward_output(output)

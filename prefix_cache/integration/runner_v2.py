@@ -143,7 +143,7 @@ class PrefixCacheV2RunnerMixin(StageRunnerBase):
         if output is not None:  # no forward here, or not the last pipeline rank: no sampling
             stage.end_step()
         elif state is not None and state.hidden_states is not None:
-            self._omni_save(state)
+            self._omni_save_contained(state)
         return output
 
     def _omni_save(self, state: Any) -> None:
