@@ -65,7 +65,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.channel import StageChannel, open_channel
+from prefix_cache.channel import (OmniPrefixCacheChannelError,
+                                  OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
 from prefix_cache.tools.engines import EngineShape
 from prefix_cache.tools.soak_consumer import ConsumerProcess, Outcome, Read, References
 
@@ -78,7 +79,8 @@ MAX_GENERATED = 24
 SOAK_SHAPE = EngineShape(max_model_len=256, num_blocks=10)
 CHANNEL_TTL_S = 20.0
 FULL_WAIT_S = 1.5
-CAPACITY_BYTES = 384 << 10
+#: Room for a few entries (the stage makes about 2.5 MB of rows a second here).
+CAPACITY_BYTES = 512 << 10
 #: How long a read waits for each chunk (a request queued behind others waits for its first).
 READ_TIMEOUT_S = 60.0
 EXPIRY_MARGIN_S = 3.0
@@ -86,7 +88,10 @@ EXPIRED_READ_TIMEOUT_S = 3.0
 #: A drain of an entry whose request had ended when its consumer was killed waits this long.
 DRAIN_TIMEOUT_S = 10.0
 MAX_RUNNING = 6  # requests in the engine at once
-MAX_OUTSTANDING = 14  # requests without an outcome at once
+#: Requests without an outcome at once: enough that the engine runs on through a consumer stall.
+MAX_OUTSTANDING = 48
+#: Share of requests read only once vLLM reports them ended (a stage that reads lazily).
+LAZY_SHARE = 0.3
 STALL_S = (6.0, 10.0)
 FIRST_HEAVY_AFTER_S = (8.0, 12.0)
 HEAVY_EVERY_S = (10.0, 16.0)
@@ -160,7 +165,7 @@ class Instance:
     streamed: bool
     generation: int  # the producer it was submitted to
     kind: str = "new"  # new, duplicate id, retry
-    late: bool = False  # read only once its entry expired
+    read_at: str = "submit"  # its read starts at: submit, end (vLLM says it ended), expiry
     state: str = "queued"
     ended_at: float | None = None
     aborted: bool = False  # the soak aborted it
@@ -173,6 +178,11 @@ class Instance:
     @property
     def rows_wanted(self) -> int:
         return self.prompt_len + self.max_tokens - 1
+
+    @property
+    def late(self) -> bool:
+        """Read once its entry expired, on purpose."""
+        return self.read_at == "expiry"
 
 
 @dataclass
@@ -219,7 +229,11 @@ def judge(instance: Instance, producer_died: bool) -> Verdict:
         return Verdict("expired")
     if outcome.error == TIMED_OUT:
         return Verdict("lost", problem=f"{name}: {outcome.message}")
-    return Verdict("failed", failure_cause(outcome.message))
+    cause = failure_cause(outcome.message)
+    if cause == "channel full" or (cause == "stage shut down" and producer_died):
+        return Verdict("failed", cause)
+    return Verdict("failed", cause, problem=f"{name}: failed for no fault of the soak's: "
+                                            f"{outcome.error}: {outcome.message}")
 
 
 def failure_cause(message: str) -> str:
@@ -229,7 +243,7 @@ def failure_cause(message: str) -> str:
                          ("position", "stream broken"), ("expired", "expired")):
         if words in text:
             return cause
-    return "other: " + message.split(": ", 2)[-1][:60]
+    return "other"
 
 
 class Producer:
@@ -345,6 +359,7 @@ class SoakReport:
     hit_tokens: int = 0
     rows_checked: int = 0
     engine_deaths: int = 0
+    leftovers: list[str] = field(default_factory=list)  # ids with something left at the end
     longest_wait_s: float = 0.0
     longest_wait_in_stall_s: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -390,6 +405,9 @@ class SoakReport:
             ("LOST entries (must be 0)", self.lost, "neither delivered nor failed"),
             ("errors outside the channel's", self.verdicts["error"], ""),
             ("engine deaths", self.engine_deaths, "not caused by the soak's kills"),
+            ("ids left in the channel", len(self.leftovers),
+             "at the end: " + (", ".join(self.leftovers[:4]) or "none")
+             + (" ..." if len(self.leftovers) > 4 else "")),
             ("engine thread's longest stall", f"{self.longest_wait_s:.2f} s",
              f"{self.longest_wait_in_stall_s:.2f} s during consumer stalls (the longest wait "
              f"for a step's outputs)"),
@@ -402,8 +420,9 @@ class SoakReport:
 
 class Soak:
     """The soak's state: the requests, the producer generation and consumer in use, the faults.
-    Invariant: each instance without an outcome is either not yet read (late) or read by the
-    current consumer (`consumer.unanswered`), or held by a killed one and drained by it."""
+    Invariant: each instance without an outcome is either not read yet (`read_at` not come),
+    read by the current consumer (`consumer.unanswered`), or held by a killed one and drained by
+    the current one."""
 
     def __init__(self, model_dir: Path, channel: StageChannel, references_path: Path,
                  prompts: list[list[int]], report: SoakReport, rng: random.Random,
@@ -473,6 +492,7 @@ class Soak:
             self._tick(time.monotonic())
         self.consumer.close()
         self._take_outcomes()
+        self._find_leftovers()
         for key in sorted(self.unanswered):
             instance = self.instances[key]
             self.report.verdicts["lost"] += 1
@@ -480,6 +500,18 @@ class Soak:
                 f"request {instance.request_id} (#{instance.key}): no outcome "
                 f"{FINISH_WAIT_S:g} s after the traffic ended (state {instance.state})")
         self.producer.close()
+
+    def _find_leftovers(self) -> None:
+        """Ids that still have something in the channel (an entry, a chunk, a failure marker)
+        once every read answered: a later reader of the id would get it first."""
+        for request_id in self.latest:
+            try:
+                next(iter(self.channel.stream(request_id, 0.0)))
+            except OmniPrefixCacheChannelTimeoutError:
+                continue
+            except OmniPrefixCacheChannelError:
+                pass
+            self.report.leftovers.append(request_id)
 
     # ------------------------------------------------------------------ requests
 
@@ -489,12 +521,18 @@ class Soak:
             self._add(self._new_instance())
 
     def _submit_retries(self) -> None:
+        """Each request its producer's death cut, again under its id and prompt; a new length,
+        so that rows of the first try delivered to the retry show as wrong."""
         while self.retries:
             old = self.retries.pop(0)
-            self._add(replace(old, key=self._take_key(), generation=self.producer.generation,
-                              kind="retry", late=False, state="queued", ended_at=None,
-                              aborted=False, held=False, preemptions=0, cached_tokens=0,
-                              read_sent=False, outcome=None))
+            max_tokens = self.rng.choice([n for n in range(2, MAX_GENERATED + 1)
+                                          if n != old.max_tokens])
+            self._add(Instance(self._take_key(), old.request_id, old.prompt, max_tokens,
+                               old.prompt_len, old.streamed, self.producer.generation,
+                               kind="retry", read_at=self._read_at()))
+
+    def _read_at(self) -> str:
+        return "end" if self.rng.random() < LAZY_SHARE else "submit"
 
     def _new_instance(self) -> Instance:
         prompt = self.rng.randrange(len(self.prompts))
@@ -503,30 +541,31 @@ class Soak:
             self._pending_light.discard("duplicate id")
             request_id, kind = self.clean_ids.pop(self.rng.randrange(len(self.clean_ids))), \
                 "duplicate id"
-            while family(prompt) == family(self.latest[request_id].prompt):  # every row differs from the last's
+            while family(prompt) == family(self.latest[request_id].prompt):  # no row in common
                 prompt = self.rng.randrange(len(self.prompts))
             self.report.faults["duplicate id"] += 1
-        late = "expiry" in self._pending_light
-        if late:
+        read_at = self._read_at()
+        if "expiry" in self._pending_light:
             self._pending_light.discard("expiry")
             self.report.faults["expiry"] += 1
             self.report.expiries_planned += 1
+            read_at = "expiry"
         return Instance(self._take_key(), request_id, prompt,
                         self.rng.randint(2, MAX_GENERATED), len(self.prompts[prompt]),
                         streamed=self.rng.random() < 0.5, generation=self.producer.generation,
-                        kind=kind, late=late)
+                        kind=kind, read_at=read_at)
 
     def _take_key(self) -> int:
         self._next_key += 1
         return self._next_key
 
     def _add(self, instance: Instance) -> None:
-        """Read it from now on (unless late), then submit it."""
+        """Read it from now on (where it is read from its submission), then submit it."""
         self.instances[instance.key] = instance
         self.unanswered.add(instance.key)
         self.latest[instance.request_id] = instance
         self.report.submitted[instance.kind] += 1
-        if not instance.late:
+        if instance.read_at == "submit":
             self._send_read(instance, READ_TIMEOUT_S)
         self.live[instance.request_id] = instance
         try:
@@ -560,6 +599,8 @@ class Soak:
                 self._ended(instance, "finished")
 
     def _ended(self, instance: Instance, state: str) -> None:
+        """vLLM finished or aborted it, or its producer died (`cut`): its read starts now or
+        at its expiry where it has not yet; one cut unread is retried at once, unread."""
         instance.state, instance.ended_at = state, time.monotonic()
         del self.live[instance.request_id]
         report = self.report
@@ -567,9 +608,17 @@ class Soak:
         report.preempted_requests += instance.preemptions > 0
         report.hit_requests += instance.cached_tokens > 0
         report.hit_tokens += instance.cached_tokens
-        if instance.late and not instance.read_sent:
+        if instance.read_sent:
+            return
+        if state == "cut":  # the stage after it would not read a request its producer lost
+            self.unanswered.discard(instance.key)
+            self._count(instance, Verdict("failed", "producer died, retried unread"))
+            self.retries.append(instance)
+        elif instance.late:
             self.late_reads.append((instance.ended_at + CHANNEL_TTL_S + EXPIRY_MARGIN_S,
                                     instance))
+        else:
+            self._send_read(instance, READ_TIMEOUT_S)
 
     def _take_outcomes(self) -> None:
         while True:
@@ -583,14 +632,9 @@ class Soak:
         instance.outcome = outcome
         self.unanswered.discard(instance.key)
         verdict = judge(instance, instance.generation in self.dead_generations)
+        self._count(instance, verdict)
         report = self.report
-        report.verdicts[verdict.what] += 1
         report.rows_checked += outcome.rows.num_rows
-        if verdict.problem is not None:
-            report.problems.append(verdict.problem)
-            self.say(f"[soak] PROBLEM: {verdict.problem}")
-        if verdict.what == "failed":
-            report.causes[verdict.cause] += 1
         if verdict.what == "delivered":
             report.delivered_by["aborted" if instance.aborted and outcome.rows.num_rows <
                                 instance.rows_wanted else
@@ -602,14 +646,24 @@ class Soak:
                 and instance.request_id not in self.live:
             self.retries.append(instance)
 
+    def _count(self, instance: Instance, verdict: Verdict) -> None:
+        report = self.report
+        report.verdicts[verdict.what] += 1
+        if verdict.what == "failed":
+            report.causes[verdict.cause] += 1
+        if verdict.problem is not None:
+            report.problems.append(verdict.problem)
+            self.say(f"[soak] PROBLEM: {verdict.problem}")
+
     # ------------------------------------------------------------------ faults
 
     def _faults(self, schedule: FaultSchedule, now: float, end: float) -> None:
         light = schedule.light_due(now)
         if light == "abort":
             self._abort()
-        elif light == "expiry" and now < end - CHANNEL_TTL_S - EXPIRY_MARGIN_S:
-            self._pending_light.add("expiry")
+        elif light == "expiry" and now < end - CHANNEL_TTL_S - EXPIRY_MARGIN_S and not any(
+                self.instances[key].late for key in self.unanswered):
+            self._pending_light.add("expiry")  # one at a time: it holds capacity until it expires
         elif light == "duplicate id":
             self._pending_light.add("duplicate id")
         if self.consumer_restarting and self.consumer.ready.is_set():
@@ -681,9 +735,6 @@ class Soak:
         generation = self.producer.generation
         self.dead_generations.add(generation)
         for instance in list(self.live.values()):
-            if instance.late and not instance.read_sent:  # cut: its entry never ends
-                instance.late = False
-                self._send_read(instance, READ_TIMEOUT_S)
             self._ended(instance, "cut")
         with contextlib.suppress(Exception):  # its processes are gone; close what is left
             self.producer.close()
