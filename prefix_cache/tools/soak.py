@@ -93,6 +93,8 @@ MAX_OUTSTANDING = 48
 #: Share of requests read only once vLLM reports them ended (a stage that reads lazily).
 LAZY_SHARE = 0.3
 STALL_S = (6.0, 10.0)
+#: How long after a stall the consumer counts as catching up (no heavy fault meanwhile).
+STALL_AFTERMATH_S = 2.0
 FIRST_HEAVY_AFTER_S = (8.0, 12.0)
 HEAVY_EVERY_S = (10.0, 16.0)
 LIGHT_EVERY_S = (2.0, 5.0)
@@ -305,38 +307,41 @@ class Producer:
 
 
 class FaultSchedule:
-    """When the next fault comes and of which kind (of those `enabled`), from a seeded RNG:
-    heavy faults one at a time, in a shuffled cycle of their kinds (a short soak meets each),
-    light ones between."""
+    """When the next fault comes and of which kind (of those `enabled`): heavy faults one at a
+    time, in a shuffled cycle of their kinds (a short soak meets each), light ones between.
+    Each class draws from an RNG of its own seeded by the soak's seed, so a seed gives the same
+    sequence of faults (kinds, stall lengths, gaps) however the requests run."""
 
-    def __init__(self, rng: random.Random, start: float, enabled: Collection[str]) -> None:
-        self.rng = rng
+    def __init__(self, seed: int, start: float, enabled: Collection[str]) -> None:
+        self._heavy_rng = random.Random(f"heavy-{seed}")
+        self._light_rng = random.Random(f"light-{seed}")
         self.heavy = [kind for kind in HEAVY_FAULTS if kind in enabled]
         self.light = [kind for kind in LIGHT_FAULTS if kind in enabled]
-        self.next_heavy = start + rng.uniform(*FIRST_HEAVY_AFTER_S)
-        self.next_light = start + rng.uniform(*LIGHT_EVERY_S)
+        self.next_heavy = start + self._heavy_rng.uniform(*FIRST_HEAVY_AFTER_S)
+        self.next_light = start + self._light_rng.uniform(*LIGHT_EVERY_S)
         self._cycle: list[str] = []
 
     def heavy_due(self, now: float) -> str | None:
         if now < self.next_heavy or not self.heavy:
             return None
         if not self._cycle:
-            self._cycle = self.rng.sample(self.heavy, len(self.heavy))
+            self._cycle = self._heavy_rng.sample(self.heavy, len(self.heavy))
         return self._cycle[0]
 
-    def heavy_done(self, now: float) -> None:
-        self._cycle.pop(0)
-        self.next_heavy = now + self.rng.uniform(*HEAVY_EVERY_S)
+    def heavy_done(self) -> float | None:
+        """The heavy fault due is under way; a consumer stall's length (None for the others)."""
+        kind = self._cycle.pop(0)
+        return self._heavy_rng.uniform(*STALL_S) if kind == "consumer stall" else None
 
     def heavy_wait(self, until: float) -> None:
-        """The heavy fault in progress ends at `until`: the next comes after it."""
-        self.next_heavy = until + self.rng.uniform(*HEAVY_EVERY_S)
+        """The heavy fault under way ends at `until`: the next comes after it."""
+        self.next_heavy = until + self._heavy_rng.uniform(*HEAVY_EVERY_S)
 
     def light_due(self, now: float) -> str | None:
         if now < self.next_light or not self.light:
             return None
-        self.next_light = now + self.rng.uniform(*LIGHT_EVERY_S)
-        return self.rng.choice(self.light)
+        self.next_light = now + self._light_rng.uniform(*LIGHT_EVERY_S)
+        return self._light_rng.choice(self.light)
 
 
 @dataclass
@@ -455,7 +460,7 @@ class Soak:
     def run(self, minutes: float, faults: Collection[str]) -> None:
         start = time.monotonic()
         end = start + 60.0 * minutes
-        schedule = FaultSchedule(self.rng, start, faults)
+        schedule = FaultSchedule(self.report.seed, start, faults)
         next_progress = start + PROGRESS_EVERY_S
         while (now := time.monotonic()) < end:
             self._faults(schedule, now, end)
@@ -674,12 +679,14 @@ class Soak:
         heavy = schedule.heavy_due(now)
         if heavy is None:
             return
-        schedule.heavy_done(now)
+        stall_s = schedule.heavy_done()
         self.report.faults[heavy] += 1
         if heavy == "consumer stall":
-            self._stall_consumer(schedule, now)
+            assert stall_s is not None
+            self._stall_consumer(stall_s, now)
+            schedule.heavy_wait(self.stalled_until)
         elif heavy == "consumer kill":
-            self._kill_consumer()
+            self._kill_consumer()  # the next is scheduled once the new consumer is ready
         else:
             self._kill_producer()
             schedule.heavy_wait(time.monotonic())
@@ -698,14 +705,12 @@ class Soak:
             return
         self._ended(instance, "aborted")
 
-    def _stall_consumer(self, schedule: FaultSchedule, now: float) -> None:
-        seconds = self.rng.uniform(*STALL_S)
+    def _stall_consumer(self, seconds: float, now: float) -> None:
         self.consumer.stop()
         timer = threading.Timer(seconds, self.consumer.resume)
         timer.daemon = True
         timer.start()
-        self.stalled_until = now + seconds + 2.0
-        schedule.heavy_wait(self.stalled_until)
+        self.stalled_until = now + seconds + STALL_AFTERMATH_S
 
     def _kill_consumer(self) -> None:
         held = self.consumer.kill()

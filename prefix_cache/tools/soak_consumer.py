@@ -76,13 +76,15 @@ class References:
                         float(diff.max()))
 
     def owner(self, position: int, row: torch.Tensor, *, exclude: int) -> int | None:
-        """The prompt other than `exclude` whose reference row at `position` `row` is (within
-        the tolerance), or None."""
+        """The prompt other than `exclude` whose reference row at `position` is nearest `row`,
+        where it is within the tolerance; else None."""
+        nearest, owner = math.inf, None
         for other, other_rows in enumerate(self.rows):
-            if other != exclude and position < other_rows.shape[0] and \
-                    float((row - other_rows[position]).abs().max()) <= self.tolerance:
-                return other
-        return None
+            if other != exclude and position < other_rows.shape[0]:
+                diff = float((row - other_rows[position]).abs().max())
+                if diff <= self.tolerance and diff < nearest:
+                    nearest, owner = diff, other
+        return owner
 
 
 @dataclass(frozen=True)
