@@ -182,6 +182,13 @@ class Instance:
         return self.prompt_len + self.max_tokens - 1
 
     @property
+    def name(self) -> str:
+        """The request and what happened to it, for a problem's line."""
+        return (f"request {self.request_id} (#{self.key}: {self.kind}, generation "
+                f"{self.generation}, {self.state}, read at {self.read_at}, "
+                f"{'streamed' if self.streamed else 'whole'})")
+
+    @property
     def late(self) -> bool:
         """Read once its entry expired, on purpose."""
         return self.read_at == "expiry"
@@ -202,7 +209,7 @@ def judge(instance: Instance, producer_died: bool) -> Verdict:
     `producer_died`: its producer was killed or died."""
     outcome = instance.outcome
     assert outcome is not None
-    rows, name = outcome.rows, f"request {instance.request_id} (#{instance.key})"
+    rows, name = outcome.rows, instance.name
     if rows.first_wrong is not None:
         owner = "" if rows.owner is None else f", prompt {rows.owner}'s row"
         return Verdict("wrong", problem=f"{name}: row {rows.first_wrong} of {rows.num_rows} is "
@@ -501,9 +508,8 @@ class Soak:
         for key in sorted(self.unanswered):
             instance = self.instances[key]
             self.report.verdicts["lost"] += 1
-            self.report.problems.append(
-                f"request {instance.request_id} (#{instance.key}): no outcome "
-                f"{FINISH_WAIT_S:g} s after the traffic ended (state {instance.state})")
+            self.report.problems.append(f"{instance.name}: no outcome {FINISH_WAIT_S:g} s after "
+                                        f"the traffic ended")
         self.producer.close()
 
     def _find_leftovers(self) -> None:
