@@ -204,15 +204,15 @@ def _retold(data: torch.Tensor, change: Callable[[dict[str, Any]], None]) -> tor
     import json
 
     from prefix_cache.channel.codec import _PREFIX, ALIGN, MAGIC
-    header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())[1]
+    _, header_len, entry_id, chunk_start = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())
     header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes())
     old_start = -(-(_PREFIX.size + header_len) // ALIGN) * ALIGN
     change(header)
     text = json.dumps(header).encode()
     start = -(-(_PREFIX.size + len(text)) // ALIGN) * ALIGN
     out = torch.zeros(start + data.numel() - old_start, dtype=torch.uint8)
-    out[:_PREFIX.size] = torch.frombuffer(bytearray(_PREFIX.pack(MAGIC, len(text))),
-                                          dtype=torch.uint8)
+    prefix = _PREFIX.pack(MAGIC, len(text), entry_id, chunk_start)
+    out[:_PREFIX.size] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
     out[_PREFIX.size:_PREFIX.size + len(text)] = torch.frombuffer(bytearray(text),
                                                                   dtype=torch.uint8)
     out[start:] = data[old_start:]
@@ -281,30 +281,34 @@ def test_aborted_marker_and_metadata_round_trip(channel: StageChannel) -> None:
     StageEntry("req-\u00e9\u4e2d \"q\"\\", {"rows": torch.ones(2, 3), "scalar": torch.tensor(1.5),
                                         "none": torch.ones(0, 4, dtype=torch.bfloat16)},
                True, {"nested": {"list": [1, 2.5, None, True, "\u00fc"]}, "n": -3}, 1.0e9 + 0.25,
-               None, 7, False),
+               None, 7, False, "0123456789abcdef" * 2, ".producer-" + "e" * 32),
     StageEntry("req-failed", {}, True, {}, 1733.5, 'it failed: "quoted"\n\tnext line'),
     StageEntry("req-int-time", {"rows": torch.ones(1, 2)}, published_at=0),
 ])
 def test_an_entrys_header_is_the_json_of_its_fields(entry: StageEntry) -> None:
     """The wire header (read by consumers of any version) is exactly the JSON of the entry's
-    fields, in ASCII, whatever its id, error text and metadata hold."""
+    fields, in ASCII, whatever its id, error text and metadata hold; its prefix holds the
+    entry's id and the chunk's start (`peek`)."""
     import json
 
-    from prefix_cache.channel.codec import _PREFIX
+    from prefix_cache.channel.codec import _PREFIX, ChunkTag, peek
     data = join(encode(entry))
     header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())[1]
     text = data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes()
     fields = {"request_id": entry.request_id, "aborted": entry.aborted,
               "published_at": entry.published_at, "meta": entry.meta,
               "tensors": json.loads(text)["tensors"], "error": entry.error,
-              "start": entry.start, "final": entry.final}
+              "final": entry.final, "producer": entry.producer}
     assert text == json.dumps(fields, separators=(",", ":")).encode("ascii")
     assert [(t["key"], t["dtype"], t["shape"]) for t in fields["tensors"]] == [
         (key, str(value.dtype).removeprefix("torch."), list(value.shape))
         for key, value in entry.outputs.items()]
+    assert peek(data[:_PREFIX.size].numpy().tobytes()) == ChunkTag(entry.entry, entry.start)
     decoded = decode(data)
-    assert (decoded.request_id, decoded.meta, decoded.error, decoded.start, decoded.final) == (
-        entry.request_id, entry.meta, entry.error, entry.start, entry.final)
+    assert (decoded.request_id, decoded.meta, decoded.error, decoded.start, decoded.final,
+            decoded.entry, decoded.producer) == (entry.request_id, entry.meta, entry.error,
+                                                 entry.start, entry.final, entry.entry,
+                                                 entry.producer)
     assert all(torch.equal(decoded.outputs[k], v) for k, v in entry.outputs.items())
 
 
@@ -496,10 +500,10 @@ def test_close_waits_for_an_operation_in_flight_and_later_ones_are_refused(
     taking, release = threading.Event(), threading.Event()
     take = channel._take
 
-    def slow_take(request_id: str) -> torch.Tensor | None:
+    def slow_take(request_id: str, *args: Any) -> torch.Tensor | None:
         taking.set()
         release.wait(10)
-        return take(request_id)
+        return take(request_id, *args)
 
     channel._take = slow_take
     got: list[Any] = []

@@ -137,6 +137,40 @@ def test_a_live_producer_that_publishes_late_still_delivers_and_leaves_nothing()
             == [".budget", ".key", ".lock", ".owner"]
 
 
+def _publish_when_told_then_die(spec: str, ready: Any, told: Any) -> None:
+    """In a spawned process: a producer expects `r`, says so, and once told publishes it and
+    is killed."""
+    channel = open_channel(spec)
+    channel.expect("r")
+    ready.set()
+    told.wait(60)
+    channel.put("r", _marked(5))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_producer_that_publishes_and_dies_between_a_take_and_the_liveness_check_delivers(
+        ) -> None:
+    """The consumer's take finds nothing; the producer publishes and dies; the liveness check
+    finds it dead. The consumer takes once more before it reports the death: it gets the
+    entry, and nothing stays in the channel for the id's next request."""
+    with open_channel("shm") as channel:
+        ready, told = _SPAWN.Event(), _SPAWN.Event()
+        producer = _spawn(_publish_when_told_then_die, channel.spec, ready, told)
+        assert ready.wait(60), "the producer did not start"
+        check = channel._dead_producer
+
+        def publish_and_die_first(request_id: str, *args: Any) -> str | None:
+            if not told.is_set():
+                told.set()
+                producer.join(30)
+            return check(request_id, *args)
+
+        channel._dead_producer = publish_and_die_first
+        assert _mark(channel.get("r", timeout_s=30)) == 5
+        assert producer.exitcode == -signal.SIGKILL
+        assert not channel.entry_path("r").exists()
+
+
 def test_a_namespace_whose_producers_all_died_fails_gets_it_never_expected() -> None:
     with open_channel("shm") as channel:
         producer, _ = _producer(channel, "r1", "exit")

@@ -86,27 +86,25 @@ def test_a_key_missing_from_some_chunks_reads_zeros_there_when_joined(
                                                 positions(4, 6)["codes"]]))
 
 
-def test_readers_racing_on_one_stream_take_each_chunk_once_and_in_order(
-        channel: StageChannel) -> None:
-    count = 40
+def test_readers_racing_on_one_id_each_stream_one_entry_whole(channel: StageChannel) -> None:
+    """Two readers stream one id while its producer publishes two streamed entries: the reader
+    that takes an entry's first chunk gets all of that entry, the other the next entry; no
+    chunk is lost, split off or taken twice."""
+    count = 20
     taken: list[list[int]] = [[], []]
     with open_channel(channel.spec) as other:
         def read(handle: StageChannel, into: list[int]) -> None:
-            try:
-                for chunk in handle.stream("req-r", timeout_s=1.0):
-                    into.append(chunk.start)
-            except OmniPrefixCacheChannelTimeoutError:
-                pass  # the other reader took the final chunk
+            into.extend(chunk.start for chunk in handle.stream("req-r", timeout_s=10))
 
         readers = [threading.Thread(target=read, args=(h, t))
                    for h, t in ((channel, taken[0]), (other, taken[1]))]
         for reader in readers:
             reader.start()
-        put_stream(channel, "req-r", list(range(count + 1)))
+        for _ in range(2):
+            put_stream(channel, "req-r", list(range(count + 1)))
         for reader in readers:
             reader.join(60)
-    assert sorted(taken[0] + taken[1]) == list(range(count))  # none lost, none twice
-    assert taken[0] == sorted(taken[0]) and taken[1] == sorted(taken[1])
+    assert taken == [list(range(count))] * 2
 
 
 def test_a_failure_mid_stream_raises_where_it_was_put(channel: StageChannel) -> None:
@@ -202,3 +200,48 @@ def test_put_all_publishes_what_has_room_at_once_and_the_rest_waits_bounded(
             == [None]
         assert torch.equal(channel.get("req-3", timeout_s=5)[HIDDEN_KEY],
                            positions(0, big)[HIDDEN_KEY])
+
+
+def test_chunks_of_a_stream_that_never_ended_never_join_the_ids_next_entry(
+        channel: StageChannel) -> None:
+    """A producer stops mid-stream (its chunks of positions 0..7 stay, no final one); the
+    restarted stage publishes the retried request whole under the same id. The read of the
+    unfinished stream raises, and the next get returns the retried entry whole."""
+    with open_channel(channel.spec) as dead:
+        dead.put("req-d", positions(0, 4), start=0, final=False)
+        dead.put("req-d", positions(4, 8), start=4, final=False)
+    with open_channel(channel.spec) as restarted:
+        restarted.put("req-d", positions(0, 6))
+    with pytest.raises(OmniPrefixCacheChannelError, match="request req-d"):
+        channel.get("req-d", timeout_s=1)
+    assert torch.equal(channel.get("req-d", timeout_s=5)[HIDDEN_KEY],
+                       positions(0, 6)[HIDDEN_KEY])
+
+
+def test_a_stream_of_an_unfinished_entry_raises_and_the_next_stream_is_the_next_entry_whole(
+        channel: StageChannel) -> None:
+    with open_channel(channel.spec) as dead:
+        dead.put("req-e", positions(0, 8), start=0, final=False)
+    channel.put("req-e", positions(0, 6))
+    starts = []
+    with pytest.raises(OmniPrefixCacheChannelError, match="request req-e"):
+        for chunk in channel.stream("req-e", timeout_s=1):
+            starts.append(chunk.start)
+    assert starts == [0]
+    chunks = list(channel.stream("req-e", timeout_s=5))
+    assert [(c.start, c.final) for c in chunks] == [(0, True)]
+    assert torch.equal(chunks[0].rows[HIDDEN_KEY], positions(0, 6)[HIDDEN_KEY])
+
+
+def test_a_stream_whose_middle_chunk_expired_raises_naming_the_missing_positions(
+        new_spec: str) -> None:
+    with open_channel(new_spec + "&ttl=1") as channel:
+        channel.put("req-h", positions(0, 4), start=0, final=False)
+        chunks = channel.stream("req-h", timeout_s=5)
+        assert next(chunks).start == 0
+        channel.put("req-h", positions(4, 8), start=4, final=False)
+        time.sleep(1.3)  # the chunk of positions 4..7 expires unread
+        channel.put("req-h", positions(8, 10), start=8, final=True)
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match=r"request req-h: .*positions 4\.\.7"):
+            next(chunks)

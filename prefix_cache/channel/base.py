@@ -1,9 +1,14 @@
 """The stage channel: per request id a queue of entries, each published whole and taken once.
 
 An entry may be published in chunks as its rows are made (`put(..., start=K, final=False)`,
-then a final chunk): each chunk is an entry of the id's queue, so chunks keep every rule above
+then a final chunk): each chunk is published as an entry is, so chunks keep every rule below
 one by one, and `stream` yields them as they come while `get` joins them. A handle refuses a
-chunk that would leave a gap, overlap the rows before it, or follow the final one.
+chunk that would leave a gap, overlap the rows before it, or follow the final one. Every chunk
+carries its entry's id, minted by the publishing handle at the entry's first chunk: a reader
+takes the id's oldest chunk that starts an entry, then that entry's chunks alone, each where
+the last ended or raising. So the chunks of a stream whose producer died never join the id's
+next entry, two producers' streams of one id are two entries (in the order they started), and
+a hole (a chunk that expired unread) raises rather than go unseen.
 
 A put never replaces an unconsumed entry: entries under one id are taken in put order, each
 exactly once (clients reuse request ids). A namespace holds at most `capacity_bytes` of
@@ -26,8 +31,11 @@ entries, release its resources. This class builds the bounded waits and lifecycl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -38,7 +46,8 @@ from typing import Any
 
 import torch
 
-from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode
+from prefix_cache.channel.codec import (ENTRY_ID_BYTES, ChunkTag, EncodedEntry, StageEntry,
+                                        decode, encode)
 from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
                                          OmniPrefixCacheChannelProducerError,
@@ -72,6 +81,32 @@ class StageChunk:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Awaited:
+    """The chunk of an id a reader waits for: the first chunk of the id's next entry (`entry`
+    None), or the next chunk of the entry `entry`, which the producer `producer` publishes
+    (`StageChannel._producer_name`; "": none registered)."""
+
+    entry: str | None = None
+    producer: str = ""
+
+    def accepts(self, tag: ChunkTag | None) -> bool:
+        """Whether a chunk whose prefix says `tag` is the one: for a first chunk, one that
+        starts an entry, or one that is unreadable (its take says so); else one of `entry`."""
+        if self.entry is None:
+            return tag is None or tag.start == 0
+        return tag is not None and tag.entry == self.entry
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """An entry this handle has put chunks of, not its final one: the entry's id, and the
+    position its next chunk starts at."""
+
+    entry: str
+    stands: int
+
+
 class StageChannel(ABC):
     """Entries live from their put until one get consumes them or `ttl_s` passes, never longer;
     unconsumed entries never hold more than `capacity_bytes` (failure markers aside).
@@ -96,8 +131,9 @@ class StageChannel(ABC):
         self._closed = False
         self._in_flight = 0  # operations running on the backend, on any thread
         self._idle = threading.Condition()
-        self._streams: dict[str, int] = {}  # ids with chunks out, no final: where they stand
+        self._streams: dict[str, _Stream] = {}  # ids with chunks out, no final one
         self._streams_lock = threading.Lock()
+        self._entry_ids: tuple[int, bytes, Iterator[int]] = (0, b"", iter(()))  # pid, token, n
 
     @property
     @abstractmethod
@@ -130,27 +166,29 @@ class StageChannel(ABC):
         before any waits for room."""
         self._check_open()
         failures: list[Exception | None] = [None] * len(chunks)
-        entries: list[tuple[int, StageEntry, int]] = []  # (index, entry, where its stream stands)
+        entries: list[tuple[int, StageEntry, _Stream | None]] = []  # index, entry, it continues
         now, seen = time.time(), set()
         with self._streams_lock:
             for i, (request_id, chunk) in enumerate(chunks):
                 try:
                     entry = self._entry(request_id, chunk, now, seen)
-                    entries.append((i, entry, self._check_chunk(entry)))
+                    stream = self._check_chunk(entry)
+                    entries.append((i, self._identified(entry, stream), stream))
                 except (ValueError, TypeError, OmniPrefixCacheChannelError) as exc:
                     failures[i] = exc
         for (i, _, _), failure in zip(entries, self._put_entries([e for _, e, _ in entries],
                                                                  bounded=True)):
             failures[i] = failure
         with self._streams_lock:
-            for i, entry, stands in entries:
+            for i, entry, stream in entries:
                 request_id = entry.request_id
-                if failures[i] is not None or self._streams.get(request_id, 0) != stands:
+                if failures[i] is not None or self._streams.get(request_id) != stream:
                     continue  # failed, or a fail() ended its stream meanwhile
                 if entry.final:
                     self._streams.pop(request_id, None)
                 else:
-                    self._streams[request_id] = entry.start + entry.num_rows
+                    self._streams[request_id] = _Stream(entry.entry,
+                                                        entry.start + entry.num_rows)
         return failures
 
     @staticmethod
@@ -170,24 +208,25 @@ class StageChannel(ABC):
         return StageEntry(request_id, dict(chunk.rows), chunk.aborted, dict(chunk.meta or {}),
                           now, start=chunk.start, final=chunk.final)
 
-    def _check_chunk(self, entry: StageEntry) -> int:
-        """Where `entry`'s stream stands (the position its rows must start at); a channel error
-        for a gap, an overlap or a chunk after the final one (caller holds the lock)."""
+    def _check_chunk(self, entry: StageEntry) -> _Stream | None:
+        """The stream `entry` continues (None: it starts an entry); a channel error for a gap,
+        an overlap or a chunk after the final one (caller holds the lock)."""
         request_id, start = entry.request_id, entry.start
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"request {request_id}: chunk start must be a whole number, "
                              f"got {start!r}")
-        stands = self._streams.get(request_id, 0)
-        if entry.final and start == 0 and request_id not in self._streams:
-            return stands  # a whole entry: its keys may be of any shape
+        stream = self._streams.get(request_id)
+        stands = stream.stands if stream else 0
+        if entry.final and start == 0 and stream is None:
+            return None  # a whole entry: its keys may be of any shape
         counts = {key: rows.shape[0] if isinstance(rows, (torch.Tensor, PoolRows))
                   and len(rows.shape) else None for key, rows in entry.outputs.items()}
         if len(set(counts.values())) > 1:
             raise ValueError(f"request {request_id}: the keys of a chunk must have as many rows "
                              f"each (its positions), got {counts}")
         if start == stands:
-            return stands
-        if request_id not in self._streams:
+            return stream
+        if stream is None:
             what = "no stream is open under the id (its final chunk was put, or its first chunk, " \
                    "from position 0, never was)"
         elif start > stands:
@@ -203,10 +242,26 @@ class StageChannel(ABC):
         its consumer's get raises a channel error naming the request and `cause`. A failure
         marker is a few hundred bytes and is published even into a full channel."""
         self._check_open(request_id)
-        with self._streams_lock:  # ends a stream in progress: its consumer raises here
-            self._streams.pop(request_id, None)
-        self._put_entry(StageEntry(request_id, {}, True, {}, time.time(), error=str(cause)),
-                        bounded=False)
+        with self._streams_lock:  # ends this handle's stream in progress: its consumer raises
+            stream = self._streams.pop(request_id, None)  # there, other entries of the id go on
+        marker = StageEntry(request_id, {}, True, {}, time.time(), error=str(cause),
+                            start=stream.stands if stream else 0)
+        self._put_entry(self._identified(marker, stream), bounded=False)
+
+    def _identified(self, entry: StageEntry, stream: _Stream | None) -> StageEntry:
+        """`entry` as a chunk of `stream`'s entry, or of a new one (an id of its own, minted
+        here), published by this handle's producer."""
+        return replace(entry, entry=stream.entry if stream else self._new_entry_id(),
+                       producer=self._producer_name())
+
+    def _new_entry_id(self) -> str:
+        """An id no other entry of any handle or process has: a random token of this process's
+        handle, then a count (a forked child draws a token of its own)."""
+        pid, token, count = self._entry_ids
+        if pid != os.getpid():
+            token, count = secrets.token_bytes(ENTRY_ID_BYTES // 2), itertools.count()
+            self._entry_ids = (os.getpid(), token, count)
+        return (token + next(count).to_bytes(ENTRY_ID_BYTES // 2, "big")).hex()
 
     def register_producer(self) -> None:
         """Marks this handle a live producer of the namespace until it closes or its process
@@ -274,14 +329,19 @@ class StageChannel(ABC):
                 else:
                     try:
                         reservation = self._reserve(data.nbytes, force=not bounded)
-                        if reservation is None:  # no pool's rows wait for room
-                            waiting.append((i, entry, data.owned()))
+                        if reservation is None:
+                            waiting.append((i, entry, data))
                         else:
                             self._had_room(bounded)
                             self._publish_reserved(entry, data, reservation)
                     except Exception as exc:
                         failures[i] = exc
-            for i, entry, data in waiting:
+            if waiting and self._room_deadline() <= time.monotonic():  # full past its wait
+                for i, entry, data in waiting:
+                    failures[i] = self._full_error(entry.request_id, data.nbytes)
+                return failures
+            waiting = [(i, entry, data.owned()) for i, entry, data in waiting]  # no pool's rows
+            for i, entry, data in waiting:  # wait for room
                 try:
                     self._publish_reserved(entry, data,
                                            self._wait_for_room(entry.request_id, data.nbytes))
@@ -329,10 +389,14 @@ class StageChannel(ABC):
             return reservation
 
         left = max(0.0, self._room_deadline() - time.monotonic())
-        return poll_until(room, left, lambda: OmniPrefixCacheChannelFullError(
+        return poll_until(room, left, lambda: self._full_error(request_id, nbytes),
+                          first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+
+    def _full_error(self, request_id: str, nbytes: int) -> OmniPrefixCacheChannelFullError:
+        return OmniPrefixCacheChannelFullError(
             f"request {request_id}: channel {self.spec} stayed full for {self.full_wait_s:g} s "
             f"(capacity {self.capacity_bytes} bytes, entry {nbytes} bytes); is its consumer "
-            f"reading?"), first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+            f"reading?")
 
     def get(self, request_id: str, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
         """The outputs published for `request_id`, waiting up to `timeout_s`; consumes the entry.
@@ -345,15 +409,7 @@ class StageChannel(ABC):
         """The entry published for `request_id`, waiting up to `timeout_s` (for each chunk of a
         streamed one, then joined from position 0); consumes it. An entry the publisher failed
         (`fail`) raises a channel error naming its cause."""
-        chunks, stands = [], 0
-        for chunk in self._chunks(request_id, timeout_s):
-            if chunk.start != stands:  # joined rows must be every position, each once
-                raise OmniPrefixCacheChannelError(
-                    f"request {request_id}: a chunk from position {chunk.start} follows "
-                    f"positions up to {stands} on channel {self.spec}: another reader took the "
-                    f"chunks between, so its rows cannot be joined")
-            chunks.append(chunk)
-            stands = chunk.start + chunk.num_rows
+        chunks = list(self._chunks(request_id, timeout_s))
         if len(chunks) == 1:
             return chunks[0]
         return replace(chunks[-1], outputs=join_chunks(chunks), start=0)
@@ -361,38 +417,55 @@ class StageChannel(ABC):
     def stream(self, request_id: str, timeout_s: float = 30.0) -> Iterator[StageChunk]:
         """`request_id`'s next entry chunk by chunk as they are published, in order, each
         consumed once (a whole entry is one final chunk); `timeout_s` bounds the wait for each.
-        A failure the publisher put in their place raises where it was put. Readers racing on
-        one id split its chunks, each taken once and in order; the one that takes the final
-        chunk ends."""
+        A failure the publisher put in their place raises where it was put, and so does a
+        chunk that does not start where the last ended. The entry is the reader's alone: other
+        entries of the id stay for later reads, whatever their chunks' order."""
         for entry in self._chunks(request_id, timeout_s):
             yield StageChunk(entry.outputs, entry.start, entry.final, entry.aborted, entry.meta)
 
     def _chunks(self, request_id: str, timeout_s: float) -> Iterator[StageEntry]:
-        """The id's entries in put order up to a final one."""
-        while True:
-            chunk = self._next_chunk(request_id, timeout_s)
+        """The chunks of the id's next entry in order, up to its final one: the oldest chunk
+        that starts an entry (position 0), then that entry's alone. Whole or raising: a chunk
+        that does not start where the last ended is a channel error naming the positions."""
+        chunk, stands = None, 0
+        while chunk is None or not chunk.final:
+            chunk = self._next_chunk(request_id, timeout_s, chunk, stands)
+            if chunk.start != stands:
+                what = f"positions {stands}..{chunk.start - 1} are missing (expired unread)" \
+                    if chunk.start > stands else "it starts over"
+                raise OmniPrefixCacheChannelError(
+                    f"request {request_id}: a chunk of its entry on channel {self.spec} starts "
+                    f"at position {chunk.start}, not {stands}: {what}")
             yield chunk
-            if chunk.final:
-                return
+            stands = chunk.start + chunk.num_rows
 
-    def _next_chunk(self, request_id: str, timeout_s: float) -> StageEntry:
-        """The id's oldest entry (a chunk or a whole one), waiting up to `timeout_s`."""
+    def _next_chunk(self, request_id: str, timeout_s: float, last: StageEntry | None,
+                    stands: int) -> StageEntry:
+        """The next chunk of the entry whose chunk `last` was (None: the oldest chunk that
+        starts an entry), which continues from position `stands`, waiting up to `timeout_s`.
+        A reader that finds none and learns that its producer died takes once more (it may
+        have published before it died) before it reports the death."""
         check_timeout(timeout_s, f"get for request {request_id}")
         self._check_open(request_id)
+        awaited = Awaited() if last is None else Awaited(last.entry, last.producer)
         next_check = time.monotonic() + LIVENESS_CHECK_S
         def arrived() -> StageEntry | None:
             nonlocal next_check
             with self._operation(request_id):
                 self._maybe_sweep()
-                entry = self._take_entry(request_id)
+                entry = self._take_entry(request_id, awaited)
                 dead = None
                 if entry is None and time.monotonic() >= next_check:
                     next_check = time.monotonic() + LIVENESS_CHECK_S
-                    dead = self._dead_producer(request_id)
-            if dead is not None:
+                    dead = self._dead_producer(request_id, awaited.producer)
+                    if dead is not None:
+                        entry = self._take_entry(request_id, awaited)
+            if entry is None and dead is not None:
                 raise OmniPrefixCacheChannelProducerError(
                     f"request {request_id}: no entry on channel {self.spec}, and its producer "
-                    f"{dead} died before publishing it")
+                    f"{dead} died before publishing it" if last is None else
+                    f"request {request_id}: its entry on channel {self.spec} stops at position "
+                    f"{stands}: its producer {dead} is gone without publishing the rest")
             if entry is not None and entry.error is not None:
                 raise OmniPrefixCacheChannelError(
                     f"request {request_id}: its stage could not publish its rows on channel "
@@ -402,7 +475,10 @@ class StageChannel(ABC):
         with self._arrivals(request_id) as pause:
             return poll_until(arrived, timeout_s, lambda: OmniPrefixCacheChannelTimeoutError(
                 f"no entry for request {request_id} on channel {self.spec} within "
-                f"{timeout_s:g} s (entries live {self.ttl_s:g} s unless consumed)"),
+                f"{timeout_s:g} s (entries live {self.ttl_s:g} s unless consumed)"
+                if last is None else
+                f"request {request_id}: no chunk of its entry from position {stands} on channel "
+                f"{self.spec} within {timeout_s:g} s"),
                 first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S, sleep=pause)
 
     @contextmanager
@@ -436,8 +512,8 @@ class StageChannel(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r}{', closed' if self._closed else ''})"
 
-    def _take_entry(self, request_id: str) -> StageEntry | None:
-        data = self._take(request_id)
+    def _take_entry(self, request_id: str, awaited: Awaited) -> StageEntry | None:
+        data = self._take(request_id, awaited)
         if data is None:
             return None
         try:
@@ -507,9 +583,16 @@ class StageChannel(ABC):
         that more follow) ends this handle's expectation of the id."""
 
     @abstractmethod
-    def _take(self, request_id: str) -> torch.Tensor | None:
-        """Claims and frees the id's oldest unexpired entry; its bytes (flat uint8, the
-        caller's) or None. Exactly one take, of all handles, claims each entry."""
+    def _take(self, request_id: str, awaited: Awaited) -> torch.Tensor | None:
+        """Claims and frees the id's oldest unexpired entry that `awaited` accepts by its tag
+        (`peek` of its prefix; None: not one of this version's), leaving those before it in
+        place; its bytes (flat uint8, the caller's) or None. Exactly one take, of all handles,
+        claims each entry."""
+
+    def _producer_name(self) -> str:
+        """The name under which `_dead_producer` tests this handle's producer, for the entries
+        it publishes to carry; "" where it registered none."""
+        return ""
 
     @abstractmethod
     def _register_producer(self) -> None:
@@ -522,10 +605,12 @@ class StageChannel(ABC):
         its publish (entry or failure) removes the record."""
 
     @abstractmethod
-    def _dead_producer(self, request_id: str) -> str | None:
-        """A description of the dead producer (its pid and host) if `request_id`'s entry will
-        not come because its producer died: the producer that expected it is dead, or the
-        namespace has producers that died and none that lives. None otherwise."""
+    def _dead_producer(self, request_id: str, producer: str) -> str | None:
+        """A description of the dead producer (its pid and host) if `request_id`'s awaited
+        chunk will not come because its producer is gone: the one named `producer` (the
+        entry's, by `_producer_name`) where it is not ""; else the producer that expected the
+        id, or, if none did, the namespace's, when it has producers that died and none that
+        lives. None otherwise."""
 
     @abstractmethod
     def _sweep(self) -> None:

@@ -1,9 +1,14 @@
 """A stage entry and its wire form: a JSON header (keys, dtypes, shapes, offsets, meta), then bytes.
 
-Layout: `MAGIC` (8 bytes), the header's length (8 bytes, little endian), the UTF-8 JSON header,
+Layout: a fixed prefix (`MAGIC`, 8 bytes; the header's length, 8 bytes little endian; the
+entry's id, 16 bytes; the chunk's start position, 8 bytes little endian), the UTF-8 JSON header,
 then each tensor's raw bytes at `data_start + offset`, where `data_start` and every offset are
 multiples of `ALIGN`, so a decoded tensor is an aligned view of the buffer it was read into.
 Any strided torch dtype round-trips (bfloat16, float8, bool, complex...), 0-row tensors included.
+
+The prefix tells which entry a chunk belongs to and where it starts (`peek`), so a reader can
+choose the chunk it takes before it claims one: the chunks of one entry carry the id its
+producing handle minted at the entry's first chunk, and no other entry's chunks carry it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ import torch
 from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.devices.base import host_bytes
 
-MAGIC = b"OPCSTG\x00\x01"
+MAGIC = b"OPCSTG\x00\x02"
 ALIGN = 64
-_PREFIX = struct.Struct("<8sQ")  # magic, header length
+_PREFIX = struct.Struct("<8sQ16sQ")  # magic, header length, entry id, chunk start
+#: Bytes of an entry's id (`StageEntry.entry` is their hex).
+ENTRY_ID_BYTES = 16
+#: Bytes at the start of an encoded entry that `peek` reads.
+PREFIX_BYTES = _PREFIX.size
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,8 @@ class StageEntry:
     error: str | None = None  # the publisher could not publish the rows: why (no outputs then)
     start: int = 0  # the position of the first row
     final: bool = True  # no chunk follows under this entry
+    entry: str = ""  # the entry's id (hex), shared by its chunks alone; "": none given
+    producer: str = ""  # the backend's name of the live producer that published it; "": none
 
     @property
     def num_rows(self) -> int:
@@ -68,6 +79,41 @@ class EncodedEntry(NamedTuple):
         return EncodedEntry(self.nbytes, [(offset, memoryview(data.byte_copy().reshape(-1))
                                            if isinstance(data, PoolRows) else data)
                                           for offset, data in self.pieces])
+
+
+class ChunkTag(NamedTuple):
+    """What the prefix of a published chunk says: its entry's id (hex) and start position."""
+
+    entry: str
+    start: int
+
+
+def peek(prefix: bytes) -> ChunkTag | None:
+    """The tag in the first `PREFIX_BYTES` of an encoded entry; None if they are not one of
+    this version's."""
+    if len(prefix) < PREFIX_BYTES:
+        return None
+    magic, _, entry, start = _PREFIX.unpack_from(prefix)
+    return ChunkTag(_entry_hex(entry), start) if magic == MAGIC else None
+
+
+def _entry_hex(raw: bytes) -> str:
+    """The prefix's entry id as `StageEntry.entry` holds it (zeros: none given, "")."""
+    return raw.hex() if any(raw) else ""
+
+
+def _entry_raw(request_id: str, entry: str) -> bytes:
+    """`StageEntry.entry` as the prefix's bytes; a TypeError for one that is not an id."""
+    if not entry:
+        return bytes(ENTRY_ID_BYTES)
+    try:
+        raw = bytes.fromhex(entry)
+    except (TypeError, ValueError):
+        raw = b""
+    if len(raw) != ENTRY_ID_BYTES:
+        raise TypeError(f"request {request_id}: entry id {entry!r} is not {ENTRY_ID_BYTES} "
+                        f"bytes in hex")
+    return raw
 
 
 def _align(n: int) -> int:
@@ -110,7 +156,12 @@ def encode(entry: StageEntry) -> EncodedEntry:
         offset = _align(offset + nbytes)
     header_bytes = _header(entry, ",".join(tensors)).encode()
     data_start = _align(_PREFIX.size + len(header_bytes))
-    pieces = [(0, memoryview(_PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes))]
+    if isinstance(entry.start, bool) or not isinstance(entry.start, int) or entry.start < 0:
+        raise TypeError(f"request {entry.request_id}: the chunk start {entry.start!r} is not a "
+                        f"whole number")
+    prefix = _PREFIX.pack(MAGIC, len(header_bytes), _entry_raw(entry.request_id, entry.entry),
+                          entry.start)
+    pieces = [(0, memoryview(prefix + header_bytes))]
     pieces += [(data_start + off, payload) for off, payload in payloads]
     return EncodedEntry(data_start + offset, pieces)
 
@@ -127,27 +178,33 @@ def _header(entry: StageEntry, tensors: str) -> str:
         meta = json.dumps(entry.meta, separators=(",", ":")) if entry.meta else "{}"
         published_at = repr(published_at) if type(published_at) is float \
             and math.isfinite(published_at) else json.dumps(published_at)
-        if isinstance(entry.start, bool) or not isinstance(entry.start, int):
-            raise TypeError(f"the chunk start {entry.start!r} is not an int")
         error = "null" if error is None else _json_str(error)
+        if not isinstance(entry.producer, str):
+            raise TypeError(f"the producer {entry.producer!r} is not a str")
     except (TypeError, ValueError) as e:
         raise TypeError(f"request {request_id}: entry metadata is not JSON: {e}") from e
     return (f'{{"request_id":{_json_str(request_id)},"aborted":'
             f'{"true" if entry.aborted else "false"},"published_at":{published_at},'
-            f'"meta":{meta},"tensors":[{tensors}],"error":{error},"start":{entry.start:d},'
-            f'"final":{"true" if entry.final else "false"}}}')
+            f'"meta":{meta},"tensors":[{tensors}],"error":{error},'
+            f'"final":{"true" if entry.final else "false"},'
+            f'"producer":{_json_str(entry.producer)}}}')
 
 
 def join(encoded: EncodedEntry) -> torch.Tensor:
     """The wire form as one contiguous uint8 tensor (a copy, pool rows read once and let go),
-    for stores that take one buffer."""
+    for stores that take one buffer. A writer of pool rows calls it inside `reading`, as it
+    reads their `pool` at their `slots` in place."""
     out = torch.empty(encoded.nbytes, dtype=torch.uint8)
     dst, end = out.numpy(), 0
     for offset, data in encoded.pieces:
         dst[end:offset] = 0
         end = offset + data.nbytes
         if isinstance(data, PoolRows):
-            data.copy_into(dst[offset:end].reshape(len(data.slots), data.row_bytes))
+            rows, slots = dst[offset:end].reshape(len(data.slots), data.row_bytes), data.slots
+            present = slots >= 0
+            rows[~present] = 0
+            rows[present] = data.pool[slots[present]]
+            data.let_go()
         else:
             dst[offset:end] = np.frombuffer(data, dtype=np.uint8)
     dst[end:] = 0
@@ -172,7 +229,8 @@ def decode(data: torch.Tensor) -> StageEntry:
     """
     if data.numel() < _PREFIX.size:
         raise ValueError(f"{data.numel()} bytes is shorter than an entry's prefix")
-    magic, header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())
+    magic, header_len, entry, chunk_start = _PREFIX.unpack(
+        data[:_PREFIX.size].numpy().tobytes())
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}, not a stage entry of this version")
     data_start = _align(_PREFIX.size + header_len)
@@ -195,9 +253,9 @@ def decode(data: torch.Tensor) -> StageEntry:
     error = header.get("error")
     if error is not None and not isinstance(error, str):
         raise ValueError(f"error {error!r} is not a str")
-    start, final = header.get("start", 0), header.get("final", True)
-    if not _whole(start) or not isinstance(final, bool):
-        raise ValueError(f"chunk start {start!r} and final {final!r} must be a whole number "
-                         f"and a bool")
+    final, producer = header["final"], header["producer"]
+    if not isinstance(final, bool) or not isinstance(producer, str):
+        raise ValueError(f"final {final!r} and producer {producer!r} must be a bool and a str")
     return StageEntry(header["request_id"], outputs, header["aborted"], header["meta"],
-                      header["published_at"], error, start, final)
+                      header["published_at"], error, chunk_start, final, _entry_hex(entry),
+                      producer)

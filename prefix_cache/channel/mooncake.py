@@ -55,7 +55,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -65,8 +65,8 @@ import numpy as np
 import torch
 
 from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, LIVENESS_CHECK_S,
-                                       StageChannel, spec_number)
-from prefix_cache.channel.codec import EncodedEntry, join
+                                       Awaited, StageChannel, spec_number)
+from prefix_cache.channel.codec import PREFIX_BYTES, ChunkTag, EncodedEntry, join, peek
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
 logger = logging.getLogger(__name__)
@@ -368,6 +368,11 @@ class _Leases:
                 del self._changed[token]
                 self._values.pop(token, None)
 
+    def named(self, token: bytes) -> _Producer | None:
+        """The producer whose token is `token`, if a scan saw it in the slots."""
+        found = self._in_slots.get(token)
+        return found[1] if found is not None else None
+
     def dead(self, producer: _Producer) -> bool:
         changed = self._changed.setdefault(producer.token, time.monotonic())
         return time.monotonic() - changed >= LEASE_S
@@ -654,7 +659,8 @@ class MooncakeChannel(StageChannel):
                 f"a time")
         self._store.batch_remove(keys, force=True)
 
-    def _take(self, request_id: str) -> torch.Tensor | None:
+    def _take(self, request_id: str, awaited: Awaited) -> torch.Tensor | None:
+        accepts = awaited.accepts
         head = self.entry_key(request_id)
         tail = self._read_tail(head, request_id)
         if tail is None or tail.next == tail.first:
@@ -667,13 +673,15 @@ class MooncakeChannel(StageChannel):
             exists = self._store.batch_is_exist(keys)
             keys = [k for k, e in zip(keys, exists, strict=True) if e == 1]
         for key in keys:
-            data = self._take_key(key, request_id)
+            data = self._take_key(key, request_id, accepts)
             if data is not None:
                 return data
         return None
 
-    def _take_key(self, key: str, request_id: str) -> torch.Tensor | None:
-        """The bytes of `key` if this take removed it; None if it is gone or another took it."""
+    def _take_key(self, key: str, request_id: str, accepts: Callable[[ChunkTag | None], bool]
+                  ) -> torch.Tensor | None:
+        """The bytes of `key` if this take removed it; None if it is gone, another took it, or
+        `accepts` refuses its tag (then it stays)."""
         size = self._store.get_size(key)
         if size in _ABSENT:
             return None
@@ -690,6 +698,8 @@ class MooncakeChannel(StageChannel):
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: reading the entry for request {request_id} "
                 f"failed (read returned {read} for {size} bytes); the entry is kept")
+        if not accepts(peek(data[:PREFIX_BYTES].numpy().tobytes())):
+            return None
         removed = self._store.remove(key, force=True)
         if removed == OBJECT_NOT_FOUND:
             return None  # another reader claimed it first
@@ -784,8 +794,14 @@ class MooncakeChannel(StageChannel):
             self._held.expected.discard(key)
         self._store.remove(key, force=True)
 
-    def _dead_producer(self, request_id: str) -> str | None:
+    def _producer_name(self) -> str:
+        return self._producer.token.decode() if self._held.slot is not None else ""
+
+    def _dead_producer(self, request_id: str, producer: str) -> str | None:
         self._leases.scan()
+        if producer:
+            named = self._leases.named(producer.encode())
+            return str(named) if named is not None and self._leases.dead(named) else None
         key = self._expect_key(self.entry_key(request_id))
         try:
             expected = self._tails.get(key)

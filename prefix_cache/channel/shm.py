@@ -75,9 +75,9 @@ from urllib.parse import parse_qs, urlencode
 import torch
 
 from prefix_cache.channel import _shm
-from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, StageChannel,
-                                      spec_number)
-from prefix_cache.channel.codec import EncodedEntry
+from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, Awaited,
+                                      StageChannel, spec_number)
+from prefix_cache.channel.codec import PREFIX_BYTES, ChunkTag, EncodedEntry, peek
 from prefix_cache.channel.dir_watch import DirectoryWatch
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 
@@ -437,7 +437,16 @@ class ShmChannel(StageChannel):
             with suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def _dead_producer(self, request_id: str) -> str | None:
+    def _producer_name(self) -> str:
+        producer = self._producer
+        return producer.path.name if producer is not None else ""
+
+    def _dead_producer(self, request_id: str, producer: str) -> str | None:
+        if _PRODUCER_RE.fullmatch(producer):
+            if _held(self.directory / producer):
+                return None
+            record = _read_record(self.directory / producer)
+            return _describe(record) if record else f"{producer} (it closed)"
         record = _read_record(self._expectation_path(self._name(request_id)))
         if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
             if _held(self.directory / record["producer"]):
@@ -611,10 +620,11 @@ class ShmChannel(StageChannel):
         return (f"{self._root}/{_TEMP_PREFIX}{self._temp_token}-{os.getpid()}-"
                 f"{next(self._temp_count)}")
 
-    def _take(self, request_id: str) -> torch.Tensor | None:
+    def _take(self, request_id: str, awaited: Awaited) -> torch.Tensor | None:
         try:
             with self._locked():
-                taken = self._take_oldest(self._name(request_id), time.time() - self.ttl_s)
+                taken = self._take_oldest(self._name(request_id), time.time() - self.ttl_s,
+                                          awaited.accepts)
         except OSError as e:
             raise self._gone_or(e, f"cannot take an entry for request {request_id}") from e
         if taken is None and not self.directory.is_dir():
@@ -631,32 +641,50 @@ class ShmChannel(StageChannel):
             os.close(fd)
         return torch.frombuffer(view, dtype=torch.uint8)  # the mapping lives as long as it
 
-    def _take_oldest(self, name: str, expired_before: float) -> tuple[int, int] | None:
-        """Claims the id's oldest unexpired entry, freeing expired ones before it, and removes
-        the id's marker if no entry is left (caller holds the lock): its descriptor and size,
-        or None.
+    def _take_oldest(self, name: str, expired_before: float,
+                     accepts: Callable[[ChunkTag | None], bool]) -> tuple[int, int] | None:
+        """Claims the id's oldest unexpired entry that `accepts` its tag, freeing expired ones
+        it passes and leaving the others, and removes the id's marker if no entry is left
+        (caller holds the lock): its descriptor and size, or None.
 
-        The id's later entries a scan of the namespace finds are kept for the next takes
-        (`_later`): entries are numbered in publish order, so none published since is older,
-        and a backlog drains with one scan, not one per entry. One that another handle took
-        (or a sweep freed) since is passed over; where the kept ones run out, it scans again."""
+        The id's entries a scan of the namespace finds are kept for the next takes (`_later`):
+        entries are numbered in publish order, so none published since is older, and a backlog
+        drains with one scan, not one per entry. One that another handle took (or a sweep
+        freed) since is passed over; where the kept ones yield none, it scans again."""
         marker = f"{self._root}/{name}"
         if not os.path.lexists(marker):
             self._later.pop(name, None)
             return None
-        seqs, scanned, taken = self._later.pop(name, []), False, None
-        while taken is None:
-            if not seqs:
-                if scanned:
-                    break
+        seqs = self._later.pop(name, None)
+        scanned = seqs is None
+        while True:
+            if seqs is None:
                 seqs, scanned = self._entry_seqs(name), True
-                continue
-            taken = self._claim(f"{marker}.{seqs.pop()}", expired_before)
+            taken, seqs = self._claim_first(marker, seqs, expired_before, accepts)
+            if taken is not None or scanned:
+                break
+            seqs = None
         if seqs:
             self._later[name] = seqs
         elif scanned:  # no entry is left: none can be published while the lock is held
             os.unlink(marker)
         return taken
+
+    def _claim_first(self, marker: str, seqs: list[int], expired_before: float,
+                     accepts: Callable[[ChunkTag | None], bool]
+                     ) -> tuple[tuple[int, int] | None, list[int]]:
+        """The first entry of `seqs` (numbers newest first) that `_claim` takes, and the
+        numbers of the id's entries still there after it, newest first (caller holds the
+        lock)."""
+        left: list[int] = []  # passed over, oldest first
+        while seqs:
+            seq = seqs.pop()
+            claim = self._claim(f"{marker}.{seq}", expired_before, accepts)
+            if claim is True:
+                left.append(seq)
+            elif claim is not False:
+                return claim, seqs + left[::-1]
+        return None, left[::-1]
 
     def _entry_seqs(self, name: str) -> list[int]:
         """The numbers of the id's entries, newest first (caller holds the lock)."""
@@ -664,21 +692,27 @@ class ShmChannel(StageChannel):
                        if (entry := _ENTRY_RE.fullmatch(f.name)) and entry[1] == name
                        and entry[2]), reverse=True)
 
-    def _claim(self, path: str, expired_before: float) -> tuple[int, int] | None:
-        """Unlinks the entry at `path` and uncounts it (caller holds the lock): its descriptor
-        and size; None if it had expired (then it is freed, as a sweep would) or is gone
-        (another handle took it)."""
+    def _claim(self, path: str, expired_before: float,
+               accepts: Callable[[ChunkTag | None], bool]) -> tuple[int, int] | bool:
+        """Unlinks the entry at `path` and uncounts it if it is unexpired and `accepts` its tag
+        (caller holds the lock): its descriptor and size; True where it is left in place;
+        False if it had expired (then it is freed, as a sweep would) or is gone (another
+        handle took it)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            return None
-        os.unlink(path)
+            return False
         st = os.fstat(fd)
+        unexpired = st.st_mtime >= expired_before
+        if unexpired and not accepts(peek(os.pread(fd, PREFIX_BYTES, 0))):
+            os.close(fd)
+            return True
+        os.unlink(path)
         self._add_used(-st.st_size)
-        if st.st_mtime >= expired_before:
+        if unexpired:
             return fd, st.st_size
         os.close(fd)
-        return None
+        return False
 
     def _sweep(self) -> None:
         try:
