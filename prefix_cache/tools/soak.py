@@ -2,12 +2,15 @@
 
 Stage 1 runs on vLLM's CPU engine with the cache, prefix caching and streaming on (each request's
 rows published in chunks as it runs), in an engine-core process of its own, stepped by this
-process. A consumer in a process of its own (`prefix_cache.tools.soak_consumer`) reads every
-request's entry from the moment it is submitted: half whole (`get_entry`), half chunk by chunk
-(`stream`). Requests come from three prompt families sharing 64- and 96-token prefixes (two
-and three KV blocks) with distinct suffixes, so prefix hits happen, and generate greedily with
-`ignore_eos`, 2 to `MAX_GENERATED` tokens each, so every row is determined by the prompt.
-A seeded schedule injects, one at a time, the heavy faults:
+process. A consumer in a process of its own (`prefix_cache.tools.soak_consumer`) reads each
+request's entry, half whole (`get_entry`), half chunk by chunk (`stream`), most from the moment
+the request is submitted, `LAZY_SHARE` of them only once vLLM reports the request ended (a
+stage that reads lazily). Requests come from three prompt families sharing 64- and 96-token
+prefixes (two and three KV blocks) with distinct suffixes, so prefix hits happen, and generate
+greedily with `ignore_eos`, 2 to `MAX_GENERATED` tokens each, so every row is determined by the
+prompt. At most `MAX_RUNNING` are in the engine and `MAX_OUTSTANDING` without an outcome, so the
+engine runs on through a consumer stall. A schedule seeded by `--seed` (`FaultSchedule`: the
+same seed, the same faults) injects, one at a time, the heavy faults:
 
 - consumer stall: the consumer process is SIGSTOPped for `STALL_S`, longer than the channel's
   small capacity (`CAPACITY_BYTES`) takes to fill plus its full wait (`FULL_WAIT_S`), then
@@ -16,7 +19,10 @@ A seeded schedule injects, one at a time, the heavy faults:
   the new one drains what is left of those entries (chunk by chunk) so no id stays dirty;
 - producer kill: the engine-core process SIGKILLed (`kill_test.kill_engine`) and the engine
   started again; every request the consumer then learns died with it
-  (`OmniPrefixCacheChannelProducerError`) is retried under the same id and prompt;
+  (`OmniPrefixCacheChannelProducerError`) is retried under the same id and prompt, and so is
+  every cut request nobody read yet, at once and unread (its dead producer's chunks are then
+  in the channel before the retry's: they must never join it). A retry generates a different
+  number of tokens, so rows of the first try delivered to it show as wrong;
 
 and between them the light ones: an abort (vLLM's `abort_request` on a running request), an
 expiry (a request whose entry is read only `CHANNEL_TTL_S + EXPIRY_MARGIN_S` after it ended,
@@ -38,12 +44,15 @@ Accounting: every submitted request instance ends in exactly one of
   only where the soak killed it or it died), or its stage could not publish (the cause
   named: channel full, ...);
 - expired: a timeout or a hole, only for a request the soak read late on purpose;
-- held by a killed consumer (its rows are still checked where the drain got them all);
+- held by a killed consumer (the rows its drain got are still checked);
 - wrong: a row that is not its reference's (or a chunk that does not start where the rows before
   it ended, yielded without an error), too many rows, or too few without an abort;
 - lost: anything else (a timeout the soak did not cause, no answer at all).
-A producer reported dead while it lived, an error outside the channel's hierarchy, and an
-engine death the soak did not cause are problems too. Exit status 1 on any problem.
+A producer reported dead while it lived, a named failure of a cause the soak did not bring
+about (a channel full is always one it may have), an error outside the channel's hierarchy,
+and an engine death the soak did not cause are problems too. Exit status 1 on any problem.
+At the end, the ids that still have something in the channel are listed (not a problem: a
+dead producer's chunks may wait there for their expiry).
 
 The engine thread's longest stall is what this process observes: the longest wait, while the
 engine had requests, for one step's outputs from the engine-core process (its engine thread
