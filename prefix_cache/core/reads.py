@@ -137,9 +137,9 @@ class RowRead:
         try:
             for task in self.producers:
                 task.wait(timeout_s)
-        except BaseException as exc:
+        except BaseException as exc:  # raised even where `free_slots` ended the read first
             self._end(ReadState.FAILED, release, exc)
-            self._raise_if_failed()
+            raise OmniPrefixCacheError(f"{self.describe()}: {exc}") from exc
         return rows
 
     def free_slots(self, pool: PrefixBlockPool, outputs: OutputBuffers, timeout_s: float,
@@ -156,10 +156,11 @@ class RowRead:
             for task in self.producers:
                 try:
                     task.wait(timeout_s)
-                except OmniPrefixCacheError:
+                except OmniPrefixCacheError as exc:
                     if task.state is not TaskState.FAILED:
                         raise  # still landing: its rows are not all there to move
-                    # failed: `hold` raises it, and nobody reads these rows
+                    self._end(ReadState.FAILED, release, exc)  # `hold` raises it: nobody
+                    return  # reads these rows
             if not held.evict(timeout_s):
                 raise OmniPrefixCacheError(
                     f"{self.describe()}: its rows were still being copied out of the pool "
