@@ -12,11 +12,13 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from prefix_cache import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
 from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
+from prefix_cache.core.pool_rows import PoolRows, reading
 from prefix_cache.devices import get_backend
 from prefix_cache.devices.base import poll_until
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
@@ -183,3 +185,42 @@ def test_a_stage_turned_off_behind_a_stuck_output_thread_fails_later_requests_by
         sink.release.set()
         assert torch.equal(channel.get("a", timeout_s=5)[HIDDEN_KEY], token_rows([1, 2, 3], HIDDEN))
         driver.close()
+
+
+def pool_rows_over(pool: torch.Tensor, slots: list[int]) -> tuple[PoolRows, threading.Event]:
+    """Rows of `pool` at `slots` held for a writer, and the event their let-go sets."""
+    let_go = threading.Event()
+    byte_pool = pool.view(torch.uint8).numpy().reshape(len(pool), -1)
+    return PoolRows(byte_pool, np.array(slots, dtype=np.int64), (len(slots), pool.shape[1]),
+                    pool.dtype, let_go.set), let_go
+
+
+def test_rows_moved_out_of_the_pool_read_as_they_were_and_free_their_slots() -> None:
+    """`evict` copies held rows (and every span's) into memory of their own: the pool's slots
+    may be overwritten at once, and a writer reading them later reads the rows as they were."""
+    pool = torch.arange(40.0).reshape(10, 4)
+    rows, let_go = pool_rows_over(pool, [7, -1, 2, 3])
+    before = rows.byte_copy()  # a writer's copy lets the rows go
+    assert let_go.is_set()
+    rows, _ = pool_rows_over(pool, [7, -1, 2, 3])
+    span = rows.span(2, 4, lambda: None)
+    assert rows.evict(timeout_s=1)
+    pool.fill_(-1)  # a new tenant's write
+    assert (rows.byte_copy() == before).all()
+    assert (span.byte_copy() == before[2:]).all()
+
+
+def test_a_writer_reading_held_rows_delays_their_move_and_may_copy_them_itself() -> None:
+    """While a writer reads held rows in place (`reading`), a move waits for it (bounded:
+    False after its timeout); inside `reading` the writer may copy them too (no deadlock)."""
+    pool = torch.arange(40.0).reshape(10, 4)
+    rows, _ = pool_rows_over(pool, [1, 2])
+    copied = []
+    with reading([rows]):
+        mover = threading.Thread(target=lambda: copied.append(rows.evict(timeout_s=0.2)))
+        mover.start()
+        mover.join(5)
+        assert copied == [False]  # the writer still reads them: not moved
+        copied.append(rows.byte_copy())  # the same thread: reentrant
+    assert (copied[1].view(np.float32) == pool[[1, 2]].numpy()).all()
+    assert rows.evict(timeout_s=1)

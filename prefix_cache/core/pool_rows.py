@@ -31,14 +31,15 @@ class _Source:
     the pool's rows until `evict` moves them into an array of their own.
 
     Invariant: `lock` is held while a writer reads the rows and while they move, so a reader
-    sees them wholly in the pool or wholly moved."""
+    sees them wholly in the pool or wholly moved; it is reentrant, so a writer inside
+    `reading` may copy them (`copy_into`) too."""
 
     __slots__ = ("pool", "slots", "lock", "moved")
 
     def __init__(self, pool: np.ndarray, slots: np.ndarray) -> None:
         self.pool = pool
         self.slots = slots
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.moved = False
 
     def gather(self, slots: np.ndarray, out: np.ndarray) -> None:
