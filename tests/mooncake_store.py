@@ -17,7 +17,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 HOST = "127.0.0.1"
 _START_TIMEOUT_S = 20.0
@@ -94,16 +93,6 @@ class MooncakeStoreProcesses:
             self.stop()
             raise
         return self
-
-    def client(self) -> Any:
-        """A plain Mooncake Store client of this store, to look at keys as the store holds them."""
-        from mooncake.store import MooncakeDistributedStore
-        os.environ["MC_TCP_BIND_ADDRESS"] = HOST
-        store = MooncakeDistributedStore()
-        rc = store.setup(HOST, self.metadata_url, 0, 0, "tcp", "", self.master)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake client setup against {self.master} returned {rc}")
-        return store
 
     def stop(self) -> None:
         """SIGTERM each process by PID, newest first; SIGKILL what outlives the bound."""

@@ -32,14 +32,13 @@ from prefix_cache.channel import (OmniPrefixCacheChannelError, OmniPrefixCacheCh
 from prefix_cache.channel import base as channel_base
 from prefix_cache.channel.codec import EncodedEntry, StageEntry, decode, encode, join
 from prefix_cache.channel import mooncake as mooncake_module
-from prefix_cache.channel.mooncake import MooncakeChannel, TailBuffer, unconsumed_keys
+from prefix_cache.channel.mooncake import MooncakeChannel
 from prefix_cache.channel.shm import ShmChannel
 from prefix_cache.core.pool_rows import PoolRows
 from tests.mooncake_store import MooncakeStoreProcesses, free_port
 
 
 BIG_ELEMENTS = 16 << 20  # 64 MiB of float32
-IsPublished = Callable[[StageChannel, str], bool]
 
 
 def sample_outputs(seed: int, rows: int = 37) -> dict[str, torch.Tensor]:
@@ -86,20 +85,6 @@ def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.Proces
     return proc
 
 
-@pytest.fixture(scope="module")
-def mooncake_client(mooncake_store: MooncakeStoreProcesses) -> Iterator[Any]:
-    client = mooncake_store.client()
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def mooncake_tails(mooncake_client: Any) -> Iterator[tuple[Any, TailBuffer]]:
-    tails = TailBuffer(mooncake_client)
-    yield mooncake_client, tails
-    tails.close()
-
-
 @pytest.fixture(params=["shm", "mooncake"])
 def new_spec(request: pytest.FixtureRequest) -> str:
     """A spec that opens a new namespace of the backend; options may be appended with '&'."""
@@ -114,19 +99,19 @@ def channel(new_spec: str) -> Iterator[StageChannel]:
         yield channel
 
 
-@pytest.fixture
-def is_published(request: pytest.FixtureRequest) -> IsPublished:
-    """Whether the backend still holds a request's entry, asked of the backend itself."""
-    def check(channel: StageChannel, request_id: str) -> bool:
-        if isinstance(channel, ShmChannel):
-            return channel.entry_path(request_id).exists()
-        client, tails = request.getfixturevalue("mooncake_tails")
-        return bool(unconsumed_keys(client, tails, channel.entry_key(request_id)))
-    return check
+def is_published(channel: StageChannel, request_id: str) -> bool:
+    """Whether the backend still holds a request's entry, asked of its files or of the store
+    (through a handle of its own where `channel` is closed)."""
+    if isinstance(channel, ShmChannel):
+        return channel.entry_path(request_id).exists()
+    assert isinstance(channel, MooncakeChannel)
+    if channel._closed:
+        with open_channel(channel.spec) as probe:
+            return is_published(probe, request_id)
+    return bool(channel.entry_keys(request_id))
 
 
-def test_a_spawned_consumer_gets_exactly_the_rows(channel: StageChannel,
-                                                  is_published: IsPublished) -> None:
+def test_a_spawned_consumer_gets_exactly_the_rows(channel: StageChannel) -> None:
     results = multiprocessing.get_context("spawn").Queue()
     consumer = _spawn(_consume, channel.spec, results)
     channel.put("req-small", EXPECTED["req-small"]())
@@ -204,14 +189,14 @@ def _retold(data: torch.Tensor, change: Callable[[dict[str, Any]], None]) -> tor
     import json
 
     from prefix_cache.channel.codec import _PREFIX, ALIGN, MAGIC
-    _, header_len, entry_id, chunk_start = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())
+    _, header_len, *tag = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())
     header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes())
     old_start = -(-(_PREFIX.size + header_len) // ALIGN) * ALIGN
     change(header)
     text = json.dumps(header).encode()
     start = -(-(_PREFIX.size + len(text)) // ALIGN) * ALIGN
     out = torch.zeros(start + data.numel() - old_start, dtype=torch.uint8)
-    prefix = _PREFIX.pack(MAGIC, len(text), entry_id, chunk_start)
+    prefix = _PREFIX.pack(MAGIC, len(text), *tag)
     out[:_PREFIX.size] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
     out[_PREFIX.size:_PREFIX.size + len(text)] = torch.frombuffer(bytearray(text),
                                                                   dtype=torch.uint8)
@@ -244,7 +229,7 @@ def test_a_failed_entry_raises_at_its_get_naming_the_request_and_the_cause(
         channel.get("req-f", timeout_s=0.1)
 
 
-def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published: IsPublished) -> None:
+def test_an_entry_is_freed_once_consumed(channel: StageChannel) -> None:
     channel.put("req-1", sample_outputs(1))
     assert is_published(channel, "req-1")
     assert same_rows(channel.get("req-1", timeout_s=5), sample_outputs(1))
@@ -253,7 +238,7 @@ def test_an_entry_is_freed_once_consumed(channel: StageChannel, is_published: Is
         channel.get("req-1", timeout_s=0.1)
 
 
-def test_expired_entries_are_freed_unconsumed(new_spec: str, is_published: IsPublished) -> None:
+def test_expired_entries_are_freed_unconsumed(new_spec: str) -> None:
     with open_channel(new_spec + "&ttl=0.3") as channel, open_channel(channel.spec) as reader:
         assert reader.ttl_s == 0.3
         channel.put("req-old", sample_outputs(1))
@@ -288,27 +273,27 @@ def test_aborted_marker_and_metadata_round_trip(channel: StageChannel) -> None:
 def test_an_entrys_header_is_the_json_of_its_fields(entry: StageEntry) -> None:
     """The wire header (read by consumers of any version) is exactly the JSON of the entry's
     fields, in ASCII, whatever its id, error text and metadata hold; its prefix holds the
-    entry's id and the chunk's start (`peek`)."""
+    entry's id, the chunk's start and the publish time (`peek`)."""
     import json
 
     from prefix_cache.channel.codec import _PREFIX, ChunkTag, peek
     data = join(encode(entry))
     header_len = _PREFIX.unpack(data[:_PREFIX.size].numpy().tobytes())[1]
     text = data[_PREFIX.size:_PREFIX.size + header_len].numpy().tobytes()
-    fields = {"request_id": entry.request_id, "aborted": entry.aborted,
-              "published_at": entry.published_at, "meta": entry.meta,
+    fields = {"request_id": entry.request_id, "aborted": entry.aborted, "meta": entry.meta,
               "tensors": json.loads(text)["tensors"], "error": entry.error,
               "final": entry.final, "producer": entry.producer}
     assert text == json.dumps(fields, separators=(",", ":")).encode("ascii")
     assert [(t["key"], t["dtype"], t["shape"]) for t in fields["tensors"]] == [
         (key, str(value.dtype).removeprefix("torch."), list(value.shape))
         for key, value in entry.outputs.items()]
-    assert peek(data[:_PREFIX.size].numpy().tobytes()) == ChunkTag(entry.entry, entry.start)
+    assert peek(data[:_PREFIX.size].numpy().tobytes()) == ChunkTag(entry.entry, entry.start,
+                                                                   entry.published_at)
     decoded = decode(data)
     assert (decoded.request_id, decoded.meta, decoded.error, decoded.start, decoded.final,
-            decoded.entry, decoded.producer) == (entry.request_id, entry.meta, entry.error,
-                                                 entry.start, entry.final, entry.entry,
-                                                 entry.producer)
+            decoded.entry, decoded.producer, decoded.published_at) == (
+        entry.request_id, entry.meta, entry.error, entry.start, entry.final, entry.entry,
+        entry.producer, entry.published_at)
     assert all(torch.equal(decoded.outputs[k], v) for k, v in entry.outputs.items())
 
 
@@ -365,8 +350,7 @@ def test_the_consumer_owns_what_it_gets(channel: StageChannel) -> None:
     assert torch.equal(got["rows"], -kept["rows"])
 
 
-def test_a_namespace_owner_frees_everything_on_close(new_spec: str,
-                                                     is_published: IsPublished) -> None:
+def test_a_namespace_owner_frees_everything_on_close(new_spec: str) -> None:
     owner = open_channel(new_spec)
     joined = open_channel(owner.spec)
     joined.put("req-1", sample_outputs(1))
@@ -639,7 +623,7 @@ def test_a_forked_child_waits_for_its_parents_namespace_lock() -> None:
         assert same_rows(channel.get("forked", timeout_s=5), sample_outputs(3))
 
 
-def test_a_mooncake_channel_that_cannot_register_its_tail_buffer_closes_its_connection(
+def test_a_mooncake_channel_that_cannot_register_its_buffers_closes_its_connection(
         mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[Any] = []
 
@@ -678,7 +662,7 @@ def _rss_bytes() -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
-def test_2000_entries_leave_memory_flat(channel: StageChannel, is_published: IsPublished) -> None:
+def test_2000_entries_leave_memory_flat(channel: StageChannel) -> None:
     outputs = {HIDDEN_KEY: torch.randn(64, 256), "codec_ids": torch.arange(64 * 8).reshape(64, 8)}
 
     def round_trips(first: int, count: int) -> None:
@@ -745,22 +729,21 @@ def test_readers_racing_for_one_id_get_each_entry_exactly_once(channel: StageCha
     assert taken[0] == sorted(taken[0]) and taken[1] == sorted(taken[1])  # each in put order
 
 
-def test_mooncake_a_handle_never_orphans_another_handles_chain_under_the_same_id(
+def test_mooncake_handles_publishing_under_one_id_are_taken_in_put_order(
         mooncake_store: MooncakeStoreProcesses) -> None:
-    """A's entry under `r` is consumed; B starts a chain of its own under `r`. A's next put must
-    not write over B's tail (B's entry would be lost), and A's chain expiring must not take
-    B's tail with it."""
+    """A and B publish under `r` in turn, each into a chain of its own: the entries are taken
+    in put order, and A's chain expiring (swept by A) takes nothing of B's."""
     with open_channel(mooncake_store.spec + "&ttl=1") as first, \
             open_channel(first.spec.replace("ttl=1", "ttl=60")) as second:
         first.put("r", _marked(1))
         assert _mark(second.get("r", timeout_s=5)) == 1
         second.put("r", _marked(2))
-        with pytest.raises(OmniPrefixCacheChannelError, match="another handle's entries"):
-            first.put("r", _marked(3))
+        first.put("r", _marked(3))
+        second.put("r", _marked(4))
+        assert [_mark(first.get("r", timeout_s=5)) for _ in range(3)] == [2, 3, 4]
+        second.put("r", _marked(5))
         time.sleep(2.5)  # first's chain under `r` expires and is swept
-        assert _mark(first.get("r", timeout_s=5)) == 2
-        first.put("r", _marked(4))  # B's chain drained: A may start anew
-        assert _mark(second.get("r", timeout_s=5)) == 4
+        assert _mark(first.get("r", timeout_s=5)) == 5
 
 
 def test_mooncake_a_put_between_a_takes_read_and_remove_survives(

@@ -1,14 +1,14 @@
 """The Mooncake Store channel under races and crashes (a loopback store, real processes).
 
-A put racing the handle's own sweeper survives; entries expire whoever published them, and a
-closed or killed publisher's id can be published again after their time to live; a slow id
-stalls no other; a consumer learns within seconds that its producer died; a process killed at
-any store call of a put or a take leaves the id's other entries whole, in order, and no key
-that outlives its time to live.
+A put racing a sweeper, its handle's own or another's, survives; entries expire whoever
+published them, and a closed or killed publisher's keys are reclaimed after their time to live;
+a slow id stalls no other; a consumer learns within seconds that its producer died; a process
+killed at any store call of a put or a take leaves the id's other entries whole and in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
@@ -30,7 +30,7 @@ from prefix_cache.channel import (OmniPrefixCacheChannelError,
                                   OmniPrefixCacheChannelProducerError,
                                   OmniPrefixCacheChannelTimeoutError, open_channel)
 from prefix_cache.channel import mooncake as mooncake_module
-from prefix_cache.channel.mooncake import LEASE_S, MooncakeChannel
+from prefix_cache.channel.mooncake import LEASE_S, MooncakeChannel, _Chain
 from tests.mooncake_store import HOST, MooncakeStoreProcesses
 from tests.test_channel import RealClient, _mark, _marked, use_client
 
@@ -56,10 +56,18 @@ def _drain(channel: MooncakeChannel, request_id: str) -> list[int]:
 
 
 def _chain_keys(channel: MooncakeChannel, request_id: str) -> list[str]:
-    """Every key of the chain `request_id`'s tail names now, one past its next index too."""
+    """The keys of the entries the namespace's producers' records of `request_id` name now,
+    and of the one a killed put may have left past each chain."""
     head = channel.entry_key(request_id)
-    tail = channel._tails.read(head)
-    return [] if tail is None else tail.keys(head, past_next=True)
+    channel._leases.scan(0.0)
+    keys = []
+    for producer in channel._leases.producers():
+        record = channel._values.get(channel._record_key(head, producer.token))
+        if record is not None:
+            chain = _Chain.unpack(record)
+            keys += [chain.key(head, producer.token, i) for i in range(chain.first,
+                                                                       chain.next + 1)]
+    return keys
 
 
 def _existing(channel: MooncakeChannel, keys: list[str]) -> list[str]:
@@ -69,7 +77,7 @@ def _existing(channel: MooncakeChannel, keys: list[str]) -> list[str]:
 
 def test_a_put_in_the_sweepers_gap_keeps_its_entry(
         mooncake_store: MooncakeStoreProcesses) -> None:
-    """The handle's chain under `r` expires; the sweeper decides to remove its tail, and a
+    """The handle's chain under `r` expires; the sweeper decides to remove its record, and a
     put of `r` by the same handle lands just before the remove. The put returned: its entry
     must stay reachable."""
     with open_channel(mooncake_store.spec + "&ttl=0.5") as channel, \
@@ -110,6 +118,72 @@ def test_a_put_in_the_sweepers_gap_keeps_its_entry(
         assert _mark(reader.get("r", timeout_s=5)) == 2
 
 
+def test_a_sweep_racing_another_handles_put_of_the_same_id_keeps_that_entry(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """Handle A's chain under `r` expires and A sweeps it; handle B (another producer) puts `r`
+    between A's read of what it sweeps and A's first remove. B's put returned: its entry must
+    stay reachable."""
+    with open_channel(mooncake_store.spec + "&ttl=0.5") as a, \
+            open_channel(a.spec.replace("ttl=0.5", "ttl=60")) as b:
+        assert isinstance(a, MooncakeChannel)
+        a.put("r", _marked(1))
+        assert _mark(a.get("r", timeout_s=5)) == 1
+        a._stop.set()  # A's keeper thread stays out of the way
+        time.sleep(0.6)  # A's chain under `r` expired, not yet swept
+        store, raced = a._store, []
+
+        def put_first(remove: Callable[..., Any]) -> Callable[..., Any]:
+            def removing(*args: Any, **kwargs: Any) -> Any:
+                if not raced:
+                    raced.append(True)
+                    b.put("r", _marked(2))
+                return remove(*args, **kwargs)
+            return removing
+
+        class PutInTheGap:
+            remove = staticmethod(put_first(store.remove))
+            batch_remove = staticmethod(put_first(store.batch_remove))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+        a._store = PutInTheGap()
+        try:
+            a._sweep()
+        finally:
+            a._store = store
+        assert raced
+        assert _mark(b.get("r", timeout_s=5)) == 2
+
+
+def test_handles_publishing_under_one_id_at_once_lose_no_entry(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """Three handles put under one id at once while a fourth takes: every entry whose put
+    returned is taken exactly once, each handle's in its put order."""
+    count = 25
+    with open_channel(mooncake_store.spec) as reader:
+        handles = [open_channel(reader.spec) for _ in range(3)]
+        try:
+            putters = [threading.Thread(target=lambda i=i, h=h: [
+                h.put("r", _marked(100 * i + k)) for k in range(count)])
+                for i, h in enumerate(handles)]
+            for putter in putters:
+                putter.start()
+            taken: list[int] = []
+            deadline = time.monotonic() + 60
+            while len(taken) < 3 * count and time.monotonic() < deadline:
+                with contextlib.suppress(OmniPrefixCacheChannelTimeoutError):
+                    taken.append(_mark(reader.get("r", timeout_s=1)))
+            for putter in putters:
+                putter.join(30)
+        finally:
+            for handle in handles:
+                handle.close()
+    assert sorted(taken) == sorted(100 * i + k for i in range(3) for k in range(count))
+    for i in range(3):
+        assert [m for m in taken if m // 100 == i] == [100 * i + k for k in range(count)]
+
+
 def _publish_then_end(spec: str, end: str) -> None:
     """In a child: publish two entries of `r` and one of `s`, then close or be killed."""
     channel = open_channel(spec)
@@ -122,7 +196,7 @@ def _publish_then_end(spec: str, end: str) -> None:
 
 
 @pytest.mark.parametrize("end", ["close", "kill"])
-def test_a_gone_publishers_entries_expire_without_it_and_its_ids_are_free_again(
+def test_a_gone_publishers_entries_expire_without_it_and_others_publish_under_its_ids(
         mooncake_store: MooncakeStoreProcesses, end: str) -> None:
     with open_channel(mooncake_store.spec + "&ttl=3") as owner:
         publisher = _start(_publish_then_end, owner.spec, end)
@@ -130,14 +204,13 @@ def test_a_gone_publishers_entries_expire_without_it_and_its_ids_are_free_again(
         assert publisher.exitcode == (-signal.SIGKILL if end == "kill" else 0)
         left = _chain_keys(owner, "r") + _chain_keys(owner, "s")
         assert len(_existing(owner, left)) == 3
-        with pytest.raises(OmniPrefixCacheChannelError, match="another handle's entries"):
-            owner.put("r", _marked(3))  # unexpired: still another handle's
+        owner.put("r", _marked(3))  # beside the gone publisher's: taken after them
         time.sleep(3.1)
         with pytest.raises(OmniPrefixCacheChannelTimeoutError):
             owner.get("s", timeout_s=0.2)  # expired: not returned, removed
-        owner.put("r", _marked(4))  # expired: taken over
-        assert _existing(owner, left) == []
+        owner.put("r", _marked(4))
         assert _drain(owner, "r") == [4]
+        assert _existing(owner, left) == []
 
 
 class SlowForOneId(RealClient):
@@ -227,7 +300,8 @@ def test_a_producer_that_closed_is_not_reported_dead(
 
 class DyingAtCall(RealClient):
     """A client whose process exits at the `die_at`-th store call (from 0) the main thread
-    makes once armed, before that call runs."""
+    makes once armed, before that call runs; a lease's rewrite (due by the clock) is no call
+    of a put or a take."""
 
     die_at: int | None = None
     calls = 0
@@ -237,7 +311,9 @@ class DyingAtCall(RealClient):
 
         def maybe_die(*args: Any, **kwargs: Any) -> Any:
             cls = type(self)
-            if cls.die_at is not None and threading.current_thread() is threading.main_thread():
+            lease = name == "upsert_from" and "/.producer/" in args[0]
+            if cls.die_at is not None and not lease \
+                    and threading.current_thread() is threading.main_thread():
                 if cls.calls == cls.die_at:
                     os._exit(1)
                 cls.calls += 1
@@ -272,8 +348,10 @@ def _take_dying(spec: str, die_at: int) -> None:
     os._exit(1)
 
 
-PUT_CALLS = 6  # tail read, existence of the chain's keys, register, entry, unregister, tail
-TAKE_CALLS = 7  # tail read, existence, size, register, read, unregister, remove
+PUT_CALLS = 5  # existence of the chain's keys, register, entry, unregister, record
+#: the first take of a handle: register the slots' buffer, read the slots, the records, ask
+#: which entries exist, size, register, read, unregister, remove
+TAKE_CALLS = 9
 
 
 @pytest.mark.parametrize("die_at", range(PUT_CALLS + 1))
@@ -283,12 +361,31 @@ def test_a_put_killed_at_any_store_call_leaves_the_ids_other_entries_whole(
         child = _start(_put_dying, owner.spec, die_at)
         child.join(60)
         assert child.exitcode == 1
-        left = _chain_keys(owner, "r")
         assert _drain(owner, "r") == ([0, 1, 2] if die_at == PUT_CALLS else [0, 1])
         with open_channel(owner.spec) as other:
-            other.put("r", _marked(3))  # drained: the dead handle's chain is taken over
-            assert _existing(other, left) == []  # what the killed put left too
+            other.put("r", _marked(3))  # a producer restarted: the id goes on
             assert _drain(owner, "r") == [3]
+
+
+@pytest.mark.slow
+def test_a_killed_producers_keys_are_reclaimed_once_its_entries_expired(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """A producer killed mid-put (its entry stored, its record not) leaves nothing behind once
+    its slot stayed unchanged for LEASE_S plus the time to live: a handle that reads the slots
+    then removes its records, its entries (that one too) and its slot."""
+    with open_channel(mooncake_store.spec + "&ttl=1") as owner:
+        child = _start(_put_dying, owner.spec, 3)  # before the entry's buffer is unregistered
+        child.join(60)
+        assert child.exitcode == 1
+        head = owner.entry_key("r")
+        left = _chain_keys(owner, "r") + owner._leases.slots + [
+            owner._record_key(head, p.token) for p in owner._leases.producers()]
+        assert len(_existing(owner, left)) == 5  # 3 entries, the record, the slot
+        deadline = time.monotonic() + LEASE_S + 30
+        while _existing(owner, left) and time.monotonic() < deadline:
+            owner._leases.scan(0.0)
+            time.sleep(0.2)
+        assert _existing(owner, left) == []
 
 
 @pytest.mark.parametrize("die_at", range(TAKE_CALLS + 1))

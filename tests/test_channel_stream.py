@@ -245,3 +245,31 @@ def test_a_stream_whose_middle_chunk_expired_raises_naming_the_missing_positions
         with pytest.raises(OmniPrefixCacheChannelError,
                            match=r"request req-h: .*positions 4\.\.7"):
             next(chunks)
+
+
+def test_two_producers_streams_of_one_id_are_two_entries_in_the_order_they_started(
+        channel: StageChannel) -> None:
+    """Two handles stream one id at once (two live requests under one external id, or a stage
+    restarted under a retried id): their chunks interleave in the channel, yet each entry is
+    read whole, the one that started first first."""
+    with open_channel(channel.spec) as first, open_channel(channel.spec) as second:
+        first.put("req-2", positions(0, 4), start=0, final=False)
+        second.put("req-2", positions(0, 3), start=0, final=False)
+        first.put("req-2", positions(4, 6), start=4, final=False)
+        second.put("req-2", positions(3, 5), start=3, final=True)
+        first.put("req-2", positions(6, 7), start=6, final=True)
+    for end in (7, 5):
+        assert torch.equal(channel.get("req-2", timeout_s=5)[HIDDEN_KEY],
+                           positions(0, end)[HIDDEN_KEY])
+
+
+def test_a_failure_ends_its_own_handles_stream_of_the_id_alone(channel: StageChannel) -> None:
+    with open_channel(channel.spec) as first, open_channel(channel.spec) as second:
+        first.put("req-x", positions(0, 4), start=0, final=False)
+        second.put("req-x", positions(0, 2), start=0, final=False)
+        second.fail("req-x", "the second request failed")
+        first.put("req-x", positions(4, 6), start=4, final=True)
+    assert torch.equal(channel.get("req-x", timeout_s=5)[HIDDEN_KEY],
+                       positions(0, 6)[HIDDEN_KEY])
+    with pytest.raises(OmniPrefixCacheChannelError, match="the second request failed"):
+        channel.get("req-x", timeout_s=5)

@@ -1,20 +1,21 @@
 """A stage entry and its wire form: a JSON header (keys, dtypes, shapes, offsets, meta), then bytes.
 
 Layout: a fixed prefix (`MAGIC`, 8 bytes; the header's length, 8 bytes little endian; the
-entry's id, 16 bytes; the chunk's start position, 8 bytes little endian), the UTF-8 JSON header,
-then each tensor's raw bytes at `data_start + offset`, where `data_start` and every offset are
-multiples of `ALIGN`, so a decoded tensor is an aligned view of the buffer it was read into.
-Any strided torch dtype round-trips (bfloat16, float8, bool, complex...), 0-row tensors included.
+entry's id, 16 bytes; the chunk's start position, 8 bytes little endian; its publish time, a
+little-endian double), the UTF-8 JSON header, then each tensor's raw bytes at
+`data_start + offset`, where `data_start` and every offset are multiples of `ALIGN`, so a
+decoded tensor is an aligned view of the buffer it was read into. Any strided torch dtype
+round-trips (bfloat16, float8, bool, complex...), 0-row tensors included.
 
-The prefix tells which entry a chunk belongs to and where it starts (`peek`), so a reader can
-choose the chunk it takes before it claims one: the chunks of one entry carry the id its
-producing handle minted at the entry's first chunk, and no other entry's chunks carry it.
+The prefix tells which entry a chunk belongs to, where it starts and when it was published
+(`peek`), so a reader can choose the chunk it takes before it claims one: the chunks of one
+entry carry the id its producing handle minted at the entry's first chunk, and no other
+entry's chunks carry it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
@@ -28,7 +29,7 @@ from prefix_cache.devices.base import host_bytes
 
 MAGIC = b"OPCSTG\x00\x02"
 ALIGN = 64
-_PREFIX = struct.Struct("<8sQ16sQ")  # magic, header length, entry id, chunk start
+_PREFIX = struct.Struct("<8sQ16sQd")  # magic, header length, entry id, start, publish time
 #: Bytes of an entry's id (`StageEntry.entry` is their hex).
 ENTRY_ID_BYTES = 16
 #: Bytes at the start of an encoded entry that `peek` reads.
@@ -82,10 +83,12 @@ class EncodedEntry(NamedTuple):
 
 
 class ChunkTag(NamedTuple):
-    """What the prefix of a published chunk says: its entry's id (hex) and start position."""
+    """What the prefix of a published chunk says: its entry's id (hex), its start position and
+    its publish time (`time.time()` of the publishing machine)."""
 
     entry: str
     start: int
+    published_at: float
 
 
 def peek(prefix: bytes) -> ChunkTag | None:
@@ -93,8 +96,8 @@ def peek(prefix: bytes) -> ChunkTag | None:
     this version's."""
     if len(prefix) < PREFIX_BYTES:
         return None
-    magic, _, entry, start = _PREFIX.unpack_from(prefix)
-    return ChunkTag(_entry_hex(entry), start) if magic == MAGIC else None
+    magic, _, entry, start, published_at = _PREFIX.unpack_from(prefix)
+    return ChunkTag(_entry_hex(entry), start, published_at) if magic == MAGIC else None
 
 
 def _entry_hex(raw: bytes) -> str:
@@ -159,8 +162,11 @@ def encode(entry: StageEntry) -> EncodedEntry:
     if isinstance(entry.start, bool) or not isinstance(entry.start, int) or entry.start < 0:
         raise TypeError(f"request {entry.request_id}: the chunk start {entry.start!r} is not a "
                         f"whole number")
+    if isinstance(entry.published_at, bool) or not isinstance(entry.published_at, (int, float)):
+        raise TypeError(f"request {entry.request_id}: the publish time {entry.published_at!r} "
+                        f"is not a number")
     prefix = _PREFIX.pack(MAGIC, len(header_bytes), _entry_raw(entry.request_id, entry.entry),
-                          entry.start)
+                          entry.start, entry.published_at)
     pieces = [(0, memoryview(prefix + header_bytes))]
     pieces += [(data_start + off, payload) for off, payload in payloads]
     return EncodedEntry(data_start + offset, pieces)
@@ -171,20 +177,18 @@ def _header(entry: StageEntry, tensors: str) -> str:
     tensors' records are `tensors`, built as a string: a chunk's header is encoded on a
     streaming stage's output thread per request per step, where the encoder's object walk cost
     several times more."""
-    request_id, published_at, error = entry.request_id, entry.published_at, entry.error
+    request_id, error = entry.request_id, entry.error
     try:
         if not isinstance(request_id, str):
             raise TypeError(f"the request id {request_id!r} is not a str")
         meta = json.dumps(entry.meta, separators=(",", ":")) if entry.meta else "{}"
-        published_at = repr(published_at) if type(published_at) is float \
-            and math.isfinite(published_at) else json.dumps(published_at)
         error = "null" if error is None else _json_str(error)
         if not isinstance(entry.producer, str):
             raise TypeError(f"the producer {entry.producer!r} is not a str")
     except (TypeError, ValueError) as e:
         raise TypeError(f"request {request_id}: entry metadata is not JSON: {e}") from e
     return (f'{{"request_id":{_json_str(request_id)},"aborted":'
-            f'{"true" if entry.aborted else "false"},"published_at":{published_at},'
+            f'{"true" if entry.aborted else "false"},'
             f'"meta":{meta},"tensors":[{tensors}],"error":{error},'
             f'"final":{"true" if entry.final else "false"},'
             f'"producer":{_json_str(entry.producer)}}}')
@@ -229,7 +233,7 @@ def decode(data: torch.Tensor) -> StageEntry:
     """
     if data.numel() < _PREFIX.size:
         raise ValueError(f"{data.numel()} bytes is shorter than an entry's prefix")
-    magic, header_len, entry, chunk_start = _PREFIX.unpack(
+    magic, header_len, entry, chunk_start, published_at = _PREFIX.unpack(
         data[:_PREFIX.size].numpy().tobytes())
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}, not a stage entry of this version")
@@ -257,5 +261,4 @@ def decode(data: torch.Tensor) -> StageEntry:
     if not isinstance(final, bool) or not isinstance(producer, str):
         raise ValueError(f"final {final!r} and producer {producer!r} must be a bool and a str")
     return StageEntry(header["request_id"], outputs, header["aborted"], header["meta"],
-                      header["published_at"], error, chunk_start, final, _entry_hex(entry),
-                      producer)
+                      published_at, error, chunk_start, final, _entry_hex(entry), producer)

@@ -6,30 +6,38 @@ the memory segments of its clients. This channel's clients contribute none, so a
 Entries move through buffers registered with the store, so their size is bounded by the
 holder's segment, not by a client-side buffer.
 
-The store has no compare-and-swap, so no entry key is ever written twice: the entries of one id
-form a chain of keys `NAMESPACE/HMAC(id)/TOKEN.I`, I = 0, 1, 2..., and the key
-`NAMESPACE/HMAC(id)` (the tail) holds TOKEN, the lowest index that may be unconsumed, the next
-index and the deadline of the chain's newest entry (the publisher's wall clock plus its time to
-live). A take reads the tail, then the chain's oldest existing key, then removes that key:
-exactly one take's remove succeeds, and it removes exactly the bytes it read. A put writes the
-entry at the next index, then the tail; a new chain's tail is written first, so every key a put
-leaves, even one killed between its calls, is named by a tail (at most one index past `next`).
+The store has no compare-and-swap, so every key has one writer, and no key is written twice
+but a handle's own record. A handle that publishes is a producer: it holds a slot
+`NAMESPACE/.producer/K` naming its token T, and keeps, per request id, a chain of its own:
+the record `NAMESPACE/HMAC(id)/T` holds the chain's run R, the lowest index that may be
+unconsumed, the next index and the deadline of the chain's newest entry (the publisher's wall
+clock plus its time to live); its entries are `NAMESPACE/HMAC(id)/T.R.I`, I = 0, 1, 2... Only T
+writes or removes its records, under a lock per id, so no handle's sweep or put can touch
+another's chain; an entry key is written once (a new run draws a new R), so a remove only ever
+removes what its caller read: exactly one take's remove of an entry succeeds. A put writes the
+entry, then the record.
 
-One handle publishes under an id at a time, and a handle's puts of one id run one at a time
-(a lock per id; different ids never wait for each other). A handle that finds another's chain
-under an id takes it over once it is drained or expired, removing what is left of it; while
-it has unexpired unconsumed entries, the put is refused. Expiry needs no publisher: a take
-removes the entries of an expired chain rather than return them, a put under the id clears
-them, and each handle's keeper thread removes what it published once expired. Clocks of the
-machines are assumed synchronised well within the time to live. The handle counts the bytes of
-its unconsumed entries against the channel's capacity. Size the holder's segment above the
-capacity of the channels using it: the master evicts old keys silently at 90% of its segments.
+A reader finds an id's chains through the slots (the namespace's producers, read at most every
+DISCOVERY_S) and takes the oldest chunk it awaits: chains of several producers under one id are
+several entries, taken in the order their chunks were published (read in place from their
+prefixes, `peek`, where more than one chain holds some).
 
-A producer (`register_producer`) holds a lease, slot `NAMESPACE/.producer/K`, that its keeper
-rewrites every LEASE_REFRESH_S; `expect(id)` stores `NAMESPACE/.expect/HMAC(id)` naming it,
-removed by its put. A waiter judges a producer dead when its lease has not changed, or has
-been gone, for LEASE_S of the waiter's own clock; a clean close removes the expectations first,
-so a producer that closed is never judged dead for them.
+Expiry needs no publisher: a take removes the entries of an expired chain rather than return
+them, and each handle's keeper thread removes what it published once expired, records too.
+Clocks of the machines are assumed synchronised well within the time to live. The handle counts
+the bytes of its unconsumed entries against the channel's capacity. Size the holder's segment
+above the capacity of the channels using it: the master evicts old keys silently at 90% of its
+segments.
+
+A producer's keeper rewrites its slot (its lease) every LEASE_REFRESH_S, and so does a put that
+finds it due; `expect(id)` stores `NAMESPACE/.expect/HMAC(id)/T`, removed by its final put. A
+waiter judges a producer dead when its lease has not changed, or has been gone, for LEASE_S of
+the waiter's own clock. A clean close removes the handle's expectations first, so a producer
+that closed is never judged dead for them, then frees its slot and records where it left no
+entry, else marks its slot closed: its chains stay readable. Any handle reclaims a slot that
+stayed unchanged for LEASE_S plus the time to live (a producer that closed or died), removing
+every key of that producer (the store's remove by pattern): by then its entries expired. A
+producer starved of its lease that long is taken for dead.
 
 Mooncake has no authentication of its own: it belongs on a private network. The master,
 metadata server and holder bind where their flags say; the transfer engine inside every client
@@ -46,6 +54,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import re
 import secrets
@@ -78,18 +87,25 @@ _ABSENT = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
 #: A put session refused: the key exists or is being stored.
 OBJECT_ALREADY_EXISTS = -705
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]+")
-# magic, chain token, first index maybe unconsumed, next index, newest entry's deadline (time())
-_TAIL = struct.Struct("<8s16sQQd")
-_TAIL_MAGIC = b"OPCTAIL2"
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}")
+# magic, run, first index maybe unconsumed, next index, newest entry's deadline (time())
+_CHAIN = struct.Struct("<8s16sQQd")
+_CHAIN_MAGIC = b"OPCCHN03"
 _RECORD = struct.Struct("<16sQQ32s")  # a producer's token, pid, lease counter, host
-#: Bytes of each buffer small values (tails, producer records) move through.
+#: The lease counter of a producer that closed: its chains stay readable, it is never dead.
+CLOSED = (1 << 64) - 1
+#: Bytes each small value (a chain's record, a producer's) may hold.
 SMALL_BYTES = 64
-#: Producer slots of a namespace; a waiter reads them all in one call.
+#: Producer slots of a namespace; a reader reads them all in one call.
 MAX_PRODUCERS = 64
-#: How often a producer's keeper rewrites its lease.
+#: How often a producer rewrites its lease.
 LEASE_REFRESH_S = 1.0
 #: How long a lease may stay unchanged (or gone), by a waiter's clock, before its producer is dead.
 LEASE_S = 4.0
+#: How old a reader's view of the namespace's producers (where it finds an id's chains) may be.
+DISCOVERY_S = 0.1
+#: How many keys of each chain a reader peeks at to order chains by their chunks' age.
+PEEK_KEYS = 8
 #: Bytes of unconsumed entries a namespace's publisher keeps in the store unless told otherwise.
 DEFAULT_CAPACITY = 1 << 30
 #: How long connecting waits for the master's port to accept before saying it is not there.
@@ -130,81 +146,113 @@ def _local_address(master_host: str, master_port: int) -> str:
         return probe.getsockname()[0]
 
 
+def producer_keys(namespace: str, token: str) -> str:
+    """The pattern (for the store's remove by pattern) of every key of the producer `token`:
+    its records, entries and expectations."""
+    return f"^{re.escape(namespace)}/(\\.expect/)?[0-9a-f]{{64}}/{token}(\\.|$)"
+
+
 @dataclass
 class _Held:
-    """The keys this handle holds as a producer, removed when it closes: its lease slot and
-    the expectations it has not fulfilled (expectations first: then no waiter mistakes the
-    close for a death)."""
+    """What this handle holds as a producer, given back when it closes: its slot (and the slot's
+    record saying it closed), the expectations it has not fulfilled (removed first: then no
+    waiter mistakes the close for a death), and whether it left no entry (then its slot and
+    every key of its own go; else the slot says it closed, and its chains stay readable)."""
 
+    token: str
     slot: str | None = None
+    closed_record: bytes = b""
     expected: set[str] = field(default_factory=set)
+    drained: bool = False
 
 
-def _release(store: Any, tails: TailBuffer, leases: _Leases, held: _Held,
-             namespace: str | None, owner_pid: int, stop: threading.Event) -> None:
+def _release(store: Any, values: SmallValues, leases: _Leases, held: _Held, namespace: str,
+             owner: bool, owner_pid: int, stop: threading.Event) -> None:
     stop.set()  # the keeper ends before its next store call
     if os.getpid() == owner_pid:
         if held.expected:
             store.batch_remove(sorted(held.expected), force=True)
-        if held.slot is not None:
-            store.remove(held.slot, force=True)
-        if namespace is not None:
+        if owner:
             store.remove_by_regex(f"^{re.escape(namespace)}/", force=True)
+        elif held.slot is not None and held.drained:
+            store.remove_by_regex(producer_keys(namespace, held.token), force=True)
+            store.remove(held.slot, force=True)
+        elif held.slot is not None:
+            values.upsert(held.slot, held.closed_record)
     leases.close()
-    tails.close()
+    values.close()
     store.close()
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Chain:
-    """A chain of one id's entries as its tail holds it: its token, lowest maybe-unconsumed
-    index, next index, and when its newest entry expires (the publisher's `time.time()`)."""
+    """A producer's chain of one id's entries as its record holds it: its run (the keys of a new
+    run are new), the lowest index that may be unconsumed, the next index, and when its newest
+    entry expires (the publisher's `time.time()`)."""
 
-    token: bytes
+    run: str
     first: int
     next: int
     deadline: float
 
-    def key(self, head: str, index: int) -> str:
-        return f"{head}/{self.token.decode()}.{index}"
+    def key(self, head: str, token: str, index: int) -> str:
+        return f"{head}/{token}.{self.run}.{index}"
 
-    def keys(self, head: str, *, past_next: bool = False) -> list[str]:
-        """The keys of indices `first` to `next`, and `next` itself if `past_next` (where a put
-        killed before writing the tail left its entry)."""
-        return [self.key(head, i) for i in range(self.first, self.next + past_next)]
+    def keys(self, head: str, token: str) -> list[str]:
+        """The keys of indices `first` to `next` (exclusive)."""
+        return [self.key(head, token, i) for i in range(self.first, self.next)]
 
     def expired(self) -> bool:
         return self.deadline <= time.time()
 
+    def pack(self) -> bytes:
+        return _CHAIN.pack(_CHAIN_MAGIC, self.run.encode(), self.first, self.next,
+                           self.deadline)
+
+    @staticmethod
+    def unpack(raw: bytes) -> _Chain:
+        """The chain in a record; a ValueError if it is not one this channel wrote."""
+        if len(raw) != _CHAIN.size:
+            raise ValueError(f"is not one this channel wrote ({len(raw)} bytes)")
+        magic, run, first, nxt, deadline = _CHAIN.unpack(raw)
+        if magic != _CHAIN_MAGIC or first > nxt or not _TOKEN_RE.fullmatch(run.decode("latin-1")):
+            raise ValueError("is not one this channel wrote")
+        return _Chain(run.decode(), first, nxt, deadline)
+
 
 @dataclass(frozen=True)
 class _Producer:
-    """A producing handle as its lease and its expectations name it."""
+    """A producing handle as its slot and its expectations name it."""
 
-    token: bytes
+    token: str
     pid: int
     host: str
 
     def record(self, counter: int) -> bytes:
-        return _RECORD.pack(self.token, self.pid, counter, self.host.encode()[:32])
+        return _RECORD.pack(self.token.encode(), self.pid, counter, self.host.encode()[:32])
 
     @staticmethod
-    def from_record(raw: bytes) -> _Producer:
-        token, pid, _, host = _RECORD.unpack(raw)
-        return _Producer(token, pid, host.rstrip(b"\0").decode(errors="replace"))
+    def from_record(raw: bytes) -> tuple[_Producer, int]:
+        """The producer a record names, and its lease counter."""
+        token, pid, counter, host = _RECORD.unpack(raw)
+        return _Producer(token.decode("latin-1"), pid,
+                         host.rstrip(b"\0").decode(errors="replace")), counter
 
     def __str__(self) -> str:
         return f"pid {self.pid} on host {self.host}"
 
 
-class TailBuffer:
-    """Tails and other values of at most SMALL_BYTES, moved through buffers registered with the
-    store once each (a registration costs about a millisecond on loopback, several gets' worth,
-    and every poll of a get reads a tail). Threads take buffers of their own: none waits for
+class SmallValues:
+    """Values of at most SMALL_BYTES each (chains' records, producers' records, entries'
+    prefixes), up to MAX_PRODUCERS in one call, moved through buffers registered with the store
+    once each (a registration costs about a millisecond on loopback, several gets' worth, and
+    every poll of a get reads records). Threads take buffers of their own: none waits for
     another's store call.
 
     Invariant: a buffer serves one store call at a time; each stays registered until `close`.
     """
+
+    _BUFFER_BYTES = MAX_PRODUCERS * SMALL_BYTES
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -213,12 +261,12 @@ class TailBuffer:
         self._free = [self._register()]  # a store that refuses registrations fails at open
 
     def _register(self) -> torch.Tensor:
-        buffer = torch.zeros(SMALL_BYTES, dtype=torch.uint8)
-        rc = self._store.register_buffer(buffer.data_ptr(), SMALL_BYTES)
+        buffer = torch.zeros(self._BUFFER_BYTES, dtype=torch.uint8)
+        rc = self._store.register_buffer(buffer.data_ptr(), self._BUFFER_BYTES)
         if rc != 0:
             raise OmniPrefixCacheChannelError(
-                f"mooncake channel: registering a {SMALL_BYTES}-byte buffer failed with Mooncake "
-                f"code {rc}")
+                f"mooncake channel: registering a {self._BUFFER_BYTES}-byte buffer failed with "
+                f"Mooncake code {rc}")
         with self._lock:
             self._all.append(buffer)
         return buffer
@@ -238,14 +286,38 @@ class TailBuffer:
 
     def get(self, key: str) -> bytes | None:
         """The value of `key`, None if there is none; a ValueError if it cannot be read."""
+        return self.get_all([key])[0]
+
+    def get_all(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each of `keys` (at most MAX_PRODUCERS), None where there is none, in one
+        call; a ValueError if one cannot be read."""
+        if not keys:
+            return []
         with self._buffer() as buffer:
-            read = self._store.get_into(key, buffer.data_ptr(), SMALL_BYTES)
-            raw = buffer.numpy()[:max(read, 0)].tobytes()
-        if read in _ABSENT:
-            return None
-        if read < 0:
-            raise ValueError(f"could not be read (Mooncake code {read})")
-        return raw
+            ptr = buffer.data_ptr()
+            reads = self._store.batch_get_into(
+                list(keys), [ptr + k * SMALL_BYTES for k in range(len(keys))],
+                [SMALL_BYTES] * len(keys))
+            raw = buffer.numpy()[:len(keys) * SMALL_BYTES].tobytes()
+        for key, read in zip(keys, reads, strict=True):
+            if read < 0 and read not in _ABSENT:
+                raise ValueError(f"{key} could not be read (Mooncake code {read})")
+        return [None if read < 0 else raw[k * SMALL_BYTES:k * SMALL_BYTES + read]
+                for k, read in enumerate(reads)]
+
+    def prefixes(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The first PREFIX_BYTES of each of `keys` (at most MAX_PRODUCERS), read in place in one
+        call; None where the key is gone or cannot be read."""
+        if not keys:
+            return []
+        with self._buffer() as buffer:
+            ptr, n = buffer.data_ptr(), len(keys)
+            reads = self._store.get_into_ranges(
+                [ptr], [list(keys)], [[[k * PREFIX_BYTES] for k in range(n)]],
+                [[[0]] * n], [[[PREFIX_BYTES]] * n])[0]
+            raw = buffer.numpy()[:n * PREFIX_BYTES].tobytes()
+        return [raw[k * PREFIX_BYTES:(k + 1) * PREFIX_BYTES] if read == [PREFIX_BYTES] else None
+                for k, read in enumerate(reads)]
 
     def upsert(self, key: str, value: bytes) -> int:
         """Stores `value` under `key`, replacing any; Mooncake's return code."""
@@ -269,24 +341,6 @@ class TailBuffer:
             raise ValueError(f"could not be created (wrote {written}, ended {ended})")
         return True
 
-    def read(self, head: str) -> _Chain | None:
-        """The chain the tail `head` names, None if there is no tail; a ValueError if it cannot
-        be read or is not a tail."""
-        raw = self.get(head)
-        if raw is None:
-            return None
-        if len(raw) != _TAIL.size:
-            raise ValueError(f"is not one this channel wrote ({len(raw)} bytes)")
-        magic, token, first, nxt, deadline = _TAIL.unpack(raw)
-        if magic != _TAIL_MAGIC or first > nxt:
-            raise ValueError("is not one this channel wrote")
-        return _Chain(token, first, nxt, deadline)
-
-    def write(self, head: str, chain: _Chain) -> int:
-        """Stores `chain` as the tail `head`; Mooncake's return code."""
-        return self.upsert(head, _TAIL.pack(_TAIL_MAGIC, chain.token, chain.first, chain.next,
-                                            chain.deadline))
-
     def close(self) -> None:
         with self._lock:
             buffers, self._all, self._free = self._all, [], []
@@ -294,18 +348,12 @@ class TailBuffer:
             self._store.unregister_buffer(buffer.data_ptr())
 
 
-def unconsumed_keys(store: Any, tails: TailBuffer, head: str) -> list[str]:
-    """The keys of the unconsumed entries of the chain whose tail is `head`, oldest first."""
-    tail = tails.read(head)
-    keys = [] if tail is None else tail.keys(head)
-    exists = store.batch_is_exist(keys) if keys else []
-    return [k for k, e in zip(keys, exists, strict=True) if e == 1]
-
-
 class _Leases:
-    """The producers' leases of a namespace as one handle watches them: a producer is dead
-    once its lease's value has stayed the same, or been gone, for LEASE_S of this handle's
-    monotonic clock (no clock is compared across machines).
+    """The producers' slots of a namespace as one handle watches them: a producer is dead once
+    its lease's value has stayed the same, or been gone, for LEASE_S of this handle's monotonic
+    clock (no clock is compared across machines); one whose slot says CLOSED closed. A slot that
+    stayed unchanged for `reclaim_after_s` more (a producer that died or closed) is reclaimed:
+    every key of its producer, then the slot, removed.
 
     Invariant: `_changed[token]` is when this handle last saw that producer's lease change;
     first hearing of a producer counts as a change.
@@ -313,25 +361,26 @@ class _Leases:
 
     def __init__(self, store: Any, namespace: str, reclaim_after_s: float) -> None:
         self._store = store
+        self._namespace = namespace
         self.slots = [f"{namespace}/.producer/{k}" for k in range(MAX_PRODUCERS)]
         self._reclaim_after_s = reclaim_after_s
         self._buffer = torch.zeros(MAX_PRODUCERS * _RECORD.size, dtype=torch.uint8)
         self._registered = False
         self._lock = threading.Lock()  # one scan at a time; others use its result
-        self._values: dict[bytes, bytes] = {}
-        self._changed: dict[bytes, float] = {}
-        self._in_slots: dict[bytes, tuple[str, _Producer]] = {}  # at the last scan
-        self._next_scan = 0.0
+        self._values: dict[str, bytes] = {}
+        self._changed: dict[str, float] = {}
+        self._in_slots: dict[str, tuple[str, _Producer, bool]] = {}  # slot, producer, closed
+        self._scanned = -math.inf
 
-    def scan(self) -> None:
-        """Reads every slot in one call, at most every LIVENESS_CHECK_S; a scan in progress on
-        another thread serves instead. Removes the slots of producers long dead."""
-        if time.monotonic() < self._next_scan or not self._lock.acquire(blocking=False):
+    def scan(self, max_age_s: float) -> None:
+        """Reads every slot in one call unless the last scan is younger than `max_age_s`; a scan
+        in progress on another thread serves instead. Reclaims the slots of producers long gone."""
+        if time.monotonic() - self._scanned < max_age_s or not self._lock.acquire(blocking=False):
             return
         try:
             self._read_slots()
             self._reclaim()
-            self._next_scan = time.monotonic() + LIVENESS_CHECK_S
+            self._scanned = time.monotonic()
         finally:
             self._lock.release()
 
@@ -345,41 +394,55 @@ class _Leases:
         reads = self._store.batch_get_into(self.slots, [ptr + k * size for k in range(
             MAX_PRODUCERS)], [size] * MAX_PRODUCERS)
         now, raw = time.monotonic(), self._buffer.numpy().tobytes()
-        self._in_slots = {}
+        in_slots = {}
         for k, (slot, read) in enumerate(zip(self.slots, reads, strict=True)):
             if read != size:
                 continue
             value = raw[k * size:(k + 1) * size]
-            producer = _Producer.from_record(value)
-            self._in_slots[producer.token] = (slot, producer)
+            producer, counter = _Producer.from_record(value)
+            if not _TOKEN_RE.fullmatch(producer.token):
+                continue  # not a record this channel wrote
+            in_slots[producer.token] = (slot, producer, counter == CLOSED)
             if self._values.get(producer.token) != value:
                 self._values[producer.token], self._changed[producer.token] = value, now
+        self._in_slots = in_slots
 
     def _reclaim(self) -> None:
-        """Frees the slots of producers dead for `reclaim_after_s` more than LEASE_S, and
-        forgets producers gone from the slots as long."""
+        """Removes every key of the producers whose slot stayed unchanged for LEASE_S more
+        than `reclaim_after_s`, then their slots, and forgets producers gone from the slots
+        as long."""
         now = time.monotonic()
         for token, changed in list(self._changed.items()):
             if now - changed < LEASE_S + self._reclaim_after_s:
                 continue
             if token in self._in_slots:
+                self._store.remove_by_regex(producer_keys(self._namespace, token), force=True)
                 self._store.remove(self._in_slots.pop(token)[0], force=True)
             else:
                 del self._changed[token]
                 self._values.pop(token, None)
 
-    def named(self, token: bytes) -> _Producer | None:
-        """The producer whose token is `token`, if a scan saw it in the slots."""
+    def producers(self) -> list[_Producer]:
+        """The producers in the slots at the last scan: live, dead or closed."""
+        return [producer for _, producer, _ in self._in_slots.values()]
+
+    def find(self, token: str) -> tuple[_Producer, bool] | None:
+        """The producer whose token is `token` and whether it closed, if the last scan saw it."""
         found = self._in_slots.get(token)
-        return found[1] if found is not None else None
+        return (found[1], found[2]) if found is not None else None
 
     def dead(self, producer: _Producer) -> bool:
+        """Whether `producer` died: its lease unchanged for LEASE_S (a closed one never)."""
+        found = self._in_slots.get(producer.token)
+        if found is not None and found[2]:
+            return False
         changed = self._changed.setdefault(producer.token, time.monotonic())
         return time.monotonic() - changed >= LEASE_S
 
     def all_dead(self) -> list[_Producer]:
-        """The producers in the slots, if there are some and all are dead; else none."""
-        producers = [p for _, p in self._in_slots.values()]
+        """The producers in the slots that have not closed, if there are some and all are dead;
+        else none."""
+        producers = [p for _, p, closed in self._in_slots.values() if not closed]
         return producers if all(map(self.dead, producers)) else []
 
     def close(self) -> None:
@@ -388,7 +451,7 @@ class _Leases:
 
 
 class _IdLocks:
-    """A lock per id (tail key), kept while some thread holds or waits for it."""
+    """A lock per id (head key), kept while some thread holds or waits for it."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
@@ -426,7 +489,9 @@ class MooncakeChannel(StageChannel):
     expired entries it finds, each removes what it published once expired, and the owner's
     close removes them all.
 
-    Invariant: `_used` is the sum of `_live` sizes plus reservations not yet published.
+    Invariant: `_used` is the sum of `_live` sizes plus reservations not yet published; the
+    store holds this handle's record of an id as `_chains` has it once a put of the id
+    returned (no other handle writes it).
     """
 
     def __init__(self, master: str, metadata: str, namespace: str, *, ttl_s: float,
@@ -440,26 +505,26 @@ class MooncakeChannel(StageChannel):
         self._protocol, self._device = protocol, device
         self._store = self._connect()
         try:
-            self._tails = TailBuffer(self._store)
+            self._values = SmallValues(self._store)
         except BaseException:
             self._store.close()  # nothing else holds the connection to close it
             raise
         self._leases = _Leases(self._store, namespace, reclaim_after_s=ttl_s)
-        self._producer = _Producer(secrets.token_hex(8).encode(), os.getpid(),
-                                   socket.gethostname())
-        self._held = _Held()
+        self._producer = _Producer(secrets.token_hex(8), os.getpid(), socket.gethostname())
+        self._held = _Held(self._producer.token)
         self._lease_counter = 0
+        self._lease_due = 0.0  # when this producer's lease is to be rewritten (monotonic)
         self._lock = threading.Lock()  # bookkeeping only: never held across a store call
         self._id_locks = _IdLocks()
         self._register_lock = threading.Lock()
         self._live: OrderedDict[str, _Live] = OrderedDict()  # in put order: expiry order
-        self._chains: dict[str, _Chain] = {}
+        self._chains: dict[str, _Chain] = {}  # this handle's, by head
         self._used = 0
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._finalizer = weakref.finalize(
-            self, _release, self._store, self._tails, self._leases, self._held,
-            namespace if owner else None, os.getpid(), self._stop)
+            self, _release, self._store, self._values, self._leases, self._held, namespace,
+            owner, os.getpid(), self._stop)
 
     @classmethod
     def from_spec(cls, netloc: str, query: str) -> MooncakeChannel:
@@ -498,14 +563,18 @@ class MooncakeChannel(StageChannel):
         return f"mooncake://{self.master}?{urlencode(options, safe=':/')}"
 
     def entry_key(self, request_id: str) -> str:
-        """The store key of `request_id`'s tail; its entries are keys under it."""
+        """The store key under which `request_id`'s chains are, one a producer."""
         digest = hmac.new(self.namespace.encode(), request_id.encode(), hashlib.sha256)
         return f"{self.namespace}/{digest.hexdigest()}"
 
     def entry_keys(self, request_id: str) -> list[str]:
-        """The store keys of `request_id`'s unconsumed entries, oldest first."""
+        """The store keys of `request_id`'s unconsumed entries, each producer's oldest first."""
         with self._operation(request_id):
-            return unconsumed_keys(self._store, self._tails, self.entry_key(request_id))
+            head = self.entry_key(request_id)
+            self._leases.scan(0.0)
+            tokens = [p.token for p in self._leases.producers()]
+            return [key for _, keys in self._candidates(head, self._chains_of(
+                head, tokens, request_id)) for key in keys]
 
     def used_bytes(self) -> int:
         """Bytes of this handle's entries not yet seen consumed, and its puts in flight."""
@@ -561,16 +630,9 @@ class MooncakeChannel(StageChannel):
                 f"with Mooncake code {rc}; is a segment holder (mooncake_client "
                 f"--global_segment_size=...) running with room for it?")
 
-    def _read_tail(self, head: str, request_id: str) -> _Chain | None:
-        try:
-            return self._tails.read(head)
-        except ValueError as e:
-            raise OmniPrefixCacheChannelError(
-                f"mooncake channel {self.spec}: the tail of request {request_id} {e}") from e
-
-    def _write_tail(self, head: str, chain: _Chain, request_id: str) -> None:
-        self._check_stored(self._tails.write(head, chain), f"the tail of request {request_id}",
-                           _TAIL.size)
+    def _record_key(self, head: str, token: str) -> str:
+        """The key of the producer `token`'s record of its chain under `head`."""
+        return f"{head}/{token}"
 
     def _reserve(self, nbytes: int, *, force: bool) -> int | None:
         if not self._count_if_room(nbytes, force):
@@ -604,21 +666,25 @@ class MooncakeChannel(StageChannel):
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: int, *,
                  final: bool) -> None:
+        self._register_producer()  # readers find this handle's chains through its slot
+        self._refresh_lease_if_due()
         head = self.entry_key(request_id)
         data = join(encoded)  # a pool's rows read (and let go) before any store call
-        with self._id_locks.hold(head):  # a chain's next index is taken by one put at a time
+        with self._id_locks.hold(head):  # one put of an id at a time writes its record
             self._append(head, request_id, data, reservation)
         if final:
             self._fulfil(head)
 
     def _append(self, head: str, request_id: str, data: torch.Tensor,
                 reservation: int) -> None:
-        chain = self._chain_for(head, request_id)
-        key = chain.key(head, chain.next)
+        token = self._producer.token
+        chain = self._chain_for(head)
+        key = chain.key(head, token, chain.next)
         self._put_bytes(key, data, f"the entry for request {request_id}")
         grown = replace(chain, next=chain.next + 1, deadline=time.time() + self.ttl_s)
         try:
-            self._write_tail(head, grown, request_id)
+            self._check_stored(self._values.upsert(self._record_key(head, token), grown.pack()),
+                               f"the record of request {request_id}", _CHAIN.size)
         except BaseException:
             self._store.remove(key, force=True)
             raise
@@ -627,56 +693,88 @@ class MooncakeChannel(StageChannel):
             self._live[key] = _Live(reservation, grown.deadline)
         self._start_keeper()
 
-    def _chain_for(self, head: str, request_id: str) -> _Chain:
-        """The chain a new entry of `request_id` joins: this handle's own, `first` moved past
-        consumed entries, or a new one whose tail is stored before any entry.
-
-        The tail is read every time: once this handle's entries were consumed, another handle
-        may have started a chain of its own under the id, which writing ours would orphan."""
+    def _chain_for(self, head: str) -> _Chain:
+        """The chain of this handle a new entry under `head` joins: its own, `first` moved past
+        consumed entries, or, where it has none or it expired, a new run (whose keys are new)."""
         with self._lock:
             chain = self._chains.get(head)
-        tail = self._read_tail(head, request_id)
-        if chain is not None and tail is not None and tail.token == chain.token \
-                and not tail.expired():
-            exists = self._store.batch_is_exist(chain.keys(head)) if chain.next > chain.first \
-                else []
-            return replace(chain, first=chain.first + next(
-                (i for i, e in enumerate(exists) if e == 1), len(exists)))
-        if tail is not None:
-            self._take_over(head, tail, request_id)
-        chain = _Chain(secrets.token_hex(8).encode(), 0, 0, time.time() + self.ttl_s)
-        self._write_tail(head, chain, request_id)
-        return chain
-
-    def _take_over(self, head: str, tail: _Chain, request_id: str) -> None:
-        """Removes what is left of the chain `tail` names, the key a killed put may have left
-        past it included; refused while that chain has unexpired unconsumed entries."""
-        keys = tail.keys(head, past_next=True)
-        if not tail.expired() and any(e == 1 for e in self._store.batch_is_exist(keys[:-1])):
-            raise OmniPrefixCacheChannelError(
-                f"request {request_id}: another handle's entries under this id are "
-                f"unconsumed on channel {self.spec}; one handle publishes under an id at "
-                f"a time")
-        self._store.batch_remove(keys, force=True)
+        if chain is None or chain.expired():
+            return _Chain(secrets.token_hex(8), 0, 0, 0.0)
+        if chain.next == chain.first:
+            return chain
+        exists = self._store.batch_is_exist(chain.keys(head, self._producer.token))
+        return replace(chain, first=chain.first + next(
+            (i for i, e in enumerate(exists) if e == 1), len(exists)))
 
     def _take(self, request_id: str, awaited: Awaited) -> torch.Tensor | None:
-        accepts = awaited.accepts
         head = self.entry_key(request_id)
-        tail = self._read_tail(head, request_id)
-        if tail is None or tail.next == tail.first:
-            return None
-        keys = tail.keys(head)
-        if tail.expired():  # whoever published them: never returned, removed
-            self._store.batch_remove(keys, force=True)
-            return None
-        if len(keys) > 1:
-            exists = self._store.batch_is_exist(keys)
-            keys = [k for k, e in zip(keys, exists, strict=True) if e == 1]
-        for key in keys:
-            data = self._take_key(key, request_id, accepts)
-            if data is not None:
-                return data
+        if awaited.producer:  # the rest of an entry: its producer's chain holds it
+            tokens = [awaited.producer]
+        else:
+            self._leases.scan(DISCOVERY_S)
+            tokens = [p.token for p in self._leases.producers()]
+        queue = self._candidates(head, self._chains_of(head, tokens, request_id))
+        if len(queue) > 1:
+            queue = self._by_age(queue, awaited)
+        for _, keys in queue:
+            for key in keys:
+                data = self._take_key(key, request_id, awaited.accepts)
+                if data is not None:
+                    return data
         return None
+
+    def _chains_of(self, head: str, tokens: Sequence[str], request_id: str
+                   ) -> list[tuple[str, _Chain]]:
+        """The chains the producers `tokens` hold under `head`, as their records say now."""
+        records = self._read_records(head, tokens, request_id)
+        return [(token, chain) for token, chain in zip(tokens, records) if chain is not None]
+
+    def _read_records(self, head: str, tokens: Sequence[str], request_id: str
+                      ) -> list[_Chain | None]:
+        try:
+            raws = self._values.get_all([self._record_key(head, t) for t in tokens])
+            return [None if raw is None else _Chain.unpack(raw) for raw in raws]
+        except ValueError as e:
+            raise OmniPrefixCacheChannelError(
+                f"mooncake channel {self.spec}: a record of request {request_id} {e}") from e
+
+    def _candidates(self, head: str, chains: Sequence[tuple[str, _Chain]]
+                    ) -> list[tuple[str, list[str]]]:
+        """Per chain with unexpired entries, its token and their keys, oldest first (one call
+        asks which exist); the entries of expired chains are removed, never returned."""
+        named = [(token, chain, chain.keys(head, token)) for token, chain in chains]
+        keys = [key for _, _, chain_keys in named for key in chain_keys]
+        exists = iter(self._store.batch_is_exist(keys) if keys else [])
+        queue, expired = [], []
+        for token, chain, chain_keys in named:
+            existing = [key for key in chain_keys if next(exists) == 1]
+            if chain.expired():  # whoever published them: never returned, removed
+                expired += existing
+            elif existing:
+                queue.append((token, existing))
+        if expired:
+            self._store.batch_remove(expired, force=True)
+        return queue
+
+    def _by_age(self, queue: list[tuple[str, list[str]]], awaited: Awaited
+                ) -> list[tuple[str, list[str]]]:
+        """The chains' keys, each chain's from the first whose chunk `awaited` accepts (among its
+        first few, up to PEEK_KEYS, read in place in one call), the chain whose such chunk was
+        published first first; chains with none there last, as they were."""
+        few = max(1, min(PEEK_KEYS, MAX_PRODUCERS // len(queue)))
+        peeked = [(token, keys[:few]) for token, keys in queue]
+        prefixes = iter(self._values.prefixes([key for _, keys in peeked for key in keys]))
+        ordered, rest = [], []
+        for (token, keys), (_, heads) in zip(queue, peeked):
+            tags = [peek(raw) if raw is not None else None for raw in
+                    (next(prefixes) for _ in heads)]
+            first = next((i for i, tag in enumerate(tags) if tag is not None
+                          and awaited.accepts(tag)), None)
+            if first is None:
+                rest.append((token, keys))
+            else:
+                ordered.append((tags[first].published_at, token, keys[first:]))
+        return [(token, keys) for _, token, keys in sorted(ordered)] + rest
 
     def _take_key(self, key: str, request_id: str, accepts: Callable[[ChunkTag | None], bool]
                   ) -> torch.Tensor | None:
@@ -725,11 +823,12 @@ class MooncakeChannel(StageChannel):
             self._store.batch_remove(due, force=True)  # those consumed meanwhile: not found
         for head in ended:
             self._end_chain(head, now)
+            self._refresh_lease_if_due()  # a long sweep does not starve the lease
 
     def _end_chain(self, head: str, now: float) -> None:
-        """Removes the tail of this handle's chain under `head` if it expired by `now`. Under
-        the id's lock: no put of this handle rewrites the tail between the read and the remove;
-        an id whose put is in flight is left for the next sweep (that put renews the chain)."""
+        """Removes this handle's record under `head` if its chain expired by `now`. Under the
+        id's lock, so no put of this handle writes it meanwhile (an id whose put is in flight
+        is left for the next sweep: that put renews the chain); no other handle writes it."""
         with self._id_locks.hold(head, wait=False) as held:
             if not held:
                 return
@@ -738,12 +837,7 @@ class MooncakeChannel(StageChannel):
                 if chain is None or chain.deadline > now:
                     return
                 del self._chains[head]
-            try:
-                tail = self._tails.read(head)
-            except ValueError:
-                return  # unreadable: not for this sweep to remove
-            if tail is not None and tail.token == chain.token:  # another handle's tail stays
-                self._store.remove(head, force=True)
+            self._store.remove(self._record_key(head, self._producer.token), force=True)
 
     def _next_deadline(self) -> float | None:
         """When the next of this handle's entries or chains expires (`time.time()`), if any."""
@@ -760,34 +854,37 @@ class MooncakeChannel(StageChannel):
             exists = self._store.batch_is_exist(self._leases.slots)
             for slot, e in zip(self._leases.slots, exists, strict=True):
                 if e == 0 and self._create(slot, self._producer.record(0)):
+                    self._held.closed_record = self._producer.record(CLOSED)
                     self._held.slot = slot
+                    self._lease_due = time.monotonic() + LEASE_REFRESH_S
                     self._start_keeper()
                     return
         raise OmniPrefixCacheChannelError(
             f"mooncake channel {self.spec}: all {MAX_PRODUCERS} producer slots are taken; "
-            f"producers that died free theirs {self.ttl_s:g} s after")
+            f"producers that died or closed free theirs {self.ttl_s:g} s after")
 
     def _create(self, key: str, value: bytes) -> bool:
         try:
-            return self._tails.create(key, value)
+            return self._values.create(key, value)
         except ValueError as e:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: the producer slot {key} {e}") from e
 
-    def _expect_key(self, head: str) -> str:
-        return f"{self.namespace}/.expect/{head.rpartition('/')[2]}"
+    def _expect_key(self, head: str, token: str) -> str:
+        """The key of the producer `token`'s expectation of the id under `head`."""
+        return f"{self.namespace}/.expect/{head.rpartition('/')[2]}/{token}"
 
     def _expect(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
-            key = self._expect_key(self.entry_key(request_id))
-            self._check_stored(self._tails.upsert(key, self._producer.record(0)),
+            key = self._expect_key(self.entry_key(request_id), self._producer.token)
+            self._check_stored(self._values.upsert(key, self._producer.record(0)),
                                f"the expectation of request {request_id}", _RECORD.size)
             with self._lock:
                 self._held.expected.add(key)
 
     def _fulfil(self, head: str) -> None:
         """Removes this handle's expectation of the id `head`, if any: its entry is out."""
-        key = self._expect_key(head)
+        key = self._expect_key(head, self._producer.token)
         with self._lock:
             if key not in self._held.expected:
                 return
@@ -795,36 +892,44 @@ class MooncakeChannel(StageChannel):
         self._store.remove(key, force=True)
 
     def _producer_name(self) -> str:
-        return self._producer.token.decode() if self._held.slot is not None else ""
+        return self._producer.token if self._held.slot is not None else ""
 
     def _dead_producer(self, request_id: str, producer: str) -> str | None:
-        self._leases.scan()
+        self._leases.scan(LIVENESS_CHECK_S)
         if producer:
-            named = self._leases.named(producer.encode())
-            return str(named) if named is not None and self._leases.dead(named) else None
-        key = self._expect_key(self.entry_key(request_id))
+            found = self._leases.find(producer)
+            if found is None:
+                return f"with token {producer} (its slot was reclaimed)"
+            named, closed = found
+            return f"{named} (closed)" if closed else str(named) if self._leases.dead(named) \
+                else None
+        producers = self._leases.producers()
+        keys = [self._expect_key(self.entry_key(request_id), p.token) for p in producers]
         try:
-            expected = self._tails.get(key)
+            expected = self._values.get_all(keys)
         except ValueError as e:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: the expectation of request {request_id} "
                 f"{e}") from e
-        if expected is not None and len(expected) == _RECORD.size:
-            producer = _Producer.from_record(expected)
-            if not self._leases.dead(producer):
+        expecting = [(p, key) for p, key, raw in zip(producers, keys, expected) if raw]
+        if expecting:
+            if not all(self._leases.dead(p) for p, _ in expecting):
                 return None
-            # reported once: clients reuse ids, and a later request's wait is its own (a new
-            # producer's expectation written since is lost with it: its death then shows as
-            # the namespace's, or at the get's timeout)
-            self._store.remove(key, force=True)
-            return str(producer)
+            # reported once: clients reuse ids, and a later request's wait is its own
+            self._store.batch_remove([key for _, key in expecting], force=True)
+            return ", ".join(str(p) for p, _ in expecting)
         dead = self._leases.all_dead()
         return ", ".join(map(str, dead)) if dead else None
 
-    def _refresh_lease(self) -> None:
-        if self._held.slot is not None:
+    def _refresh_lease_if_due(self) -> None:
+        """Rewrites this producer's lease if LEASE_REFRESH_S passed since it last was."""
+        with self._lock:
+            if self._held.slot is None or time.monotonic() < self._lease_due:
+                return
+            self._lease_due = time.monotonic() + LEASE_REFRESH_S
             self._lease_counter += 1
-            self._tails.upsert(self._held.slot, self._producer.record(self._lease_counter))
+            record = self._producer.record(self._lease_counter)
+        self._values.upsert(self._held.slot, record)
 
     def _start_keeper(self) -> None:
         with self._lock:
@@ -835,20 +940,26 @@ class MooncakeChannel(StageChannel):
                 self._keeper.start()
 
     def _keep(self) -> float:
-        """One round of the keeper: the lease rewritten, expired entries swept. Seconds until
-        the next round."""
-        self._refresh_lease()
+        """One round of the keeper: the lease rewritten where due, expired entries swept.
+        Seconds until the next round."""
+        self._refresh_lease_if_due()
         due = self._next_deadline()
         if due is not None and due <= time.time():
             self._sweep()
             due = self._next_deadline()
-        return LEASE_REFRESH_S if due is None else min(LEASE_REFRESH_S,
-                                                       max(0.0, due - time.time()))
+        with self._lock:
+            lease_in = self._lease_due - time.monotonic() if self._held.slot is not None \
+                else LEASE_REFRESH_S
+        return max(0.0, min(lease_in, LEASE_REFRESH_S if due is None else due - time.time()))
 
     def _close(self) -> None:
         self._stop.set()
         if self._keeper is not None:
             self._keeper.join()  # no store call may run past the store's close
+        if self._held.slot is not None:
+            self._forget_consumed()
+            with self._lock:
+                self._held.drained = not self._live
         self._finalizer()
 
 
