@@ -959,6 +959,39 @@ def test_put_all_lets_a_written_entrys_pool_rows_go_before_another_waits_for_roo
         assert _mark(channel.get("req-c", timeout_s=5)) == 3
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["at once", "after waiting for room"])
+def test_shm_a_published_put_never_fails_for_its_expectation(chunks: int) -> None:
+    """A put renames its entry into place, then ends its handle's expectation of the id. Where
+    that fails (here the expectation is a link, which the channel never follows), the entry is
+    out all the same: the put returns, and no failure follows the entry."""
+    with open_channel("shm://?capacity=8192&wait=5") as channel:
+        channel.expect("r")
+        path = channel._expectation_path(channel._name("r"))
+        os.unlink(path)
+        os.symlink("/nonexistent", path)
+        if chunks == 2:  # the second put waits for room: published on its own
+            channel.put("s", _marked(0, rows=150))
+            threading.Timer(0.3, lambda: channel.get("s", timeout_s=5)).start()
+        channel.put("r", _marked(1, rows=100))
+        assert _mark(channel.get("r", timeout_s=5)) == 1
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+            channel.get("r", timeout_s=0.2)
+
+
+def test_shm_a_put_waiting_for_room_recounts_the_namespace_about_once_a_second() -> None:
+    """A put that finds no room polls the budget (a lock and a read) until room comes; it scans
+    every file of the namespace under the lock (the recount) only now and then, not at each
+    poll."""
+    with open_channel("shm://?capacity=8192&wait=1") as channel:
+        channel.put("req-a", _marked(1, rows=200))
+        recounts = []
+        recount = channel._free_stale
+        channel._free_stale = lambda: recounts.append(1) or recount()
+        with pytest.raises(OmniPrefixCacheChannelFullError):
+            channel.put("req-b", _marked(2, rows=200))
+        assert 1 <= len(recounts) <= 3
+
+
 def test_shm_capacity_defaults_to_a_share_of_free_space_and_belongs_to_the_namespace() -> None:
     with open_channel("shm") as owner:
         st = os.statvfs(owner.directory)

@@ -283,6 +283,43 @@ def test_a_consumer_learns_within_seconds_that_its_producer_was_killed(
             producer.join(30)
 
 
+class SlowRemovesOnTheKeeper(RealClient):
+    """Every remove the keeper thread makes takes half a second (a slow or loaded store)."""
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.real, name)
+
+        def maybe_slow(*args: Any, **kwargs: Any) -> Any:
+            if name in ("remove", "batch_remove") \
+                    and threading.current_thread().name.endswith("-keeper"):
+                time.sleep(0.5)
+            return call(*args, **kwargs)
+        return maybe_slow
+
+
+@pytest.mark.slow
+def test_a_producer_whose_keeper_sweeps_longer_than_a_lease_is_not_judged_dead(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keeper rewrites the producer's lease and sweeps what expired; on a slow store a
+    sweep of 16 expired chains takes about 8 s, twice LEASE_S. The lease stays fresh all the
+    while: the consumer waiting for the producer's expected entry gets it when it comes, and
+    is never told that the producer died."""
+    use_client(monkeypatch, SlowRemovesOnTheKeeper)
+    with open_channel(mooncake_store.spec + "&ttl=1") as producer, \
+            open_channel(producer.spec) as consumer:
+        producer.register_producer()
+        for i in range(16):
+            producer.put(f"done-{i}", _marked(i))
+            assert _mark(consumer.get(f"done-{i}", timeout_s=5)) == i
+        producer.expect("r")
+        late = threading.Timer(LEASE_S + 4, producer.put, args=("r", _marked(7)))
+        late.start()
+        try:
+            assert _mark(consumer.get("r", timeout_s=30)) == 7
+        finally:
+            late.join(30)
+
+
 def _close_with_a_promise_open(spec: str) -> None:
     with open_channel(spec) as channel:
         channel.expect("r1")

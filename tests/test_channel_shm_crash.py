@@ -184,6 +184,23 @@ def test_a_namespace_whose_producers_all_died_fails_gets_it_never_expected() -> 
                 channel.get("r2", timeout_s=1.2)
 
 
+def test_a_wait_names_no_producer_found_dead_longer_than_the_time_to_live_ago() -> None:
+    """A dead producer's lock file is swept a time to live after a sweep first found it dead,
+    so the namespace's later waits name the producers that died since, not long-dead ones."""
+    with open_channel("shm://?ttl=1") as channel:
+        first, _ = _producer(channel, "r1", "exit")
+        first.join(30)
+        channel._sweep()  # finds it dead
+        time.sleep(1.2)
+        channel._sweep()  # a time to live later: its file goes
+        second, _ = _producer(channel, "r2", "exit")
+        second.join(30)
+        with pytest.raises(OmniPrefixCacheChannelProducerError,
+                           match=f"request r3: .*pid {second.pid} .*every producer") as raised:
+            channel.get("r3", timeout_s=30)
+        assert f"pid {first.pid} " not in str(raised.value)
+
+
 def _register_in_child(channel: ShmChannel, report: multiprocessing.Queue) -> None:
     """In a forked child of a registered producer: register again, report the lock files."""
     channel.register_producer()

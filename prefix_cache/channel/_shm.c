@@ -387,7 +387,6 @@ typedef struct {
     size_t entry_len;
     int fd;
     int full;  /* no room counted for it: nothing made */
-    int renamed;  /* in place: published */
     int err;  /* 0, or the errno that stopped it */
     const char *failed;  /* the file `err` names (NULL: none) */
     uint64_t seq;
@@ -499,7 +498,9 @@ write_puts(Put *puts, Py_ssize_t n)
 }
 
 /* Its marker unless it exists, its rename into place, and the end of its handle's
- * expectation if that is still the record there (under the namespace lock, numbered). */
+ * expectation if that is still the record there (under the namespace lock, numbered). Once
+ * renamed the entry is out, so ending the expectation is done where it can be, never a failure
+ * of the put: one left in place names this producer, which lives, and its entry is there. */
 static void
 place_put(Put *p)
 {
@@ -517,25 +518,20 @@ place_put(Put *p)
         fail_put(p, errno, temp);
         return;
     }
-    p->renamed = 1;
     if (p->expect.path == NULL) {
         return;
     }
     const char *expect_path = PyBytes_AS_STRING(p->expect.path);
     int efd = STEP(open(expect_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
     if (efd < 0) {
-        if (errno != ENOENT) {
-            fail_put(p, errno, expect_path);
-        }
         return;
     }
     char seen[4096];
     size_t want = (size_t)p->expect.record.len;
     ssize_t got = want < sizeof seen ? read(efd, seen, want + 1) : -1;
     STEP(close(efd));
-    if (got == (ssize_t)want && memcmp(seen, p->expect.record.buf, want) == 0 &&
-            STEP(unlink(expect_path)) < 0 && errno != ENOENT) {
-        fail_put(p, errno, expect_path);
+    if (got == (ssize_t)want && memcmp(seen, p->expect.record.buf, want) == 0) {
+        STEP(unlink(expect_path));
     }
 }
 
@@ -587,11 +583,12 @@ publish_puts(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
     lock(lock_fd, LOCK_UN);
 }
 
-/* Whether `p` failed while its room was held and before its rename: the room is to return. */
+/* Whether `p` failed while its room was held (so before its rename, which no failure
+ * follows): the room is to return. */
 static int
 lost(const Put *p)
 {
-    return p->fd >= 0 && p->err && !p->renamed;
+    return p->fd >= 0 && p->err;
 }
 
 /* Under the namespace lock, the rooms of entries `lost` given back: their temp files removed

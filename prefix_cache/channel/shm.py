@@ -25,8 +25,9 @@ expectations; each system call made from Python would give the GIL up and wait t
 `.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
 use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
 a dead writer (each writer holds a flock on its temp file until it publishes) or an entry taken
-but not yet uncounted. Every sweep, and a put that finds no room, recounts it from the files and
-removes dead writers' temp files and markers of ids without entries. Any handle frees entries
+but not yet uncounted. Every sweep, and a put that finds no room (at most every RECOUNT_S: a
+put waiting for room polls the budget alone between), recounts it from the files and removes
+dead writers' temp files and markers of ids without entries. Any handle frees entries
 older than the time to live (by file modification time, this machine's clock) as it puts or
 gets; the owner's close removes the whole directory.
 
@@ -37,7 +38,10 @@ the producer's publish of that id removes it. A waiting get tests the lock of th
 expected its id, else, when the namespace has producers, whether any of them still holds its
 lock. A lock file is written and locked under a temp name, then renamed into place, so no one
 finds a live holder's file unlocked. A forked child shares its parent's locks but does not hold
-them: registering, it makes a lock file of its own.
+them: registering, it makes a lock file of its own. Every chunk names the lock file of its
+producer, so a reader waiting for the rest of an entry tests that producer's. A sweep renames a
+dead producer's lock file `.dead-TOKEN` (its change time: when it was found dead) and removes
+it a time to live later, so the namespace's later waits name only producers that died since.
 
 The owner's handle likewise holds `.owner`, the namespace's first file. A namespace whose owner
 died is reclaimed (`reclaim`) by the next `ShmChannel.create` under the same root and by
@@ -90,8 +94,10 @@ _BUDGET_FILE = ".budget"
 _OWNER_FILE = ".owner"
 _TEMP_PREFIX = ".tmp-"
 _PRODUCER_PREFIX = ".producer-"
+_DEAD_PREFIX = ".dead-"  # a dead producer's lock file, renamed by the sweep that found it
 _EXPECT_PREFIX = ".expect-"
 _PRODUCER_RE = re.compile(r"\.producer-[0-9a-f]{32}")
+_DEAD_RE = re.compile(r"\.dead-[0-9a-f]{32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _CREATED_RE = re.compile(re.escape(NAMESPACE_PREFIX) + r"[0-9a-f]{32}")  # as `create` names one
 _ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([0-9]+))?")  # NAME, the id's marker; NAME.SEQ
@@ -101,6 +107,9 @@ DEFAULT_CAPACITY_SHARE = 0.5
 #: How old a namespace without an owner lock file must be to be reclaimed (its creator may be
 #: making it).
 RECLAIM_GRACE_S = 60.0
+#: How often a handle's puts that find no room recount the bytes in use from the files (a scan
+#: of the namespace under its lock); between, they read the budget alone.
+RECOUNT_S = 1.0
 
 
 def default_root() -> Path:
@@ -215,11 +224,19 @@ class _HeldFile:
 
 def _stale(f: os.DirEntry[str], expired_before: float) -> bool:
     """Whether a sweep removes the namespace's file `f`: an entry or expectation older than
-    `expired_before`, or a temp file whose writer died."""
+    `expired_before`, a dead producer's lock file found dead before then, or a temp file whose
+    writer died."""
     if f.name.startswith(_TEMP_PREFIX):
         return not _held(f.path)
+    if _DEAD_RE.fullmatch(f.name):
+        return f.stat(follow_symlinks=False).st_ctime < expired_before
     return (_ENTRY_RE.fullmatch(f.name) is not None or f.name.startswith(_EXPECT_PREFIX)) \
         and f.stat(follow_symlinks=False).st_mtime < expired_before
+
+
+def _dead_name(producer: str) -> str:
+    """The name a sweep gives the lock file `producer` (`.producer-TOKEN`) once found dead."""
+    return _DEAD_PREFIX + producer.removeprefix(_PRODUCER_PREFIX)
 
 
 @dataclass
@@ -267,6 +284,7 @@ class ShmChannel(StageChannel):
             #: per id, the numbers of its entries a take's scan found after the one it took,
             #: newest first (see `_take_oldest`; under the lock)
             self._later: dict[str, list[int]] = {}
+            self._next_recount = 0.0  # a put finding no room recounts from then on (monotonic)
             self._lock_files = [owner] if owner else []  # the owner's and the producer's
             self._watch: DirectoryWatch | None = None  # readers' wake-ups, opened on first wait
             self._watch_pid = 0  # the process `_watch` was opened in
@@ -445,7 +463,8 @@ class ShmChannel(StageChannel):
         if _PRODUCER_RE.fullmatch(producer):
             if _held(self.directory / producer):
                 return None
-            record = _read_record(self.directory / producer)
+            record = _read_record(self.directory / producer) \
+                or _read_record(self.directory / _dead_name(producer))
             return _describe(record) if record else f"{producer} (it closed)"
         record = _read_record(self._expectation_path(self._name(request_id)))
         if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
@@ -456,7 +475,7 @@ class ShmChannel(StageChannel):
             return _describe(record)
         try:
             producers = [Path(f.path) for f in os.scandir(self.directory)
-                         if _PRODUCER_RE.fullmatch(f.name)]
+                         if _PRODUCER_RE.fullmatch(f.name) or _DEAD_RE.fullmatch(f.name)]
         except FileNotFoundError:
             return None  # the namespace is gone: the next take says so
         if not producers or any(map(_held, producers)):
@@ -537,6 +556,8 @@ class ShmChannel(StageChannel):
             entry = _ENTRY_RE.fullmatch(f.name)
             if entry and entry[2] is None:
                 markers.append(f)
+            elif _PRODUCER_RE.fullmatch(f.name) and not _held(f.path):
+                os.rename(f.path, f"{self._root}/{_dead_name(f.name)}")  # now: found dead
             elif _stale(f, expired_before):
                 os.unlink(f.path)
             elif entry or f.name.startswith(_TEMP_PREFIX):
@@ -555,7 +576,10 @@ class ShmChannel(StageChannel):
             with self._process_locked() as lock_fd:
                 fd = _shm.reserve(lock_fd, self._budget_fd, temp, nbytes, force, True)
             if fd < 0:  # no room counted: recount from the files, which frees what expired
+                if time.monotonic() < self._next_recount:
+                    return None
                 with self._locked():
+                    self._next_recount = time.monotonic() + RECOUNT_S
                     if self._free_stale() + nbytes > self._read_budget().capacity:
                         return None
                     fd = _shm.reserve(self._lock_fd, self._budget_fd, temp, nbytes, True, False)
