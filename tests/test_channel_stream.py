@@ -273,3 +273,19 @@ def test_a_failure_ends_its_own_handles_stream_of_the_id_alone(channel: StageCha
                        positions(0, 6)[HIDDEN_KEY])
     with pytest.raises(OmniPrefixCacheChannelError, match="the second request failed"):
         channel.get("req-x", timeout_s=5)
+
+
+def test_one_handles_two_streams_of_one_id_are_two_entries_and_a_failure_ends_its_own(
+        channel: StageChannel) -> None:
+    """A stage runs two requests under one external id at once (a client reused it), each
+    streamed under its own name (`stream`): their chunks interleave, yet each is an entry of
+    its own, and the failure of one ends that one alone."""
+    channel.put("req-y", positions(0, 4), start=0, final=False, stream="a")
+    channel.put("req-y", positions(0, 2), start=0, final=False, stream="b")
+    channel.put("req-y", positions(4, 6), start=4, final=False, stream="a")
+    channel.fail("req-y", "request b failed", stream="b")
+    channel.put("req-y", positions(6, 7), start=6, final=True, stream="a")
+    assert torch.equal(channel.get("req-y", timeout_s=5)[HIDDEN_KEY],
+                       positions(0, 7)[HIDDEN_KEY])
+    with pytest.raises(OmniPrefixCacheChannelError, match="request b failed"):
+        channel.get("req-y", timeout_s=5)

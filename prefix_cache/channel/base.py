@@ -72,13 +72,16 @@ CLOSE_WAIT_S = 30.0
 class StageChunk:
     """Rows of positions `start, start + 1, ...` of one request's entry, per key; the last
     chunk is `final` and carries the entry's `aborted` marker and `meta`. One given to
-    `put_all` may hold `PoolRows`, as `put`'s outputs may."""
+    `put_all` may hold `PoolRows`, as `put`'s outputs may. `stream` is the publisher's name of
+    the entry it belongs to, where one id has several in progress at once (two live requests
+    under one external id): chunks of different streams are chunks of different entries."""
 
     rows: dict[str, torch.Tensor]
     start: int
     final: bool
     aborted: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    stream: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class StageChannel(ABC):
         self._closed = False
         self._in_flight = 0  # operations running on the backend, on any thread
         self._idle = threading.Condition()
-        self._streams: dict[str, _Stream] = {}  # ids with chunks out, no final one
+        self._streams: dict[tuple[str, str], _Stream] = {}  # (id, stream): chunks out, no final
         self._streams_lock = threading.Lock()
         self._entry_ids: tuple[int, bytes, Iterator[int]] = (0, b"", iter(()))  # pid, token, n
 
@@ -142,80 +145,86 @@ class StageChannel(ABC):
 
     def put(self, request_id: str, outputs: Mapping[str, torch.Tensor | PoolRows], *,
             start: int = 0, final: bool = True, aborted: bool = False,
-            meta: Mapping[str, Any] | None = None) -> None:
+            meta: Mapping[str, Any] | None = None, stream: str = "") -> None:
         """Publishes `outputs` (CPU tensors or `PoolRows` by key, each as many rows; the caller
         holds pool rows until the put returns, or until it lets them go) for `request_id`, behind
         any unconsumed entries of the same id: a whole entry, or with `final=False` a chunk of
         one, rows of positions `start, start + 1, ...` (then the next chunk starts where this
-        one ends, up to one with `final=True`). `aborted` marks a request that ended early;
-        `meta` is JSON. Waits up to `full_wait_s` for room; then raises
-        `OmniPrefixCacheChannelFullError` and publishes nothing (the stream stays where it was)."""
-        chunk = StageChunk(outputs, start, final, aborted, meta)  # rows as put takes them
+        one ends, up to one with `final=True`; `stream` names the entry where the id has
+        several in progress). `aborted` marks a request that ended early; `meta` is JSON. Waits
+        up to `full_wait_s` for room; then raises `OmniPrefixCacheChannelFullError` and
+        publishes nothing (the stream stays where it was)."""
+        chunk = StageChunk(outputs, start, final, aborted, meta, stream)  # rows as put takes
         failure = self.put_all([(request_id, chunk)])[0]
         if failure is not None:
             raise failure
 
     def put_all(self, chunks: Sequence[tuple[str, StageChunk]]) -> list[Exception | None]:
         """Publishes each `(request_id, chunk)` as `put(request_id, chunk.rows,
-        start=chunk.start, final=chunk.final, aborted=chunk.aborted, meta=chunk.meta)` would,
-        together: on `shm`, those the namespace has room for in one call (its lock taken twice
+        start=chunk.start, final=chunk.final, aborted=chunk.aborted, meta=chunk.meta,
+        stream=chunk.stream)` would, together: on `shm`, those the namespace has room for in one call (its lock taken twice
         for all of them), as a stage puts a step's chunks or finished entries. Returns, per
         chunk in order, None where it was published, else the exception that failed it alone
-        (it published nothing, its stream stays where it was); an id may appear once. Pool
+        (it published nothing, its stream stays where it was); an id's stream may appear once.
+        Pool
         rows of a chunk published at once are let go, and those of every other copied out,
         before any waits for room."""
         self._check_open()
         failures: list[Exception | None] = [None] * len(chunks)
-        entries: list[tuple[int, StageEntry, _Stream | None]] = []  # index, entry, it continues
+        # index, (id, stream), entry, the stream it continues
+        entries: list[tuple[int, tuple[str, str], StageEntry, _Stream | None]] = []
         now, seen = time.time(), set()
         with self._streams_lock:
             for i, (request_id, chunk) in enumerate(chunks):
                 try:
                     entry = self._entry(request_id, chunk, now, seen)
-                    stream = self._check_chunk(entry)
-                    entries.append((i, self._identified(entry, stream), stream))
+                    key = (request_id, chunk.stream)
+                    stream = self._check_chunk(entry, self._streams.get(key))
+                    entries.append((i, key, self._identified(entry, stream), stream))
                 except (ValueError, TypeError, OmniPrefixCacheChannelError) as exc:
                     failures[i] = exc
-        for (i, _, _), failure in zip(entries, self._put_entries([e for _, e, _ in entries],
-                                                                 bounded=True)):
+        for (i, *_), failure in zip(entries, self._put_entries(
+                [entry for _, _, entry, _ in entries], bounded=True)):
             failures[i] = failure
         with self._streams_lock:
-            for i, entry, stream in entries:
-                request_id = entry.request_id
-                if failures[i] is not None or self._streams.get(request_id) != stream:
+            for i, key, entry, stream in entries:
+                if failures[i] is not None or self._streams.get(key) != stream:
                     continue  # failed, or a fail() ended its stream meanwhile
                 if entry.final:
-                    self._streams.pop(request_id, None)
+                    self._streams.pop(key, None)
                 else:
-                    self._streams[request_id] = _Stream(entry.entry,
-                                                        entry.start + entry.num_rows)
+                    self._streams[key] = _Stream(entry.entry, entry.start + entry.num_rows)
         return failures
 
     @staticmethod
-    def _entry(request_id: str, chunk: StageChunk, now: float, seen: set[str]) -> StageEntry:
+    def _entry(request_id: str, chunk: StageChunk, now: float, seen: set[tuple[str, str]]
+               ) -> StageEntry:
         """`chunk` as `request_id`'s entry published at `now` (its rows and meta copied); a
-        ValueError for an id that is not a non-empty str or is in `seen` (which it joins)
-        already, a TypeError for rows that are no mapping."""
+        ValueError for an id that is not a non-empty str or whose stream is in `seen` (which it
+        joins) already, a TypeError for rows that are no mapping or a stream that is no str."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
         if not isinstance(chunk.rows, Mapping):
             raise TypeError(f"request {request_id}: outputs must be a mapping of str keys to CPU "
                             f"tensors, e.g. {{HIDDEN_KEY: rows}}; got {type(chunk.rows).__name__}")
-        if request_id in seen:
-            raise ValueError(f"request {request_id}: one put_all takes one chunk of an id; "
-                             f"put its next chunk in a later call")
-        seen.add(request_id)
+        if not isinstance(chunk.stream, str):
+            raise TypeError(f"request {request_id}: stream must be a str, got "
+                            f"{chunk.stream!r}")
+        if (request_id, chunk.stream) in seen:
+            raise ValueError(f"request {request_id}: one put_all takes one chunk of an id's "
+                             f"stream; put its next chunk in a later call")
+        seen.add((request_id, chunk.stream))
         return StageEntry(request_id, dict(chunk.rows), chunk.aborted, dict(chunk.meta or {}),
                           now, start=chunk.start, final=chunk.final)
 
-    def _check_chunk(self, entry: StageEntry) -> _Stream | None:
-        """The stream `entry` continues (None: it starts an entry); a channel error for a gap,
-        an overlap or a chunk after the final one (caller holds the lock)."""
+    def _check_chunk(self, entry: StageEntry, stream: _Stream | None) -> _Stream | None:
+        """The stream `entry` continues, `stream` (the open one of its id and name, if any), or
+        None where it starts an entry; a channel error for a gap, an overlap or a chunk after
+        the final one (caller holds the lock)."""
         request_id, start = entry.request_id, entry.start
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"request {request_id}: chunk start must be a whole number, "
                              f"got {start!r}")
-        stream = self._streams.get(request_id)
         stands = stream.stands if stream else 0
         if entry.final and start == 0 and stream is None:
             return None  # a whole entry: its keys may be of any shape
@@ -237,16 +246,18 @@ class StageChannel(ABC):
             f"request {request_id}: a chunk from position {start} is refused on channel "
             f"{self.spec}: {what}")
 
-    def fail(self, request_id: str, cause: str) -> None:
+    def fail(self, request_id: str, cause: str, *, stream: str = "") -> None:
         """Publishes, in place of `request_id`'s rows, that they could not be published and why:
-        its consumer's get raises a channel error naming the request and `cause`. A failure
-        marker is a few hundred bytes and is published even into a full channel."""
+        its consumer's get raises a channel error naming the request and `cause`. It ends this
+        handle's stream `stream` of the id, if one is open (its consumer raises there; other
+        entries of the id go on). A failure marker is a few hundred bytes and is published even
+        into a full channel."""
         self._check_open(request_id)
-        with self._streams_lock:  # ends this handle's stream in progress: its consumer raises
-            stream = self._streams.pop(request_id, None)  # there, other entries of the id go on
+        with self._streams_lock:
+            open_stream = self._streams.pop((request_id, stream), None)
         marker = StageEntry(request_id, {}, True, {}, time.time(), error=str(cause),
-                            start=stream.stands if stream else 0)
-        self._put_entry(self._identified(marker, stream), bounded=False)
+                            start=open_stream.stands if open_stream else 0)
+        self._put_entry(self._identified(marker, open_stream), bounded=False)
 
     def _identified(self, entry: StageEntry, stream: _Stream | None) -> StageEntry:
         """`entry` as a chunk of `stream`'s entry, or of a new one (an id of its own, minted
