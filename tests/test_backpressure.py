@@ -152,8 +152,8 @@ class HungSink:
         self.release.wait(30)
         return self.channel.put_all(chunks)
 
-    def fail(self, request_id: str, cause: str) -> None:
-        self.channel.fail(request_id, cause)
+    def fail(self, request_id: str, cause: str, *, stream: str = "") -> None:
+        self.channel.fail(request_id, cause, stream=stream)
 
     def expect_all(self, request_ids) -> None:
         self.channel.expect_all(request_ids)

@@ -82,7 +82,7 @@ class Recording:
         self.put_ids.extend(request_id for request_id, _ in chunks)
         return [None] * len(chunks)
 
-    def fail(self, request_id: str, cause: str) -> None:
+    def fail(self, request_id: str, cause: str, *, stream: str = "") -> None:
         self.failures[request_id] = cause
 
     def expect_all(self, request_ids: Sequence[str]) -> None:

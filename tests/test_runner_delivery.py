@@ -80,6 +80,27 @@ def test_a_finish_the_scheduler_reported_is_published_once_and_later_rows_are_dr
     assert torch.equal(entry.outputs[HIDDEN_KEY], rows(0, 6)[HIDDEN_KEY])
 
 
+def test_two_live_requests_under_one_external_id_stream_two_entries_and_fail_alone() -> None:
+    """A client reused an id while its first request runs: the runner's ids differ, the
+    channel's does not. Each streams its own entry (in the order they started), and the one
+    that fails ends its own entry alone."""
+    with open_channel() as channel:
+        delivery = StageDelivery(channel, external_id=lambda r: r.split("-")[0],
+                                 stream_every=2)
+        delivery.note_prompts({"a-1": 2, "a-2": 2})
+        delivery.add("a-1", 0, rows(0, 2), 2)
+        delivery.add("a-2", 0, rows(10, 12), 2)
+        delivery.add("a-1", 2, rows(2, 4), 2)
+        delivery.add("a-2", 2, rows(12, 13), 1)
+        delivery.fail_requests(["a-2"], "its forward output could not be read")
+        delivery.finish(FinishedRequest("a-1", "a", prompt_len=2))
+        first = channel.get("a", timeout_s=5)[HIDDEN_KEY]
+        with pytest.raises(OmniPrefixCacheChannelError,
+                           match="request a: .*its forward output could not be read"):
+            channel.get("a", timeout_s=5)
+    assert torch.equal(first, rows(0, 4)[HIDDEN_KEY])
+
+
 class FullOnce:
     """A channel whose put fails for one request id, as a full /dev/shm would."""
 
@@ -98,8 +119,8 @@ class FullOnce:
         return [OSError(28, "No space left on device") if request_id == self.failing
                 else next(published) for request_id, _ in chunks]
 
-    def fail(self, request_id: str, cause: str) -> None:
-        self.channel.fail(request_id, cause)
+    def fail(self, request_id: str, cause: str, *, stream: str = "") -> None:
+        self.channel.fail(request_id, cause, stream=stream)
 
     def expect_all(self, request_ids: Sequence[str]) -> None:
         self.channel.expect_all(request_ids)

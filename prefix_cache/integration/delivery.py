@@ -72,11 +72,11 @@ class StageSink(Protocol):
 
     def put(self, request_id: str, outputs: Mapping[str, torch.Tensor | PoolRows], *,
             start: int = 0, final: bool = True, aborted: bool = False,
-            meta: Mapping[str, Any] | None = None) -> None: ...
+            meta: Mapping[str, Any] | None = None, stream: str = "") -> None: ...
 
     def put_all(self, chunks: Sequence[tuple[str, StageChunk]]) -> list[Exception | None]: ...
 
-    def fail(self, request_id: str, cause: str) -> None: ...
+    def fail(self, request_id: str, cause: str, *, stream: str = "") -> None: ...
 
     def expect_all(self, request_ids: Sequence[str]) -> None: ...
 
@@ -309,7 +309,8 @@ class StageDelivery:
                 # join it, and a final chunk without rows still has its keys
                 self._parts[req_id] = [p.trimmed(stands, p.end) if p.start < stands else p
                                        for p in parts if p.end > stands or p is parts[-1]]
-                chunks.append((self._external_id(req_id), StageChunk(rows, sent, final=False)))
+                chunks.append((self._external_id(req_id),
+                               StageChunk(rows, sent, final=False, stream=req_id)))
                 spans.append((req_id, sent, stands))
         if not chunks:
             return
@@ -340,7 +341,7 @@ class StageDelivery:
                                                       f"back: {type(exc).__name__}: {exc}")
                     continue
                 chunks.append((self._external_id(rows.req_id),
-                               StageChunk(held, rows.start, final=False)))
+                               StageChunk(held, rows.start, final=False, stream=rows.req_id)))
                 putting.append(rows)
             if not chunks:
                 return
@@ -564,7 +565,8 @@ class StageDelivery:
             aborted = request.prompt_len is None or entry.num_rows < request.prompt_len
             chunks.append((request.external_id, StageChunk(
                 entry.rows, entry.sent, final=True, aborted=aborted,
-                meta={"prompt_len": request.prompt_len, "num_rows": entry.num_rows})))
+                meta={"prompt_len": request.prompt_len, "num_rows": entry.num_rows},
+                stream=request.req_id)))
             putting.append(entry)
         if self._sink is None:
             return
@@ -606,7 +608,7 @@ class StageDelivery:
         if self._sink is None:
             return
         try:
-            self._sink.fail(external_id, cause)
+            self._sink.fail(external_id, cause, stream=req_id)
         except Exception as exc:
             logger.error("request %s: its failure could not be published either: %s: %s",
                          external_id, type(exc).__name__, exc)
