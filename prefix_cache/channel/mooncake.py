@@ -102,8 +102,9 @@ MAX_PRODUCERS = 64
 LEASE_REFRESH_S = 1.0
 #: How long a lease may stay unchanged (or gone), by a waiter's clock, before its producer is dead.
 LEASE_S = 4.0
-#: How old a reader's view of the namespace's producers (where it finds an id's chains) may be.
-DISCOVERY_S = 0.1
+#: How old a reader's view of the namespace's producers (where it finds an id's chains) may be:
+#: a waiting reader's longest pause, so a new producer's first chunk is seen as soon as any.
+DISCOVERY_S = 0.02
 #: How many keys of each chain a reader peeks at to order chains by their chunks' age.
 PEEK_KEYS = 8
 #: Bytes of unconsumed entries a namespace's publisher keeps in the store unless told otherwise.
@@ -432,12 +433,14 @@ class _Leases:
         return (found[1], found[2]) if found is not None else None
 
     def dead(self, producer: _Producer) -> bool:
-        """Whether `producer` died: its lease unchanged for LEASE_S (a closed one never)."""
+        """Whether `producer` died: its lease unchanged for LEASE_S up to the last scan that
+        completed (a closed one never). Not up to now: a handle whose process was stopped, or
+        whose scan another thread still runs, has not looked meanwhile."""
         found = self._in_slots.get(producer.token)
         if found is not None and found[2]:
             return False
         changed = self._changed.setdefault(producer.token, time.monotonic())
-        return time.monotonic() - changed >= LEASE_S
+        return self._scanned - changed >= LEASE_S
 
     def all_dead(self) -> list[_Producer]:
         """The producers in the slots that have not closed, if there are some and all are dead;
@@ -573,8 +576,10 @@ class MooncakeChannel(StageChannel):
             head = self.entry_key(request_id)
             self._leases.scan(0.0)
             tokens = [p.token for p in self._leases.producers()]
-            return [key for _, keys in self._candidates(head, self._chains_of(
+            keys = [key for _, keys in self._candidates(head, self._chains_of(
                 head, tokens, request_id)) for key in keys]
+            exists = self._store.batch_is_exist(keys) if keys else []
+            return [key for key, e in zip(keys, exists, strict=True) if e == 1]
 
     def used_bytes(self) -> int:
         """Bytes of this handle's entries not yet seen consumed, and its puts in flight."""
@@ -741,17 +746,20 @@ class MooncakeChannel(StageChannel):
     def _candidates(self, head: str, chains: Sequence[tuple[str, _Chain]]
                     ) -> list[tuple[str, list[str]]]:
         """Per chain with unexpired entries, its token and their keys, oldest first (one call
-        asks which exist); the entries of expired chains are removed, never returned."""
+        asks which exist, unless the chains name one key alone: its take finds out); the
+        entries of expired chains are removed, never returned."""
         named = [(token, chain, chain.keys(head, token)) for token, chain in chains]
         keys = [key for _, _, chain_keys in named for key in chain_keys]
-        exists = iter(self._store.batch_is_exist(keys) if keys else [])
+        if len(keys) > 1:
+            exists = iter(self._store.batch_is_exist(keys))
+            named = [(token, chain, [key for key in chain_keys if next(exists) == 1])
+                     for token, chain, chain_keys in named]
         queue, expired = [], []
         for token, chain, chain_keys in named:
-            existing = [key for key in chain_keys if next(exists) == 1]
             if chain.expired():  # whoever published them: never returned, removed
-                expired += existing
-            elif existing:
-                queue.append((token, existing))
+                expired += chain_keys
+            elif chain_keys:
+                queue.append((token, chain_keys))
         if expired:
             self._store.batch_remove(expired, force=True)
         return queue
@@ -898,11 +906,13 @@ class MooncakeChannel(StageChannel):
         self._leases.scan(LIVENESS_CHECK_S)
         if producer:
             found = self._leases.find(producer)
-            if found is None:
-                return f"with token {producer} (its slot was reclaimed)"
-            named, closed = found
-            return f"{named} (closed)" if closed else str(named) if self._leases.dead(named) \
-                else None
+            if found is not None and not found[1] and not self._leases.dead(found[0]):
+                return None
+            # its promise of the id is broken: reported here, once
+            self._store.batch_remove([self._expect_key(self.entry_key(request_id), producer)],
+                                     force=True)
+            return f"with token {producer} (its slot was reclaimed)" if found is None \
+                else f"{found[0]} (closed)" if found[1] else str(found[0])
         producers = self._leases.producers()
         keys = [self._expect_key(self.entry_key(request_id), p.token) for p in producers]
         try:

@@ -10,8 +10,10 @@ Crash consistency: no file of an entry is ever renamed but once, into place. Eac
 and the id's oldest entry is the one with the lowest SEQ. A put reserves its bytes and creates a
 temp file under the namespace lock (a `flock` on `.lock`, shared by every process on the
 machine), writes it without the lock, and renames it to `NAME.SEQ` under the lock. A get, under
-the lock, opens the id's lowest entry and unlinks it (so exactly one reader takes it), then maps
-it: the tensors it returns are views of a mapping no one else can reach. A process killed
+the lock, opens the id's lowest entry it awaits (the first chunk of an entry, or the next of
+its entry: read from the file's prefix, `peek`; the others stay) and unlinks it (so exactly
+one reader takes it), then maps it: the tensors it returns are views of a mapping no one else
+can reach. A process killed
 anywhere thus leaves every other entry where it was, in order; there is no chain to repair. The
 empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
 removes it with the last one), so a get of an id without entries costs one `lstat`. A put's
@@ -465,6 +467,8 @@ class ShmChannel(StageChannel):
                 return None
             record = _read_record(self.directory / producer) \
                 or _read_record(self.directory / _dead_name(producer))
+            with self._locked():  # its promise of the id is broken: reported here, once
+                self._remove_expectation(request_id, producer)
             return _describe(record) if record else f"{producer} (it closed)"
         record = _read_record(self._expectation_path(self._name(request_id)))
         if record is not None and _PRODUCER_RE.fullmatch(str(record.get("producer"))):
