@@ -22,7 +22,10 @@ same seed, the same faults) injects, one at a time, the heavy faults:
   (`OmniPrefixCacheChannelProducerError`) is retried under the same id and prompt, and so is
   every cut request nobody read yet, at once and unread (its dead producer's chunks are then
   in the channel before the retry's: they must never join it). A retry generates a different
-  number of tokens, so rows of the first try delivered to it show as wrong;
+  number of tokens, so rows of the first try delivered to it show as wrong. Entries of an id
+  are taken in put order, so the retry of a request cut unread first reads what the dead
+  producer left of it: its whole entry (checked against the first try's rows), or its death
+  (which must name a process the soak killed); then the retry reads again, for its own;
 
 and between them the light ones: an abort (vLLM's `abort_request` on a running request), an
 expiry (a request whose entry is read only `CHANNEL_TTL_S + EXPIRY_MARGIN_S` after it ended,
@@ -65,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import random
+import re
 import tempfile
 import threading
 import time
@@ -185,6 +189,9 @@ class Instance:
     cached_tokens: int = 0
     read_sent: bool = False
     outcome: Outcome | None = None
+    #: the instance it retries where that one was cut unread: the id's first entry is then the
+    #: dead producer's (whole, or cut: its death), read by this instance's read before its own
+    predecessor: Instance | None = None
 
     @property
     def rows_wanted(self) -> int:
@@ -270,10 +277,15 @@ class Producer:
     returns (raising) when the engine core dies on its own."""
 
     def __init__(self, model_dir: Path, channel: StageChannel, generation: int) -> None:
-        from prefix_cache.tools.engines import start_thinker
+        from prefix_cache.tools.engines import engine_core_pid, start_thinker
         self.generation = generation
         self.engine = start_thinker(model_dir, channel, prefix_caching=True, shape=SOAK_SHAPE,
                                     stage_options={"stream": True}, disable_log_stats=False)
+        import psutil  # a dependency of vLLM
+        core = psutil.Process(engine_core_pid(self.engine))
+        #: the engine-core process and its children (the worker, which publishes, where the
+        #: executor runs one)
+        self.pids = {core.pid, *(child.pid for child in core.children(recursive=True))}
         self.killed = False  # by the soak
         self.died = False  # on its own
         self.last_wait_s = 0.0
@@ -380,6 +392,7 @@ class SoakReport:
     hit_tokens: int = 0
     rows_checked: int = 0
     engine_deaths: int = 0
+    predecessors_read: int = 0  # entries of cut requests retried unread, met by the retry's read
     leftovers: list[str] = field(default_factory=list)  # ids with something left at the end
     longest_wait_s: float = 0.0
     longest_wait_in_stall_s: float = 0.0
@@ -414,7 +427,8 @@ class SoakReport:
             ("entries delivered", self.verdicts["delivered"],
              f"{by['whole']} whole, {by['streamed']} streamed; {by['aborted']} aborted "
              f"(a correct prefix); {self.rows_checked} rows checked, {self.check}"),
-            ("failed, a named error", self.verdicts["failed"], causes),
+            ("failed, a named error", self.verdicts["failed"],
+             f"{causes}; {self.predecessors_read} retried unread met by the retry's read first"),
             ("expired, as planned", self.verdicts["expired"],
              f"of {self.expiries_planned} read late"),
             ("held by a killed consumer", self.verdicts["held"], "drained by the next one"),
@@ -463,6 +477,7 @@ class Soak:
         self.consumer = ConsumerProcess(channel.spec, references_path, self.outcomes)
         self.producer = Producer(model_dir, channel, generation=0)
         self.dead_generations: set[int] = set()
+        self.dead_pids: set[int] = set()  # their engine-core processes, which publish
         self.clean_ids: list[str] = []  # ids whose last instance was delivered whole
         self.retries: list[Instance] = []
         self.late_reads: list[tuple[float, Instance]] = []
@@ -549,7 +564,8 @@ class Soak:
                                           if n != old.max_tokens])
             self._add(Instance(self._take_key(), old.request_id, old.prompt, max_tokens,
                                old.prompt_len, old.streamed, self.producer.generation,
-                               kind="retry", read_at=self._read_at()))
+                               kind="retry", read_at=self._read_at(),
+                               predecessor=None if old.read_sent else old))
 
     def _read_at(self) -> str:
         return "end" if self.rng.random() < LAZY_SHARE else "submit"
@@ -649,6 +665,12 @@ class Soak:
             self._judge(self.instances[outcome.key], outcome)
 
     def _judge(self, instance: Instance, outcome: Outcome) -> None:
+        if (old := instance.predecessor) is not None and not (
+                outcome.error is None and outcome.rows.num_rows == instance.rows_wanted):
+            instance.predecessor = None  # its entry came first, in put order: read again
+            self._judge_predecessor(old, outcome)
+            self._send_read(instance, READ_TIMEOUT_S)
+            return
         instance.outcome = outcome
         self.unanswered.discard(instance.key)
         verdict = judge(instance, instance.generation in self.dead_generations)
@@ -665,6 +687,23 @@ class Soak:
         if outcome.error == PRODUCER_DIED and instance.generation in self.dead_generations \
                 and instance.request_id not in self.live:
             self.retries.append(instance)
+
+    def _judge_predecessor(self, old: Instance, outcome: Outcome) -> None:
+        """A retry's read met the entry of the instance it retries, cut unread (counted failed
+        then): its rows are checked against that instance's, and a death it reports must be
+        of a producer the soak saw die."""
+        old.outcome = outcome
+        self.report.predecessors_read += 1
+        verdict = judge(old, producer_died=True)
+        if verdict.problem is None and outcome.error == PRODUCER_DIED:
+            named = {int(pid) for pid in re.findall(r"pid (\d+)", outcome.message)}
+            if not named or not named <= self.dead_pids:
+                verdict = Verdict("lost", problem=f"{old.name}: read by its retry, a producer "
+                                                  f"the soak did not see die was reported dead: "
+                                                  f"{outcome.message}")
+        if verdict.problem is not None:
+            self.report.problems.append(verdict.problem)
+            self.say(f"[soak] PROBLEM: {verdict.problem}")
 
     def _count(self, instance: Instance, verdict: Verdict) -> None:
         report = self.report
@@ -754,6 +793,7 @@ class Soak:
         """Its requests are cut (their consumers must learn it), the engine is started again."""
         generation = self.producer.generation
         self.dead_generations.add(generation)
+        self.dead_pids |= self.producer.pids
         for instance in list(self.live.values()):
             self._ended(instance, "cut")
         with contextlib.suppress(Exception):  # its processes are gone; close what is left
