@@ -127,6 +127,37 @@ def test_a_dead_producers_failure_is_reported_once_and_a_reused_id_waits_for_its
             assert _mark(channel.get("r1", timeout_s=5)) == 8
 
 
+def _stream_a_chunk_then_die(spec: str, ready: multiprocessing.Event) -> None:
+    """In a spawned process: a producer expects `r1`, streams its first chunk and is killed."""
+    channel = open_channel(spec)
+    channel.expect("r1")
+    channel.put("r1", _marked(5), start=0, final=False)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_death_reported_mid_entry_is_reported_once_and_a_reused_id_waits_for_its_new_one(
+        ) -> None:
+    """The producer died mid-stream: the reader of its entry learns it, once. The id's next
+    request (retried, its new producer alive but not publishing it yet) waits for that
+    producer: it is not told of the old one's death again."""
+    with open_channel("shm") as channel:
+        ready = _SPAWN.Event()
+        producer = _spawn(_stream_a_chunk_then_die, channel.spec, ready)
+        assert ready.wait(60), "the producer did not start"
+        producer.join(30)
+        with pytest.raises(OmniPrefixCacheChannelProducerError,
+                           match=f"request r1: .*stops at position 4: .*pid {producer.pid} "):
+            channel.get("r1", timeout_s=30)
+        with open_channel(channel.spec) as restarted:
+            restarted.register_producer()
+            with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+                channel.get("r1", timeout_s=1.2)
+            restarted.expect("r1")
+            restarted.put("r1", _marked(8))
+            assert _mark(channel.get("r1", timeout_s=5)) == 8
+
+
 def test_a_live_producer_that_publishes_late_still_delivers_and_leaves_nothing() -> None:
     with open_channel("shm") as channel:
         producer, _ = _producer(channel, "r1", "publish", delay_s=1.5)
