@@ -22,8 +22,9 @@ from prefix_cache.core.pool_rows import PoolRows, reading
 from prefix_cache.devices import get_backend
 from prefix_cache.devices.base import poll_until
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
-from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
+from prefix_cache.integration.stage_outputs import StageOutputDriver
 from tests.sim import StepDriver, token_rows
+from tests.test_runner_delivery import sim_step
 
 HIDDEN = 64  # 256-byte rows: a few requests fill an 8,000-byte channel
 
@@ -31,14 +32,7 @@ HIDDEN = 64  # 256-byte rows: a few requests fill an 8,000-byte channel
 def run_step(driver: StageOutputDriver, sim: StepDriver, so: SimpleNamespace,
              finished: list[FinishedRequest]) -> None:
     """One step of `sim`'s batch through the driver, as a runner makes it."""
-    driver.begin_step(so, finished)
-    if sim.batch:
-        hidden = sim.outputs(HIDDEN)
-        starts = [sim.reqs[r].computed for r in sim.batch]
-        ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
-        driver.save_step(hidden, None, StepBatch(sim.batch, starts, ends), hidden.shape[0])
-    driver.end_step()
-    sim.advance()
+    sim_step(driver, sim, so, finished, width=HIDDEN)
 
 
 def cache_stage(channel, *, timeout_s: float = 0.5) -> tuple[StageOutputDriver, StepDriver]:

@@ -118,13 +118,19 @@ def test_a_dead_producers_failure_is_reported_once_and_a_reused_id_waits_for_its
         with pytest.raises(OmniPrefixCacheChannelProducerError):
             channel.get("r1", timeout_s=30)
         producer.join(30)
-        with open_channel(channel.spec) as restarted:
-            restarted.register_producer()
-            with pytest.raises(OmniPrefixCacheChannelTimeoutError):
-                channel.get("r1", timeout_s=1.2)
-            restarted.expect("r1")
-            restarted.put("r1", _marked(8))
-            assert _mark(channel.get("r1", timeout_s=5)) == 8
+        _reused_id_waits_for_its_new_producer(channel)
+
+
+def _reused_id_waits_for_its_new_producer(channel: ShmChannel) -> None:
+    """`r1`'s next request, its producer started again and not publishing it yet: a get waits
+    (no death reported again), then takes what that producer publishes."""
+    with open_channel(channel.spec) as restarted:
+        restarted.register_producer()
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+            channel.get("r1", timeout_s=1.2)
+        restarted.expect("r1")
+        restarted.put("r1", _marked(8))
+        assert _mark(channel.get("r1", timeout_s=5)) == 8
 
 
 def _stream_a_chunk_then_die(spec: str, ready: multiprocessing.Event) -> None:
@@ -149,13 +155,7 @@ def test_a_death_reported_mid_entry_is_reported_once_and_a_reused_id_waits_for_i
         with pytest.raises(OmniPrefixCacheChannelProducerError,
                            match=f"request r1: .*stops at position 4: .*pid {producer.pid} "):
             channel.get("r1", timeout_s=30)
-        with open_channel(channel.spec) as restarted:
-            restarted.register_producer()
-            with pytest.raises(OmniPrefixCacheChannelTimeoutError):
-                channel.get("r1", timeout_s=1.2)
-            restarted.expect("r1")
-            restarted.put("r1", _marked(8))
-            assert _mark(channel.get("r1", timeout_s=5)) == 8
+        _reused_id_waits_for_its_new_producer(channel)
 
 
 def test_a_live_producer_that_publishes_late_still_delivers_and_leaves_nothing() -> None:

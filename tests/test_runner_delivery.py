@@ -389,12 +389,13 @@ def test_requests_held_when_the_stage_stops_publishing_get_a_failure_naming_why(
 
 
 def sim_step(driver: StageOutputDriver, sim: StepDriver, so: SimpleNamespace,
-             finished: list[FinishedRequest], mm: dict[str, torch.Tensor] | None = None) -> None:
+             finished: list[FinishedRequest], mm: dict[str, torch.Tensor] | None = None, *,
+             width: int = HIDDEN) -> None:
     """One step of `sim`'s batch through the driver, as a runner makes it (no forward where
-    the batch is empty)."""
+    the batch is empty), its hidden rows `width` wide."""
     driver.begin_step(so, finished)
     if sim.batch:
-        hidden = sim.outputs(HIDDEN)
+        hidden = sim.outputs(width)
         starts = [sim.reqs[r].computed for r in sim.batch]
         ends = list(itertools.accumulate(sim.scheduled[r] for r in sim.batch))
         driver.save_step(hidden, mm, StepBatch(sim.batch, starts, ends), hidden.shape[0])
