@@ -373,10 +373,16 @@ class _Leases:
         self._in_slots: dict[str, tuple[str, _Producer, bool]] = {}  # slot, producer, closed
         self._scanned = -math.inf
 
-    def scan(self, max_age_s: float) -> None:
+    def scan(self, max_age_s: float, *, wait: bool = False) -> None:
         """Reads every slot in one call unless the last scan is younger than `max_age_s`; a scan
-        in progress on another thread serves instead. Reclaims the slots of producers long gone."""
-        if time.monotonic() - self._scanned < max_age_s or not self._lock.acquire(blocking=False):
+        in progress on another thread serves instead (`wait`: this one waits for it, then scans
+        if it is still too old). Reclaims the slots of producers long gone."""
+        if time.monotonic() - self._scanned < max_age_s:
+            return
+        if not self._lock.acquire(blocking=wait):
+            return
+        if time.monotonic() - self._scanned < max_age_s:  # another thread's scan served
+            self._lock.release()
             return
         try:
             self._read_slots()
@@ -906,6 +912,9 @@ class MooncakeChannel(StageChannel):
         self._leases.scan(LIVENESS_CHECK_S)
         if producer:
             found = self._leases.find(producer)
+            if found is None:  # a producer that published this chunk: read its slot afresh
+                self._leases.scan(0.0, wait=True)
+                found = self._leases.find(producer)
             if found is not None and not found[1] and not self._leases.dead(found[0]):
                 return None
             # its promise of the id is broken: reported here, once

@@ -237,8 +237,8 @@ def judge(instance: Instance, producer_died: bool) -> Verdict:
                        f"{rows.start + rows.num_rows}, {instance.rows_wanted} expected")
     if instance.held:
         return Verdict("held")
-    if outcome.error is None:
-        if rows.num_rows == instance.rows_wanted or instance.aborted:
+    if outcome.error is None:  # short: aborted by the soak, or by a stage going down
+        if rows.num_rows == instance.rows_wanted or instance.aborted or producer_died:
             return Verdict("delivered")
         marked = " marked aborted" if outcome.aborted else ""
         return Verdict("wrong", problem=f"{name}: {rows.num_rows} rows{marked}, "
