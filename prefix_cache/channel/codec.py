@@ -196,19 +196,15 @@ def _header(entry: StageEntry, tensors: str) -> str:
 
 def join(encoded: EncodedEntry) -> torch.Tensor:
     """The wire form as one contiguous uint8 tensor (a copy, pool rows read once and let go),
-    for stores that take one buffer. A writer of pool rows calls it inside `reading`, as it
-    reads their `pool` at their `slots` in place."""
+    for stores that take one buffer. A writer of pool rows calls it inside `reading` (whose lock
+    `copy_into` takes again: it is reentrant)."""
     out = torch.empty(encoded.nbytes, dtype=torch.uint8)
     dst, end = out.numpy(), 0
     for offset, data in encoded.pieces:
         dst[end:offset] = 0
         end = offset + data.nbytes
         if isinstance(data, PoolRows):
-            rows, slots = dst[offset:end].reshape(len(data.slots), data.row_bytes), data.slots
-            present = slots >= 0
-            rows[~present] = 0
-            rows[present] = data.pool[slots[present]]
-            data.let_go()
+            data.copy_into(dst[offset:end].reshape(data.shape[0], data.row_bytes))
         else:
             dst[offset:end] = np.frombuffer(data, dtype=np.uint8)
     dst[end:] = 0
