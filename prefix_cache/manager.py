@@ -322,9 +322,10 @@ class OmniPrefixCacheManager:
 
     def _positions_slots(self, call: str, ends: Mapping[str, int | None],
                          starts: Mapping[str, int]) -> list[tuple[str, int, np.ndarray, int]]:
-        """Per request the view holds: its first position, the slots of its positions from
-        there to its end (None: all its saved steps reached; never past them), and how many
-        positions its saved steps computed past that end."""
+        """Per request the view holds: its first position (`starts`, else 0), the slots of its
+        positions from there to its end (None: all its saved steps reached; never past them,
+        so none where they stand behind its start), and how many positions its saved steps
+        computed past that end."""
         self._check_usable(call)
         positions_runs = getattr(self.view, "request_positions_runs", None)
         if positions_runs is None:
@@ -333,12 +334,13 @@ class OmniPrefixCacheManager:
                 f"(it lacks request_positions_runs)")
         planned = []
         for req_id, end in ends.items():
-            n = self._progress.get(req_id, 0)
-            stands = n if end is None else min(n, end)
-            start = min(starts.get(req_id, 0), stands)
+            n, start = self._progress.get(req_id, 0), starts.get(req_id, 0)
+            # a request recomputed after preemption may stand behind where its chunks reached
+            # (`start`): it has no rows past them yet
+            stands = max(n if end is None else min(n, end), start)
             runs = positions_runs(req_id, stands, start)
             if runs is not None:
-                planned.append((req_id, start, runs_slots(runs), n - stands))
+                planned.append((req_id, start, runs_slots(runs), max(n - stands, 0)))
         return planned
 
     def track_allocations(self) -> None:

@@ -259,17 +259,19 @@ def _greedy(max_tokens: int) -> Any:
 
 
 def _aborted_while_preempted(model_dir: Path, *, prefix_caching: bool, asynchronous: bool,
-                             streaming: bool = False) -> tuple[str, dict[str, StageEntry]]:
+                             streaming: bool = False, after_resume: bool = False
+                             ) -> tuple[str, dict[str, StageEntry]]:
     """Four requests whose decodes outgrow an 8-block KV cache; the first one vLLM preempts
-    is aborted right after that step, before any step resumes it: its id and every entry
-    (`streaming`: its chunks joined)."""
+    is aborted right after that step, before any step resumes it (`after_resume`: right after
+    the first step that resumes it): its id and every entry (`streaming`: its chunks joined)."""
     requests = unrelated_decoding_requests()
     with multiprocessing_mode(False), open_channel() as channel:
         with cpu_async_scheduling() if asynchronous else nullcontext():
             engine = start_thinker(model_dir, channel, prefix_caching=prefix_caching,
                                    shape=PREEMPTING_SHAPE, stage_options={"stream": streaming})
         try:
-            aborter = FirstPreemptedAborter(engine, [r.req_id for r in requests])
+            aborter = FirstPreemptedAborter(engine, [r.req_id for r in requests],
+                                            after_resume=after_resume)
             run = run_pipeline(engine, channel, requests, aborts_now=aborter)
         finally:
             engine.close()
@@ -293,6 +295,28 @@ def test_a_request_aborted_while_preempted_publishes_the_rows_it_would_without_t
                                                 asynchronous=asynchronous)
     assert aborted_off == aborted
     assert 48 < on[aborted].num_rows < 48 + 99 and not on[aborted].aborted  # cut mid-decode
+    for request_id, entry in on.items():
+        assert (entry.aborted, entry.num_rows) == (off[request_id].aborted,
+                                                   off[request_id].num_rows), request_id
+        torch.testing.assert_close(entry.outputs[HIDDEN_KEY], off[request_id].outputs[HIDDEN_KEY],
+                                   rtol=0, atol=1e-4)
+
+
+def test_a_streamed_request_aborted_while_it_recomputes_ends_where_its_chunks_reached(
+        thinker_model_dir: Path) -> None:
+    """A request preempted after its chunks went out is recomputed from its hit on, 32
+    positions a step; aborted right after its first such step, the positions its saved steps
+    reached stand behind those it streamed. Its stream still ends with a final chunk from
+    where its chunks reached (none again, none missing), as a stage without the cache ends it,
+    and every request's streamed rows are those (found by the soak: the final chunk started
+    where the recompute stood, and the channel refused it)."""
+    aborted, on = _aborted_while_preempted(thinker_model_dir, prefix_caching=True,
+                                           asynchronous=False, streaming=True, after_resume=True)
+    aborted_off, off = _aborted_while_preempted(thinker_model_dir, prefix_caching=False,
+                                                asynchronous=False, streaming=True,
+                                                after_resume=True)
+    assert aborted_off == aborted
+    assert on[aborted] is not None and 48 < on[aborted].num_rows < 48 + 99
     for request_id, entry in on.items():
         assert (entry.aborted, entry.num_rows) == (off[request_id].aborted,
                                                    off[request_id].num_rows), request_id

@@ -267,26 +267,33 @@ def unrelated_decoding_requests(seed: int = 3) -> list[StageRequest]:
 
 class FirstPreemptedAborter:
     """Names, once, the first request an in-process engine's scheduler preempts, to abort it
-    before any step schedules it again (`run_pipeline(..., aborts_now=aborter)`);
-    `aborted`: that request's id, once named."""
+    before any step schedules it again (`run_pipeline(..., aborts_now=aborter)`), or, with
+    `after_resume`, right after the first step that schedules it again (its recompute begun,
+    not done: a step recomputes 32 positions); `aborted`: that request's id, once named."""
 
-    def __init__(self, engine: Any, request_ids: Sequence[str]) -> None:
+    def __init__(self, engine: Any, request_ids: Sequence[str], *,
+                 after_resume: bool = False) -> None:
         self.aborted: str | None = None
         self._request_ids = set(request_ids)
-        self._preempted: list[str] = []
+        self._preempted: str | None = None  # vLLM's id: the request's own, maybe a suffix added
+        self._due = False
         scheduler = engine.engine.engine_core.engine_core.scheduler
         schedule = scheduler.schedule
 
         def noting_preemptions(*args: Any, **kwargs: Any) -> Any:
             output = schedule(*args, **kwargs)
-            self._preempted.extend(output.preempted_req_ids or ())
+            if self._preempted is None and output.preempted_req_ids:
+                self._preempted = next(iter(output.preempted_req_ids))
+                self._due = not after_resume
+            elif self._preempted in output.num_scheduled_tokens:
+                self._due = True
             return output
 
         scheduler.schedule = noting_preemptions
 
     def __call__(self) -> list[str]:
-        if self.aborted is not None or not self._preempted:
+        if self.aborted is not None or not self._due:
             return []
-        internal = self._preempted[0]  # vLLM's id: the request's own, maybe a suffix added
+        internal = self._preempted
         self.aborted = internal if internal in self._request_ids else internal.rsplit("-", 1)[0]
         return [self.aborted]
