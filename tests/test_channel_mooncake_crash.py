@@ -283,6 +283,87 @@ def test_a_consumer_learns_within_seconds_that_its_producer_was_killed(
             producer.join(30)
 
 
+def _stream_a_chunk(spec: str, ready: Any) -> None:
+    """In a child: a producer that expects r1 and r2, streams r1's first chunk and lives on
+    until killed."""
+    channel = open_channel(spec)
+    channel.expect_all(["r1", "r2"])
+    channel.put("r1", _marked(5), start=0, final=False)
+    ready.put(os.getpid())
+    time.sleep(600)
+
+
+def test_a_death_is_reported_once_and_the_ids_retry_waits_for_the_new_producer(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """A stage restarted after its producer was killed registers anew and takes the retries
+    of the requests the consumer just learned were cut, one mid-entry (r1), one before its
+    first chunk (r2). The consumer's waits for the retries wait for the new producer, which has
+    not expected them yet, and get its entries: they are not told the dead one died again
+    (the soak found retries told so)."""
+    ready = _FORKSERVER.Queue()
+    with open_channel(mooncake_store.spec) as consumer, \
+            open_channel(consumer.spec) as restarted:
+        producer = _start(_stream_a_chunk, consumer.spec, ready)
+        try:
+            pid = ready.get(timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(OmniPrefixCacheChannelProducerError,
+                               match=f"request r1: .*stops at position 4: .*pid {pid} "):
+                for _ in consumer.stream("r1", timeout_s=60):
+                    pass
+            with pytest.raises(OmniPrefixCacheChannelProducerError,
+                               match=f"request r2: no entry .*pid {pid} .*died"):
+                consumer.get("r2", timeout_s=60)
+            restarted.register_producer()
+            for request_id, mark in (("r1", 1), ("r2", 2)):
+                with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+                    consumer.get(request_id, timeout_s=2)  # the retry: queued, not expected
+                restarted.expect(request_id)
+                restarted.put(request_id, _marked(mark))
+                assert _mark(consumer.get(request_id, timeout_s=5)) == mark
+        finally:
+            producer.kill()
+            producer.join(30)
+
+
+def test_a_producer_rewriting_its_lease_is_not_taken_for_gone_while_others_died(
+        mooncake_store: MooncakeStoreProcesses) -> None:
+    """A slot being rewritten reads as not ready (on loopback, two reads in three while its
+    lease is rewritten back to back). A consumer waiting for an id no producer expected yet,
+    beside a producer that died and a live one that rewrites its lease all the while, is told
+    of no death: the live one is never missed (the soak found waits for retries, queued on a
+    restarted stage, told that the killed stage died)."""
+    ready = _FORKSERVER.Queue()
+    with open_channel(mooncake_store.spec) as consumer, \
+            open_channel(consumer.spec) as restarted:
+        stop = threading.Event()
+
+        def rewrite_lease() -> None:
+            counter = 1 << 32  # past the keeper's: a lease that keeps changing
+            while not stop.is_set():
+                restarted._values.upsert(restarted._held.slot,
+                                         restarted._producer.record(counter))
+                counter += 1
+
+        rewriter = threading.Thread(target=rewrite_lease)
+        producer = _start(_produce, consumer.spec, ready, 600)
+        try:
+            pid = ready.get(timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(OmniPrefixCacheChannelProducerError, match=f"pid {pid}"):
+                consumer.get("r1", timeout_s=60)
+            restarted.register_producer()
+            rewriter.start()
+            with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+                consumer.get("r9", timeout_s=4)
+        finally:
+            stop.set()
+            if rewriter.is_alive():
+                rewriter.join(30)
+            producer.kill()
+            producer.join(30)
+
+
 class SlowRemovesOnTheKeeper(RealClient):
     """Every remove the keeper thread makes takes half a second (a slow or loaded store)."""
 

@@ -354,7 +354,9 @@ class _Leases:
     its lease's value has stayed the same, or been gone, for LEASE_S of this handle's monotonic
     clock (no clock is compared across machines); one whose slot says CLOSED closed. A slot that
     stayed unchanged for `reclaim_after_s` more (a producer that died or closed) is reclaimed:
-    every key of its producer, then the slot, removed.
+    every key of its producer, then the slot, removed. A slot being rewritten reads as not ready
+    (on loopback, two reads in three while a lease is rewritten back to back): it holds what
+    the last scan found in it, so a live producer is never missed.
 
     Invariant: `_changed[token]` is when this handle last saw that producer's lease change;
     first hearing of a producer counts as a change.
@@ -401,8 +403,13 @@ class _Leases:
         reads = self._store.batch_get_into(self.slots, [ptr + k * size for k in range(
             MAX_PRODUCERS)], [size] * MAX_PRODUCERS)
         now, raw = time.monotonic(), self._buffer.numpy().tobytes()
+        seen = {found[0]: (token, found) for token, found in self._in_slots.items()}
         in_slots = {}
         for k, (slot, read) in enumerate(zip(self.slots, reads, strict=True)):
+            if read == REPLICA_IS_NOT_READY and slot in seen:
+                token, found = seen[slot]  # its producer rewriting its lease: as last seen
+                in_slots[token] = found
+                continue
             if read != size:
                 continue
             value = raw[k * size:(k + 1) * size]
