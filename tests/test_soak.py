@@ -140,10 +140,7 @@ def test_a_seed_gives_the_same_faults() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["shm", pytest.param("mooncake", marks=pytest.mark.xfail(
-    strict=False, reason="known, issue 54: on Mooncake a retried request not yet scheduled can "
-    "be told its dead first producer died (its expectation outlives the report); 1.5-minute "
-    "producer-kill soak, seed 2, at b966dac"))])
+@pytest.mark.parametrize("backend", ["shm", "mooncake"])
 def test_a_short_soak_with_every_fault_finds_nothing_wrong_or_lost(
         backend: str, request: pytest.FixtureRequest) -> None:
     pytest.importorskip("vllm")
