@@ -13,7 +13,9 @@ from prefix_cache.tools.targets import METRICS
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line on stderr, exit code 2."""
+    """argparse whose errors are one line on stderr, exit code 2; `commands`: its subcommands."""
+
+    commands: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -46,11 +48,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(prog="python -m prefix_cache")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    demo = sub.add_parser("demo", help="the two-stage pipeline (thinker -> channel -> talker) on "
-                                       "vLLM's engine, stage 1's prefix caching on vs off")
+    demo = sub.add_parser(
+        "demo", help="the two-stage pipeline (thinker -> channel -> talker) on vLLM's engine, "
+                     "stage 1's prefix caching on vs off",
+        description="Run the pipeline on vLLM's engine twice, stage 1's prefix caching on and "
+                    "off, over requests that share prefixes; print a table per request (hits, "
+                    "rows, the largest difference from the plain run) and the time of each run. "
+                    "vLLM's logs go to a file the last line names. Exit status 1 when a row "
+                    "differs beyond the device's tolerance.")
     demo.add_argument("--device", choices=("cpu", "cuda", "npu"),
                       help="the device the engines must run on (default: vLLM's platform here, "
                            "a GPU where vLLM's GPU build is installed); another is an error")
@@ -101,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only these faults, separated by commas (consumer stall, consumer "
                            "kill, producer kill, abort, expiry, duplicate id), or none "
                            "(default: all)")
-    channel = sub.add_parser("channel", help="manage stage channels on this machine")
+    channel = sub.add_parser("channel", help="manage stage channels on this machine",
+                             description="Manage the stage channels on this machine: gc "
+                                         "removes the shared-memory namespaces whose owner died.")
     channel_sub = channel.add_subparsers(dest="channel_command", required=True,
-                                         parser_class=_Parser)
+                                         parser_class=_Parser, metavar="COMMAND")
     gc = channel_sub.add_parser(
         "gc", help="remove the shared-memory namespaces whose owner died",
         description="List this user's shared-memory channel namespaces whose owning process "
@@ -111,15 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dir", type=Path, metavar="ROOT",
                     help="where the namespaces lie (default: /dev/shm, else the temp dir)")
     gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
+    parser.commands = tuple(sub.choices)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:  # what there is to run, rather than a bare usage error
+    if args.command is None:  # what there is to run, then the usage error
         parser.print_help(sys.stderr)
-        return 2
+        parser.error(f"name a command: {', '.join(parser.commands)}")
     if args.command == "demo":
         if args.stream and args.stages == 2:
             parser.exit(2, f"{parser.prog} demo: error: --stream runs three stages; it does not "
@@ -141,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                            f" (bash ci/setup-cpu.sh installs them)\n")
         return soak.main(args.minutes, args.channel, args.seed, faults)
     if args.command == "channel":
+        if args.dir is not None and not args.dir.is_dir():
+            parser.exit(2, f"{parser.prog} channel gc: error: --dir {args.dir} is not a "
+                           f"directory\n")
         from prefix_cache.tools import channel_gc
         return channel_gc.main(args.dir, dry_run=args.dry_run)
     from prefix_cache.tools import bench

@@ -409,6 +409,7 @@ def test_shm_a_closed_namespace_is_a_clear_error() -> None:
     ("mooncake://h:notaport?metadata=http://127.0.0.1:6/metadata",
      "the master's port 'notaport' in 'h:notaport' is not a port number"),
     ("shm://?capacity=abc", "option capacity='abc' must be a whole number of bytes"),
+    ("shm://x?capacity=abc", "option capacity='abc' must be a whole number of bytes"),
     ("shm://?ttl=abc", "option ttl='abc' must be a number of seconds"),
     ("shm://?wait=soon", "option wait='soon' must be a number of seconds"),
     ("mooncake://127.0.0.1:5?metadata=x&ttl=abc", "mooncake channel spec: option ttl='abc'"),

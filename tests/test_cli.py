@@ -220,8 +220,28 @@ def test_cpu_m5_is_judged_against_the_cpu_target() -> None:
     assert "CPU >= 0.95" in m5.summary
 
 
-def test_no_subcommand_lists_what_there_is_to_run(capsys) -> None:
-    assert main([]) == 2
-    listed = capsys.readouterr().err
-    for command in ("demo", "bench", "channel"):
+def test_no_subcommand_lists_what_there_is_to_run_then_says_what_is_wrong(capsys) -> None:
+    code, _, listed = _exit([], capsys)
+    assert code == 2
+    for command in ("demo", "bench", "soak", "channel"):
         assert f"    {command} " in listed
+    assert listed.splitlines()[-1] == ("python -m prefix_cache: error: name a command: demo, "
+                                       "bench, soak, channel (see --help)")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["channel"], "python -m prefix_cache channel: error: the following arguments are "
+                  "required: COMMAND (see --help)"),
+    (["channel", "gc", "--dir", "/nonexistent"],
+     "python -m prefix_cache channel gc: error: --dir /nonexistent is not a directory"),
+])
+def test_channel_usage_errors_name_what_is_missing_in_one_line(argv, error, capsys) -> None:
+    code, out, err = _exit(argv, capsys)
+    assert (code, out, err.splitlines()) == (2, "", [error])
+
+
+def test_every_command_says_what_it_does_in_its_help(capsys) -> None:
+    for command in ("demo", "bench", "soak", "channel"):
+        code, out, _ = _exit([command, "--help"], capsys)
+        what = out.split("\n\n")[1]  # after the usage
+        assert code == 0 and not what.startswith(("positional", "options")), (command, out)

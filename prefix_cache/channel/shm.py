@@ -366,12 +366,12 @@ class ShmChannel(StageChannel):
         root = Path(options["dir"]) if "dir" in options else None
         ttl_s = spec_number("shm", options, "ttl", float, DEFAULT_TTL_S)
         wait_s = spec_number("shm", options, "wait", float, DEFAULT_FULL_WAIT_S)
+        capacity = spec_number("shm", options, "capacity", int, None)
         if namespace:
-            if "capacity" in options:
+            if capacity is not None:
                 raise ValueError("shm channel spec: capacity is set when a namespace is created; "
                                  "a handle joining one uses its capacity")
             return cls.join(namespace, root, ttl_s=ttl_s, full_wait_s=wait_s)
-        capacity = spec_number("shm", options, "capacity", int, None)
         return cls.create(root, ttl_s=ttl_s, capacity_bytes=capacity, full_wait_s=wait_s)
 
     @property

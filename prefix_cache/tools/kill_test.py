@@ -1,4 +1,5 @@
-"""Stage 1 killed again and again: what the next stage sees when its producer dies (SPEC §9).
+"""Stage 1 killed again and again: what the next stage sees when its producer dies (docs/api.md,
+"When a producer dies").
 
 A two-stage pipeline on vLLM's real engine. Stage 1 (the thinker, with the cache) runs in an
 engine-core process of its own, whose worker publishes to the stage channel. Each round submits
