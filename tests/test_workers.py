@@ -5,6 +5,7 @@ every finished request's entry reaches the channel without another engine step."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -190,6 +191,21 @@ def test_a_worker_with_no_channel_configured_refuses_at_start_saying_how_to_conf
     chain = [refused.value, *iter_causes(refused.value)]
     message = next(str(e) for e in chain if isinstance(e, OmniPrefixCacheUnmatchError))
     assert "no stage channel is configured" in message and "PREFIX_CACHE_CHANNEL" in message
+
+
+@pytest.mark.parametrize("spec", ["shm", "shm://?ttl=5"])
+def test_a_channel_spec_naming_no_namespace_is_refused_and_leaves_none(
+        spec: str) -> None:
+    """A spec without a namespace would make the worker a namespace of its own that no consumer
+    knows: refused as no channel is, and the namespace it opened to find that out is gone."""
+    from prefix_cache.integration.runner_mixin import open_stage_channel
+    before = set(Path("/dev/shm").glob("omni-prefix-cache-*"))
+    config = SimpleNamespace(additional_config={"prefix_cache": {"channel": spec}})
+    with pytest.raises(OmniPrefixCacheUnmatchError,
+                       match=f"additional_config\\['prefix_cache'\\]\\['channel'\\] "
+                             f"'{re.escape(spec)}' names no namespace.*channel.spec"):
+        open_stage_channel(config)
+    assert set(Path("/dev/shm").glob("omni-prefix-cache-*")) <= before
 
 
 def iter_causes(error: BaseException) -> list[BaseException]:

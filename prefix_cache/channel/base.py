@@ -118,7 +118,8 @@ class StageChannel(ABC):
     operation of any thread is in flight on them (`_operation`), so none uses them after.
     """
 
-    def __init__(self, *, ttl_s: float, capacity_bytes: int, full_wait_s: float) -> None:
+    def __init__(self, *, ttl_s: float, capacity_bytes: int, full_wait_s: float,
+                 owns_namespace: bool) -> None:
         if not ttl_s > 0 or not math.isfinite(ttl_s):
             raise ValueError(f"channel ttl must be a finite number of seconds > 0, got {ttl_s}")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
@@ -128,6 +129,8 @@ class StageChannel(ABC):
         self.ttl_s = ttl_s
         self.capacity_bytes = capacity_bytes
         self.full_wait_s = check_timeout(full_wait_s, "channel full wait")
+        #: whether this handle created its namespace (a spec naming none): its close frees it
+        self.owns_namespace = owns_namespace
         self._full_since: float | None = None  # a put found no room, and none found room since
         self._sweep_every_s = min(ttl_s, 60.0) / 4
         self._next_sweep = 0.0

@@ -514,7 +514,8 @@ class MooncakeChannel(StageChannel):
                  owner: bool, protocol: str = "tcp", device: str = "",
                  capacity_bytes: int = DEFAULT_CAPACITY,
                  full_wait_s: float = DEFAULT_FULL_WAIT_S) -> None:
-        super().__init__(ttl_s=ttl_s, capacity_bytes=capacity_bytes, full_wait_s=full_wait_s)
+        super().__init__(ttl_s=ttl_s, capacity_bytes=capacity_bytes, full_wait_s=full_wait_s,
+                         owns_namespace=owner)
         if not _NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(f"mooncake channel namespace {namespace!r} is not [A-Za-z0-9_-]+")
         self.master, self.metadata, self.namespace = master, metadata, namespace

@@ -292,7 +292,7 @@ class ShmChannel(StageChannel):
             self._watch_pid = 0  # the process `_watch` was opened in
             self._watch_lock = threading.Lock()
             super().__init__(ttl_s=ttl_s, capacity_bytes=self._read_budget().capacity,
-                             full_wait_s=full_wait_s)
+                             full_wait_s=full_wait_s, owns_namespace=owner is not None)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
             _release(directory, os.getpid(), owner is not None, fds, [owner] if owner else [])
             raise

@@ -66,12 +66,20 @@ def open_stage_channel(vllm_config: Any) -> StageChannel:
             f"the engine with additional_config={{'prefix_cache': {{'channel': channel.spec}}}}, "
             f"or set {CHANNEL_ENV} to its spec")
     try:
-        return open_channel(spec)
+        channel = open_channel(spec)
     except (OmniPrefixCacheChannelError, ValueError, ImportError) as exc:
         raise OmniPrefixCacheUnmatchError(
             f"{where} {spec!r} cannot be opened: {exc}; open the channel where the rows are "
             f"consumed first (prefix_cache.channel.open_channel()) and hand the engine its "
             f"channel.spec") from None  # the cause is in the line: one traceback, not two
+    if channel.owns_namespace:
+        channel.close()
+        raise OmniPrefixCacheUnmatchError(
+            f"{where} {spec!r} names no namespace, so the worker would publish into a new one "
+            f"of its own that no consumer could read: open the channel where the rows are "
+            f"consumed (prefix_cache.channel.open_channel()) and hand the engine its "
+            f"channel.spec")
+    return channel
 
 
 def external_request_id(req_id: str) -> str:
