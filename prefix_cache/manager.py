@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import get_backend
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, devices_on_host
 from prefix_cache.core import _core
 from prefix_cache.core.adapter import allocated_blocks, translate_step
@@ -108,7 +108,7 @@ class OmniPrefixCacheManager:
         self.view = view
         self.group_id = group_id
         self._owns_backend = backend is None  # a backend passed in stays open for its owner
-        self.backend = backend if backend is not None else devices.get_backend(config.device)
+        self.backend = backend if backend is not None else get_backend(config.device)
         self._pid = _PID  # streams and registrations belong to this process
         self.policy = ModelCachePolicy()
         self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend,

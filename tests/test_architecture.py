@@ -120,6 +120,24 @@ def test_no_import_circle() -> None:
     assert not circles, f"import circles: {circles}"
 
 
+def _through_the_face() -> list[str]:
+    """`from prefix_cache import X` in the package's modules: each imports what it uses from
+    the module that defines it, never through the package's names (`__init__`)."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "prefix_cache" \
+                    and node.level == 0:
+                found.append(f"{name}: from prefix_cache import "
+                             f"{', '.join(alias.name for alias in node.names)}")
+    return found
+
+
+def test_no_module_imports_through_the_package_face() -> None:
+    through = _through_the_face()
+    assert not through, "imports through prefix_cache/__init__:\n" + "\n".join(through)
+
+
 def test_the_rules_catch_an_arrow_up_and_a_circle() -> None:
     """The facade importing vLLM's integration, and two tools importing each other (as
     manager -> integration.adapter and bench <-> pipeline_bench once did)."""

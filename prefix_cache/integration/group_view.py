@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import get_backend
 from prefix_cache.core import _core
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
@@ -43,7 +43,7 @@ class FullAttentionGroupView:
         self.input_batch = input_batch
         self.block_size = block_size
         self.group_id = group_id
-        self.backend = backend if backend is not None else devices.get_backend()
+        self.backend = backend if backend is not None else get_backend()
         self.kernel_block_size = kernel_block_size
         self.attention_backend = attention_backend
         self._request_block_ids = request_block_ids

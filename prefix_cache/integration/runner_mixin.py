@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import get_backend
 from prefix_cache.channel import OmniPrefixCacheChannelError, StageChannel, open_channel
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
@@ -162,7 +162,7 @@ class StageRunnerBase:
             parallel_config=vllm_config.parallel_config,
             is_pooling_model=self.is_pooling_model,
             host_budget_bytes=options.get("host_budget_bytes"))
-        backend = devices.get_backend(self.device.type)
+        backend = get_backend(self.device.type)
         hidden_size = vllm_config.model_config.get_hidden_size()
         dtype = vllm_config.model_config.dtype
         # refused here, in vLLM's initialize_from_config RPC, whose failure carries the line up

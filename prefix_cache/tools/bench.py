@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import available, backend_classes, get_backend
 from prefix_cache.config import WRITE_STREAMS
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.tools.bench_report import Metric, judge, metric_json, report, scaling_report
@@ -39,7 +39,7 @@ __all__ = ["main", "run", "run_many", "unplottable", "unusable_device", "unwrita
 
 
 def run(device: str | None, quick: bool) -> dict[str, Any]:
-    backend = devices.get_backend(device)
+    backend = get_backend(device)
     dtype = bench_dtype(backend)
     repeat = 3 if quick else 10
     metrics: dict[str, Metric] = {}
@@ -192,12 +192,12 @@ def unusable_device(device: str | None) -> str | None:
     """Why `device` cannot run the bench in this process, or None (None: auto-detect)."""
     if device is None:
         return None
-    classes = devices.backend_classes()
+    classes = backend_classes()
     if device not in classes:
         return f"unknown device {device!r}; known: {', '.join(sorted(classes))}"
     if not classes[device].is_available():
         return (f"device {device!r} is not present in this process; available here: "
-                f"{', '.join(devices.available())}")
+                f"{', '.join(available())}")
     return None
 
 

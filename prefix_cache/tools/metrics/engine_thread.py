@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import get_backend
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.integration.group_view import FullAttentionGroupView
@@ -143,7 +143,7 @@ def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, fl
     every point's steps run beside the same STEP_FORWARD_US stand-in forward, so that points
     differ only in the step itself (back to back, a step after a long write waits longer in
     between, and the next step runs slower for that wait alone)."""
-    backend = devices.get_backend(device)
+    backend = get_backend(device)
     dtype = bench_dtype(backend)
     pool = SCALING_POOL_BLOCKS
     # (sweep, x, requests, tokens per request, pool blocks)

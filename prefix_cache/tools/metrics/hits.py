@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import get_backend
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.output_buffers import OutputBuffers
@@ -41,7 +41,7 @@ def measure_hit(hit_tokens: int, dtype: torch.dtype, repeat: int) -> dict[str, f
       alone after the others."""
     blocks_per_set = -(-hit_tokens // BLOCK)
     num_blocks = HIT_INPUT_SETS * blocks_per_set + 1
-    pool = PrefixBlockPool(num_blocks, BLOCK, devices.get_backend("cpu"))
+    pool = PrefixBlockPool(num_blocks, BLOCK, get_backend("cpu"))
     pool.install(pool.allocate(HIDDEN_KEY, (WIDTH,), dtype))
     flat = pool.keys[HIDDEN_KEY].flat
     flat.normal_()

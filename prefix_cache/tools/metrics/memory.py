@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from prefix_cache import devices
+from prefix_cache.devices import get_backend
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
@@ -44,7 +44,7 @@ def _resident_ratio(device: str, num_blocks: int) -> float:
     and touched (pinned pages are resident), so rounding by any allocator shows up. A first
     run on a tiny pool takes the process's one-time costs (threads, torch's first ops).
     """
-    backend = devices.get_backend(device)
+    backend = get_backend(device)
     dtype = bench_dtype(backend)
     batch = RunnerBatch(64, 1)
     view = FullAttentionGroupView(batch, BLOCK, backend=backend)
