@@ -11,10 +11,10 @@ gaps between copies are the rest); and from the last copy's end to the iteration
 host seeing the copies done). M1 is the reference's wall time over the save's.
 
 The profiler slows the host's calls, so the walls are longer than M1's unprofiled loop; the
-device's span and gaps are what to read. On an H100 (2026-12-06, `benchmarks/gpu_2026-12-06b/`)
-the kernel's row found no device events in the trace (not understood; the bench times that
-path without the profiler). Since that run its loop is the bench's own (`pipelined`), where it
-had a copy of it; not run on a GPU since.
+device's span and gaps are what to read. On an H100 (2026-12-06, `benchmarks/gpu_2026-12-06b/`
+at c6ed058) the kernel's row found no device events in the trace (not understood; the bench
+times that path without the profiler). Since that run its loop is the bench's own
+(`pipelined`), where it had a copy of it; not run on a GPU since.
 """
 
 from __future__ import annotations

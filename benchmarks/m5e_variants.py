@@ -17,7 +17,7 @@ The variants that took the per-step hand-over to the output thread apart (`disca
 `inline`, `inline_full`, `inline_late`, `noop_job`, `batch4`, `ops20`, `py20`, and
 `finish_reads`, the sketch of what 7d6ec91 built) patched that hand-over, which the stage of
 a non-streaming cache engine no longer makes: they run from 45145e1's tree, where their
-results in BENCHMARKS.md were measured.
+results in docs/benchmarks-history.md were measured.
 
 On CPU, `--model tiny --eager` gives steps bound by the engine's Python, as a GPU decode step
 under CUDA graphs is, and a variant's run takes about 20 s.

@@ -1,4 +1,5 @@
-"""How soon a waiting shm reader sees an entry after its put returns (BENCHMARKS.md, Streaming).
+"""How soon a waiting shm reader sees an entry after its put returns (docs/benchmarks-history.md,
+M9).
 
     PYTHONPATH=. python benchmarks/shm_wake_latency.py [--trials 60] [--wait-s 0.03]
 
