@@ -178,10 +178,10 @@ class _TorchCalls(TorchFunctionMode):
 
 
 def test_a_decode_steps_engine_calls_read_each_tensor_once(backend):
-    """After a forward each torch call costs the engine thread 1-3 µs (BENCHMARKS.md, 2026-12-05):
-    the cache's own calls of a 16-request decode step, saved as the runner saves a stage of whole
-    entries, read the hidden rows' shape, grad flag, device and dtype once each, whatever the
-    device; the backend's write is its own."""
+    """After a forward each torch call costs the engine thread 1-3 µs (docs/benchmarks-history.md,
+    2026-12-05): the cache's own calls of a 16-request decode step, saved as the runner saves a
+    stage of whole entries, read the hidden rows' shape, grad flag, device and dtype once each,
+    whatever the device; the backend's write is its own."""
     batch = RunnerBatch(16, 1)
     view = FullAttentionGroupView(batch, BLOCK, backend=backend)
     step = scheduler_step(dict.fromkeys(batch.req_ids, 1))

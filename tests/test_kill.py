@@ -4,8 +4,8 @@ before a kill arrives exactly once with exactly its rows, every other request's 
 failure naming the dead producer within seconds, stage 2's tokens never change, and nothing is
 left behind.
 
-The short form of `python -m prefix_cache.tools.kill_test` (BENCHMARKS.md, Reliability, has
-the long one)."""
+The short form of `python -m prefix_cache.tools.kill_test` (docs/benchmarks-history.md,
+Reliability, has the long one)."""
 
 from __future__ import annotations
 
