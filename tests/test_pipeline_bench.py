@@ -28,6 +28,7 @@ def test_gpu_only_options_are_refused_without_a_gpu(argv, capsys) -> None:
 @pytest.mark.parametrize("argv, says", [
     (["--only", "M8", "--profile", "{tmp}/profile"], "--profile profiles M5e's step comparison"),
     (["--runs", "0"], "--runs 0: at least 1 run"),
+    (["--quick", "--runs", "3"], "--quick is one run per figure: not with --runs"),
     (["--profile", "{tmp}/a-file/profile"], "cannot make that folder"),
     (["--json", "{tmp}/missing/x.json"], "cannot write there"),
 ])
@@ -35,6 +36,19 @@ def test_arguments_that_cannot_run_are_one_line(argv, says, tmp_path, capsys) ->
     (tmp_path / "a-file").write_text("")
     assert says in _refusal([a.format(tmp=tmp_path) for a in argv], capsys)
     assert not (tmp_path / "profile").exists() and not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("argv, runs", [([], 5), (["--runs", "3"], 3), (["--quick"], 1)])
+def test_quick_is_one_run_per_figure(argv, runs, monkeypatch) -> None:
+    asked: list[int] = []
+
+    def measure_m8(*, runs: int, **_: object) -> dict[str, object]:
+        asked.append(runs)
+        raise RuntimeError("measured no further")  # reported in one line, exit status 1
+
+    monkeypatch.setattr(pipeline_bench, "measure_m8", measure_m8)
+    assert pipeline_bench.main([*argv, "--only", "M8"]) == 1
+    assert asked == [runs]
 
 
 def test_the_7b_model_is_7b_class_and_written_as_a_config_alone(tmp_path) -> None:

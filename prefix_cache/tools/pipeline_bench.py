@@ -435,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Takes about 5 minutes on a 2-core CPU machine and about 2 on an H200 with the "
                "default 5 runs (three engine starts, then every run on and off); a 7b model's "
                "engines start in up to a minute each on an H200.")
-    parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
+    parser.add_argument("--runs", type=int, default=None, help="runs per figure (default 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one run per figure (about 2 minutes on 2 cores): a first look, "
+                             "without the spread --runs gives")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--only", choices=list(PIPELINE_METRICS),
                         help="measure this figure only (default: both)")
@@ -456,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-seconds", type=float, default=10.0, metavar="S",
                         help="seconds of passes each engine runs under py-spy (default 10)")
     args = parser.parse_args(argv)
+    if args.quick and args.runs is not None:
+        parser.exit(2, f"{parser.prog}: error: --quick is one run per figure: not with "
+                       f"--runs\n")
+    args.runs = 1 if args.quick else args.runs or 5
     if problem := _argument_problem(args):
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
     log_path = new_log_path("pipeline-bench")
