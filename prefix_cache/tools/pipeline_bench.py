@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.runs is not None:
         parser.exit(2, f"{parser.prog}: error: --quick is one run per figure: not with "
                        f"--runs\n")
-    args.runs = 1 if args.quick else args.runs or 5
+    args.runs = 1 if args.quick else 5 if args.runs is None else args.runs
     if problem := _argument_problem(args):
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
     log_path = new_log_path("pipeline-bench")
