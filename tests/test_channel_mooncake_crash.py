@@ -364,6 +364,45 @@ def test_a_producer_rewriting_its_lease_is_not_taken_for_gone_while_others_died(
             producer.join(30)
 
 
+class StoppedRightAfterALeaseScan(RealClient):
+    """Once armed, the second read of the producer slots returns only after LEASE_S + 1 s:
+    the process was stopped (SIGSTOP, a debugger, a frozen container) right after the store
+    answered, with the leases it read growing old meanwhile."""
+
+    armed: list[int] = []  # slot reads to let through before the stop
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> Any:
+        read = self.real.batch_get_into(keys, ptrs, sizes)
+        if self.armed and "/.producer/" in keys[0]:
+            if self.armed[0] == 0:
+                self.armed.clear()
+                time.sleep(LEASE_S + 1)
+            else:
+                self.armed[0] -= 1
+        return read
+
+
+def test_a_consumer_stopped_right_after_reading_the_leases_takes_no_live_producer_for_dead(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leases a scan read are as old as the read: a consumer stopped between the store's
+    answer and its own clock's reading (the soak's consumer stalls) judges them from when it
+    asked, and waits on for the live producer's entry instead of reporting it dead."""
+    use_client(monkeypatch, StoppedRightAfterALeaseScan)
+    with open_channel(mooncake_store.spec) as producer, \
+            open_channel(producer.spec) as consumer:
+        producer.expect("r")
+        with pytest.raises(OmniPrefixCacheChannelTimeoutError):
+            consumer.get("warm-up", timeout_s=0.3)  # the consumer has seen the leases
+        StoppedRightAfterALeaseScan.armed.append(1)
+        late = threading.Timer(LEASE_S + 3, producer.put, args=("r", _marked(7)))
+        late.start()
+        try:
+            assert _mark(consumer.get("r", timeout_s=30)) == 7
+        finally:
+            late.join(30)
+            StoppedRightAfterALeaseScan.armed.clear()
+
+
 class SlowRemovesOnTheKeeper(RealClient):
     """Every remove the keeper thread makes takes half a second (a slow or loaded store)."""
 

@@ -358,8 +358,9 @@ class _Leases:
     (on loopback, two reads in three while a lease is rewritten back to back): it holds what
     the last scan found in it, so a live producer is never missed.
 
-    Invariant: `_changed[token]` is when this handle last saw that producer's lease change;
-    first hearing of a producer counts as a change.
+    Invariant: `_changed[token]` is when the scan that last saw that producer's lease change
+    asked for it (first hearing of a producer counts as a change), and `_scanned` when the
+    last completed scan asked: a scan's values are as old as its question.
     """
 
     def __init__(self, store: Any, namespace: str, reclaim_after_s: float) -> None:
@@ -387,13 +388,14 @@ class _Leases:
             self._lock.release()
             return
         try:
-            self._read_slots()
-            self._reclaim()
-            self._scanned = time.monotonic()
+            asked = time.monotonic()  # what a scan reads is as old as its question
+            self._read_slots(asked)
+            self._reclaim(asked)
+            self._scanned = asked
         finally:
             self._lock.release()
 
-    def _read_slots(self) -> None:
+    def _read_slots(self, asked: float) -> None:
         ptr, size = self._buffer.data_ptr(), _RECORD.size
         if not self._registered:
             if self._store.register_buffer(ptr, self._buffer.numel()) != 0:
@@ -402,7 +404,7 @@ class _Leases:
             self._registered = True
         reads = self._store.batch_get_into(self.slots, [ptr + k * size for k in range(
             MAX_PRODUCERS)], [size] * MAX_PRODUCERS)
-        now, raw = time.monotonic(), self._buffer.numpy().tobytes()
+        raw = self._buffer.numpy().tobytes()
         seen = {found[0]: (token, found) for token, found in self._in_slots.items()}
         in_slots = {}
         for k, (slot, read) in enumerate(zip(self.slots, reads, strict=True)):
@@ -418,16 +420,15 @@ class _Leases:
                 continue  # not a record this channel wrote
             in_slots[producer.token] = (slot, producer, counter == CLOSED)
             if self._values.get(producer.token) != value:
-                self._values[producer.token], self._changed[producer.token] = value, now
+                self._values[producer.token], self._changed[producer.token] = value, asked
         self._in_slots = in_slots
 
-    def _reclaim(self) -> None:
+    def _reclaim(self, asked: float) -> None:
         """Removes every key of the producers whose slot stayed unchanged for LEASE_S more
-        than `reclaim_after_s`, then their slots, and forgets producers gone from the slots
-        as long."""
-        now = time.monotonic()
+        than `reclaim_after_s` up to the scan asked at `asked`, then their slots, and forgets
+        producers gone from the slots as long."""
         for token, changed in list(self._changed.items()):
-            if now - changed < LEASE_S + self._reclaim_after_s:
+            if asked - changed < LEASE_S + self._reclaim_after_s:
                 continue
             if token in self._in_slots:
                 self._store.remove_by_regex(producer_keys(self._namespace, token), force=True)
@@ -446,9 +447,10 @@ class _Leases:
         return (found[1], found[2]) if found is not None else None
 
     def dead(self, producer: _Producer) -> bool:
-        """Whether `producer` died: its lease unchanged for LEASE_S up to the last scan that
-        completed (a closed one never). Not up to now: a handle whose process was stopped, or
-        whose scan another thread still runs, has not looked meanwhile."""
+        """Whether `producer` died: its lease unchanged for LEASE_S up to when the last scan
+        that completed asked for it (a closed one never). Not up to now, nor up to the answer:
+        a handle whose process was stopped, before or after the store answered, or whose scan
+        another thread still runs, has not looked meanwhile."""
         found = self._in_slots.get(producer.token)
         if found is not None and found[2]:
             return False
