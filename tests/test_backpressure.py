@@ -7,7 +7,9 @@ the shared-memory stage channel with a small capacity, a consumer thread that ca
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from prefix_cache import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
-from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
+from prefix_cache.channel import OmniPrefixCacheChannelError, StageChunk, open_channel
 from prefix_cache.core.pool_rows import PoolRows, reading
 from prefix_cache.devices import get_backend
 from prefix_cache.devices.base import poll_until
@@ -187,6 +189,38 @@ def pool_rows_over(pool: torch.Tensor, slots: list[int]) -> tuple[PoolRows, thre
     byte_pool = pool.view(torch.uint8).numpy().reshape(len(pool), -1)
     return PoolRows(byte_pool, np.array(slots, dtype=np.int64), (len(slots), pool.shape[1]),
                     pool.dtype, let_go.set), let_go
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["entry", "step-of-chunks"])
+def test_a_put_waiting_for_a_stopped_consumers_namespace_lock_never_holds_the_pool(
+        chunks: int) -> None:
+    """A consumer process stopped (SIGSTOP, a debugger) while it holds the shm namespace lock
+    makes every put wait for it. The rows a waiting put reads from the pool are not held
+    meanwhile: the engine thread moves them out at once (`evict`) and overwrites their slots,
+    and the entries, once the consumer goes on, carry the rows as they were (the 30-minute
+    soak's engine thread waited 9.3 s on a consumer so)."""
+    pool = torch.arange(40.0).reshape(10, 4)
+    expected = [pool[[7, 2]].clone(), pool[[3]].clone()]
+    pieces = [pool_rows_over(pool, [7, 2])[0], pool_rows_over(pool, [3])[0]][:chunks]
+    with open_channel("shm") as channel:
+        channel.put("earlier", {HIDDEN_KEY: pool[:1]})  # the handle's first sweep is past
+        consumer_lock = os.open(channel.directory / ".lock", os.O_RDWR)
+        fcntl.flock(consumer_lock, fcntl.LOCK_EX)  # the stopped consumer's
+        put = threading.Thread(target=channel.put_all, args=(
+            [(f"r{i}", StageChunk({HIDDEN_KEY: rows}, 0, final=True))
+             for i, rows in enumerate(pieces)],))
+        try:
+            put.start()
+            time.sleep(0.3)  # the put waits for the namespace lock
+            assert all(rows.evict(timeout_s=1.0) for rows in pieces), \
+                "the engine thread waited for a put that waits for a consumer"
+            pool.fill_(-1.0)  # the slots' new tenants
+        finally:
+            fcntl.flock(consumer_lock, fcntl.LOCK_UN)
+            os.close(consumer_lock)
+            put.join(10)
+        for i in range(chunks):
+            assert torch.equal(channel.get(f"r{i}", timeout_s=5)[HIDDEN_KEY], expected[i])
 
 
 def test_rows_moved_out_of_the_pool_read_as_they_were_and_free_their_slots() -> None:

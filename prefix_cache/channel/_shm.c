@@ -6,13 +6,12 @@
  * expectation's read and unlink) and takes it back after each: on an engine's output thread,
  * every one of those hand-overs makes the engine thread wait for the GIL again. Here puts
  * are one call (`put_all`) where the namespace has room, however many entries they are (a
- * streaming step's chunks: the namespace lock taken twice for all of them, the budget read and
- * written twice), three (`reserve`, `write`, `publish`) for an entry that waits for room, and a
- * step's expectations one. The protocol is the one `prefix_cache.channel.shm` documents; its
- * Python keeps the rare paths (a full namespace's recount, sweeps, takes). `put_all` locks a
- * descriptor of `.lock` it opens itself (flock excludes separate open files, threads
- * included); around the others, which lock the handle's shared descriptor, the caller holds
- * the handle's thread lock (all but `write`).
+ * streaming step's chunks: the budget read and written twice for all of them, under the
+ * namespace lock the caller took first), three (`reserve`, `write`, `publish`) for an entry
+ * that waits for room, and a step's expectations one. The protocol is the one `prefix_cache.channel.shm` documents; its
+ * Python keeps the rare paths (a full namespace's recount, sweeps, takes). The caller holds
+ * the namespace lock around `put_all`, and the handle's thread lock around the others, which
+ * lock the handle's shared descriptor themselves (all but `write`).
  *
  * An entry's rows may be a pool's, named by slot (`write`): they go from the pool into the
  * entry's file by pwritev, one copy, with no gathered copy between.
@@ -535,10 +534,11 @@ place_put(Put *p)
     }
 }
 
-/* Under the namespace lock: each written entry numbered (one read and one write of the budget
- * for all, before any rename, so no number is handed out twice) and placed (`place_put`). */
+/* Under the namespace lock (taken here unless `take_lock` is 0): each written entry numbered
+ * (one read and one write of the budget for all, before any rename, so no number is handed out
+ * twice) and placed (`place_put`). */
 static void
-publish_puts(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
+publish_puts(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
 {
     Py_ssize_t i = 0;
     while (i < n && !ready(&puts[i])) {
@@ -549,7 +549,7 @@ publish_puts(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
     }
     Budget b = {0, 0, 0};
     int err = 0;
-    if (lock(lock_fd, LOCK_EX) < 0) {
+    if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
         err = errno;
         for (; i < n; i++) {
             if (ready(&puts[i])) {
@@ -580,7 +580,9 @@ publish_puts(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
             place_put(&puts[i]);
         }
     }
-    lock(lock_fd, LOCK_UN);
+    if (take_lock) {
+        lock(lock_fd, LOCK_UN);
+    }
 }
 
 /* Whether `p` failed while its room was held (so before its rename, which no failure
@@ -591,17 +593,18 @@ lost(const Put *p)
     return p->fd >= 0 && p->err;
 }
 
-/* Under the namespace lock, the rooms of entries `lost` given back: their temp files removed
- * and their bytes uncounted. Where the lock cannot be had, each is left a dead writer's temp
- * file once closed, which the next recount removes and uncounts. */
+/* Under the namespace lock (taken here unless `take_lock` is 0), the rooms of entries `lost`
+ * given back: their temp files removed and their bytes uncounted. Where the lock cannot be
+ * had, each is left a dead writer's temp file once closed, which the next recount removes and
+ * uncounts. */
 static void
-return_rooms(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
+return_rooms(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
 {
     Py_ssize_t i = 0;
     while (i < n && !lost(&puts[i])) {
         i++;
     }
-    if (i == n || lock(lock_fd, LOCK_EX) < 0) {
+    if (i == n || (take_lock && lock(lock_fd, LOCK_EX) < 0)) {
         return;
     }
     uint64_t freed = 0;
@@ -615,7 +618,9 @@ return_rooms(int lock_fd, int budget_fd, Put *puts, Py_ssize_t n)
         b.used = b.used > freed ? b.used - freed : 0;
         write_budget(budget_fd, &b);
     }
-    lock(lock_fd, LOCK_UN);
+    if (take_lock) {
+        lock(lock_fd, LOCK_UN);
+    }
 }
 
 /* `p`'s paths to its place (`marker`, `prefix` and the expectation's, taken here) and the
@@ -732,7 +737,7 @@ publish(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     if (borrow_place(&p, marker, prefix, expect_path, expectation) == 0) {
         Py_BEGIN_ALLOW_THREADS
-        publish_puts(lock_fd, budget_fd, &p, 1);
+        publish_puts(lock_fd, budget_fd, 1, &p, 1);
         if (!p.err) {
             STEP(close(p.fd));
         }
@@ -771,24 +776,22 @@ borrow_put(PyObject *item, Put *p)
 }
 
 PyDoc_STRVAR(put_all_doc,
-"put_all(lock_path, budget_fd, force, entries) -> list\n\n"
-"Whole puts in one call, where there is room now: each of `entries`, a tuple (temp_path,\n"
-"nbytes, pieces, marker_path, entry_prefix, expectation_path, expectation), reserved, written\n"
-"and published as `reserve`, `write` and `publish` do, the namespace lock taken twice for all\n"
-"of them (around the reservations, then around the renames) on a descriptor of `lock_path` of\n"
-"this call's own, so no thread lock is needed (flock excludes separate open files, threads\n"
-"included). Returns, per entry in order, its sequence number; -1 where the budget had no\n"
-"room for it (unless `force`), nothing changed for it; or the exception that failed it, not\n"
-"raised (an OSError naming the file; a pieces error): its room was given back and the others\n"
-"went on.");
+"put_all(budget_fd, force, entries) -> list\n\n"
+"Whole puts in one call, where there is room now, under the namespace lock, which the caller\n"
+"holds (taken before it lets any pool's rows be read here, so none is held while a lock\n"
+"that another process keeps is awaited): each of `entries`, a tuple (temp_path, nbytes,\n"
+"pieces, marker_path, entry_prefix, expectation_path, expectation), reserved, written and\n"
+"published as `reserve`, `write` and `publish` do. Returns, per entry in order, its sequence\n"
+"number; -1 where the budget had no room for it (unless `force`), nothing changed for it; or\n"
+"the exception that failed it, not raised (an OSError naming the file; a pieces error): its\n"
+"room was given back and the others went on.");
 
 static PyObject *
 put_all(PyObject *self, PyObject *args)
 {
     int budget_fd, force;
-    PyObject *lock_obj, *entries;
-    if (!PyArg_ParseTuple(args, "O&ipO:put_all", fs_path, &lock_obj, &budget_fd, &force,
-                          &entries)) {
+    PyObject *entries;
+    if (!PyArg_ParseTuple(args, "ipO:put_all", &budget_fd, &force, &entries)) {
         return NULL;
     }
     PyObject *result = NULL, *seq = PySequence_Fast(entries, "put_all: entries must be a "
@@ -808,26 +811,16 @@ put_all(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    const char *lock_path = PyBytes_AS_STRING(lock_obj);
     Py_BEGIN_ALLOW_THREADS
-    int lock_fd = STEP(open(lock_path, O_RDWR | O_NOFOLLOW | O_CLOEXEC));
-    if (lock_fd < 0) {
-        int err = errno;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            fail_put(&puts[i], err, lock_path);
+    reserve_puts(-1, budget_fd, force, 0, puts, n);
+    write_puts(puts, n);
+    publish_puts(-1, budget_fd, 0, puts, n);
+    return_rooms(-1, budget_fd, 0, puts, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (puts[i].fd >= 0) {  /* published or given back: its flock goes with it */
+            STEP(close(puts[i].fd));
+            puts[i].fd = -1;
         }
-    } else {
-        reserve_puts(lock_fd, budget_fd, force, 1, puts, n);
-        write_puts(puts, n);
-        publish_puts(lock_fd, budget_fd, puts, n);
-        return_rooms(lock_fd, budget_fd, puts, n);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (puts[i].fd >= 0) {  /* published or given back: its flock goes with it */
-                STEP(close(puts[i].fd));
-                puts[i].fd = -1;
-            }
-        }
-        STEP(close(lock_fd));
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
@@ -848,7 +841,6 @@ done:
     }
     PyMem_Free(puts);
     Py_XDECREF(seq);
-    Py_DECREF(lock_obj);
     return result;
 }
 

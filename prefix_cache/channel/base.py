@@ -52,7 +52,7 @@ from prefix_cache.channel.errors import (OmniPrefixCacheChannelError,
                                          OmniPrefixCacheChannelFullError,
                                          OmniPrefixCacheChannelProducerError,
                                          OmniPrefixCacheChannelTimeoutError)
-from prefix_cache.core.pool_rows import PoolRows, reading
+from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.devices.base import check_timeout, poll_until
 
 logger = logging.getLogger(__name__)
@@ -327,10 +327,9 @@ class StageChannel(ABC):
         with self._operation(encoded[0][1].request_id):  # a reservation never outlives it
             self._maybe_sweep()
             try:
-                with reading(piece for _, _, data in encoded for _, piece in data.pieces):
-                    placed = self._put_now_all(
-                        [(entry.request_id, data, entry.final) for _, entry, data in encoded],
-                        force=not bounded)
+                placed = self._put_now_all(
+                    [(entry.request_id, data, entry.final) for _, entry, data in encoded],
+                    force=not bounded)
             except Exception as exc:  # one failure of the backend's call fails each of them
                 placed = [exc] * len(encoded)
             waiting = []
@@ -367,8 +366,7 @@ class StageChannel(ABC):
                           ) -> None:
         """Publish one entry in its reserved room (returned if that fails)."""
         try:
-            with reading(piece for _, piece in encoded.pieces):
-                self._publish(entry.request_id, encoded, reservation, final=entry.final)
+            self._publish(entry.request_id, encoded, reservation, final=entry.final)
         except BaseException:
             self._unreserve(reservation)
             raise
@@ -586,7 +584,9 @@ class StageChannel(ABC):
                      ) -> list[bool | Exception]:
         """Reserve and publish each `(request_id, encoded, final)` in one step where the backend
         can and there is room now (or `force`): per put, True where published, False where it
-        is left to `_reserve`/`_wait_for_room` and `_publish`, or the exception that failed it."""
+        is left to `_reserve`/`_wait_for_room` and `_publish`, or the exception that failed it.
+        A backend that reads a pool's rows in place holds them (`reading`) for the copy alone,
+        never across a wait for a lock or a store (as `_publish`)."""
         return [False] * len(puts)
 
     @abstractmethod

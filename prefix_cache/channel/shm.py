@@ -18,11 +18,13 @@ anywhere thus leaves every other entry where it was, in order; there is no chain
 empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
 removes it with the last one), so a get of an id without entries costs one `lstat`. A put's
 system calls, and a step's expectations', are made in C (`prefix_cache.channel._shm`) with the
-GIL released: one call for the puts the namespace has room for (`_shm.put_all`, on a descriptor
-of `.lock` of its own, so no thread lock: a streaming step's chunks take the lock twice in
-all), three (reserve, write, publish) for a put that waits for room, one for a step's
-expectations; each system call made from Python would give the GIL up and wait to take it back
-(on an engine's output thread, from the engine thread).
+GIL released: one call for the puts the namespace has room for (`_shm.put_all`, under the
+namespace lock taken first: a streaming step's chunks take it once in all), three (reserve,
+write, publish) for a put that waits for room, one for a step's expectations; each system call
+made from Python would give the GIL up and wait to take it back (on an engine's output thread,
+from the engine thread). A pool's rows are held (`reading`) only while they are copied, never
+while a lock another process keeps is awaited: a consumer stopped while it holds the namespace
+lock stalls the puts, never the engine thread that moves rows out of the pool.
 
 `.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
 use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
@@ -86,6 +88,7 @@ from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, Await
 from prefix_cache.channel.codec import PREFIX_BYTES, ChunkTag, EncodedEntry, peek
 from prefix_cache.channel.dir_watch import DirectoryWatch
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
+from prefix_cache.core.pool_rows import reading
 
 logger = logging.getLogger(__name__)
 
@@ -605,11 +608,13 @@ class ShmChannel(StageChannel):
 
     def _put_now_all(self, puts: Sequence[tuple[str, EncodedEntry, bool]], *, force: bool
                      ) -> list[bool | Exception]:
-        # one call, one GIL hand-over, for all of them: on a lock descriptor of its own
-        placed = _shm.put_all(f"{self._root}/{_LOCK_FILE}", self._budget_fd, force,
-                              [(self._temp_path(), encoded.nbytes, encoded.pieces,
-                                *self._entry_names(request_id, final))
-                               for request_id, encoded, final in puts])
+        entries = [(self._temp_path(), encoded.nbytes, encoded.pieces,
+                    *self._entry_names(request_id, final)) for request_id, encoded, final in puts]
+        # the namespace lock first (a consumer stopped while it holds the lock stalls this put,
+        # never the engine thread: no pool's rows are held meanwhile), then one call for all
+        with self._locked(), reading(piece for _, encoded, _ in puts
+                                     for _, piece in encoded.pieces):
+            placed = _shm.put_all(self._budget_fd, force, entries)
         results: list[bool | Exception] = []
         for (request_id, encoded, _), seq in zip(puts, placed):
             if isinstance(seq, OSError):
@@ -624,7 +629,8 @@ class ShmChannel(StageChannel):
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:
         try:
-            _shm.write(reservation.fd, encoded.pieces)  # unlocked: the file is this put's alone
+            with reading(piece for _, piece in encoded.pieces):  # a pool's rows, held to copy
+                _shm.write(reservation.fd, encoded.pieces)  # unlocked: the file is this put's
             with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
                 _shm.publish(lock_fd, self._budget_fd, reservation.fd, reservation.path,
                              *self._entry_names(request_id, final))
