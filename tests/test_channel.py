@@ -548,6 +548,34 @@ def test_a_mooncake_read_that_fails_keeps_the_entry_for_the_next_get(
         assert same_rows(channel.get("r", timeout_s=5), sample_outputs(4))
 
 
+def test_a_mooncake_buffer_registration_that_fails_a_few_times_is_tried_again(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registering a buffer updates the metadata server; under load that call times out now
+    and then (Mooncake code -600, seen twice in a 30-minute soak on 2 cores). A registration
+    is tried again, a few times, before the put or get it serves fails, naming the code."""
+    failures = [2]
+    #: the channel's own small buffers (its small values', its lease scans'), not entries'
+    SMALL_BUFFERS = (mooncake_module.SmallValues._BUFFER_BYTES,
+                     mooncake_module.MAX_PRODUCERS * mooncake_module._RECORD.size)
+
+    class RegistrationsThatFail(RealClient):
+        """Its registrations of entries' buffers fail `failures[0]` times in a row from now."""
+
+        def register_buffer(self, ptr: int, size: int) -> int:
+            if failures[0] and size not in SMALL_BUFFERS:
+                failures[0] -= 1
+                return -600
+            return self.real.register_buffer(ptr, size)
+
+    use_client(monkeypatch, RegistrationsThatFail)
+    with open_channel(mooncake_store.spec) as channel:
+        channel.put("r", sample_outputs(4))
+        assert same_rows(channel.get("r", timeout_s=5), sample_outputs(4))
+        failures[0] = 10
+        with pytest.raises(OmniPrefixCacheChannelError, match="failed with Mooncake code -600"):
+            channel.put("s", sample_outputs(4))
+
+
 @pytest.mark.parametrize("option", ["ttl=0", "wait=-1", "ttl=nan"])
 def test_a_bad_shm_option_leaves_no_namespace_and_no_open_file(tmp_path: Path,
                                                                  option: str) -> None:

@@ -98,6 +98,9 @@ CLOSED = (1 << 64) - 1
 SMALL_BYTES = 64
 #: Producer slots of a namespace; a reader reads them all in one call.
 MAX_PRODUCERS = 64
+#: Tries of a buffer's registration (the metadata server's update times out now and then).
+REGISTER_ATTEMPTS = 4
+REGISTER_PAUSE_S = 0.05
 #: How often a producer rewrites its lease.
 LEASE_REFRESH_S = 1.0
 #: How long a lease may stay unchanged (or gone), by a waiter's clock, before its producer is dead.
@@ -119,6 +122,19 @@ _INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU machines; -
 
 #: Mooncake's log level unless the environment names one: its INFO lines are start-up chatter.
 LOG_LEVEL = "WARNING"
+
+
+def _register(store: Any, ptr: int, nbytes: int) -> int:
+    """Registers `nbytes` at `ptr` with the store's transfer engine, which updates the metadata
+    server: a call that times out under load now and then, so one that fails is tried again
+    (REGISTER_ATTEMPTS in all, REGISTER_PAUSE_S apart). Mooncake's return code of the last."""
+    for attempt in range(REGISTER_ATTEMPTS):
+        if attempt:
+            time.sleep(REGISTER_PAUSE_S * attempt)
+        rc = store.register_buffer(ptr, nbytes)
+        if rc == 0:
+            return 0
+    return rc
 
 
 def _store_class() -> Any:
@@ -263,7 +279,7 @@ class SmallValues:
 
     def _register(self) -> torch.Tensor:
         buffer = torch.zeros(self._BUFFER_BYTES, dtype=torch.uint8)
-        rc = self._store.register_buffer(buffer.data_ptr(), self._BUFFER_BYTES)
+        rc = _register(self._store, buffer.data_ptr(), self._BUFFER_BYTES)
         if rc != 0:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel: registering a {self._BUFFER_BYTES}-byte buffer failed with "
@@ -398,7 +414,7 @@ class _Leases:
     def _read_slots(self, asked: float) -> None:
         ptr, size = self._buffer.data_ptr(), _RECORD.size
         if not self._registered:
-            if self._store.register_buffer(ptr, self._buffer.numel()) != 0:
+            if _register(self._store, ptr, self._buffer.numel()) != 0:
                 raise OmniPrefixCacheChannelError(
                     f"mooncake channel: registering a {self._buffer.numel()}-byte buffer failed")
             self._registered = True
@@ -629,7 +645,7 @@ class MooncakeChannel(StageChannel):
     @contextmanager
     def _registered(self, buffer: torch.Tensor) -> Iterator[int]:
         ptr = buffer.data_ptr()
-        rc = self._store.register_buffer(ptr, buffer.numel())
+        rc = _register(self._store, ptr, buffer.numel())
         if rc != 0:
             raise OmniPrefixCacheChannelError(
                 f"mooncake channel {self.spec}: registering a {buffer.numel()}-byte buffer "
