@@ -23,9 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefix_cache import manager
 from prefix_cache.core import block_pool, chunk_reads, committer, hits, launcher, layout, reads
-from prefix_cache.core import outputs, staging, step_reads, tasks, writes
+from prefix_cache.core import outputs, row_plans, staging, step_reads, step_table, tasks, writes
 from prefix_cache.integration import stage_outputs
 from prefix_cache.manager import OmniPrefixCacheManager
 
@@ -35,7 +34,7 @@ STREAM_TIMED: dict[str, tuple[Any, str]] = {
     "StageOutputDriver.save_step": (stage_outputs.StageOutputDriver, "save_step"),
     "StageOutputDriver.end_step": (stage_outputs.StageOutputDriver, "end_step"),
     "manager.plan_chunk_rows": (OmniPrefixCacheManager, "plan_chunk_rows"),
-    "manager._positions_slots": (OmniPrefixCacheManager, "_positions_slots"),
+    "RowPlans._positions_slots": (row_plans.RowPlans, "_positions_slots"),
     "chunk_reads._plan_reads": (chunk_reads, "_plan_reads"),
     "ReadPlanner.plan_hits": (reads.ReadPlanner, "plan_hits"),
     "PrefixBlockPool.row_producers": (block_pool.PrefixBlockPool, "row_producers"),
@@ -52,7 +51,7 @@ M2_TIMED: dict[str, tuple[Any, str]] = {
     "OutputChecker.step_outputs": (outputs.OutputChecker, "step_outputs"),
     "StepWriter.device_slots": (writes.StepWriter, "device_slots"),
     "StepLayout.of_step": (layout.StepLayout, "of_step"),
-    "hits.check_hits": (manager, "check_hits"),  # as the manager calls it
+    "hits.check_hits": (step_table, "check_hits"),  # as the step table calls it
     "StagingPool.claim": (staging.StagingPool, "claim"),
     "StepWriter.save": (writes.StepWriter, "save"),
     "ReadPlanner.resolve_conflicts": (reads.ReadPlanner, "resolve_conflicts"),

@@ -274,7 +274,7 @@ def test_a_write_failing_between_a_hits_check_and_its_read_is_never_served_as_ze
     """The hit passes its check while its rows' write is still in flight, then that write
     fails before the hit's reads are planned: the rows are lost, not absent, so the hit's
     materialize raises instead of returning zeros (found by the randomized schedules)."""
-    import prefix_cache.manager as facade
+    import prefix_cache.core.step_table as facade
     faulty = FaultyBackend(backend)
     manager, d = make(faulty)
     tokens = list(range(8))
