@@ -113,3 +113,25 @@ def test_a_preempted_requests_prompt_length_outlives_its_state_until_it_is_sched
     runner._omni_note_preempted(step(scheduled=("a", "c")))  # `a` comes back as a new request
     runner._omni_note_preempted(step(scheduled=("c",), finished={"b"}))  # `b` aborted
     assert [runner._omni_prompt_len(r) for r in "abc"] == [None, None, 7]
+
+
+class RecordingStage:
+    """A stage driver's `turn_off`, recorded."""
+
+    def __init__(self) -> None:
+        self.off: list[str] = []
+
+    def turn_off(self, reason: str) -> None:
+        self.off.append(reason)
+
+
+def test_a_step_state_v2_cannot_read_turns_the_stage_off_and_never_reaches_the_engine() -> None:
+    """V2 hands the step's rows over in its execute-model state; one whose batch cannot be read
+    turns the stage off, naming why, as V1's forward output does, and raises nothing (the GPU
+    engine's V2 case met an AttributeError here once: the containment was V1's alone)."""
+    runner = PrefixCacheV2RunnerMixin()
+    runner._omni_stage = stage = RecordingStage()
+    runner.omni_prefix_cache = None
+    runner._omni_save_contained(SimpleNamespace(hidden_states=torch.zeros(2, 4)))  # no batch
+    assert len(stage.off) == 1
+    assert stage.off[0].startswith("reading the step's outputs failed: AttributeError")

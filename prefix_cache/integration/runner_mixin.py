@@ -114,7 +114,8 @@ class StageRunnerBase:
     """What every cache runner mixin shares: the policy, the stage's output path, finishes.
 
     A model-runner flavour (V1, V2) supplies `_omni_view` (the cache's group view over its
-    batch) and `_omni_prompt_len`, and calls the stage driver at its own hook points.
+    batch), `_omni_prompt_len` and `_omni_save` (its step's rows read from its forward's
+    output), and calls the stage driver at its own hook points.
     """
 
     omni_prefix_cache: OmniPrefixCacheManager | None = None
@@ -276,6 +277,25 @@ class StageRunnerBase:
             stage.end_step()
         return output
 
+    def _omni_save_contained(self, output: Any) -> None:
+        """`_omni_save` of the step's forward output (the flavour's own reading of it), a fault
+        in it (an `omni_mm_outputs` override that raises, a batch it cannot read) turning the
+        stage off: it never reaches the forward."""
+        try:
+            self._omni_save(output)
+        except Exception as exc:
+            self._omni_turn_off(f"reading the step's outputs failed: {type(exc).__name__}: {exc}")
+
+    def _omni_save(self, output: Any) -> None:
+        """The flavour's: read the step's rows from `output` and hand them to the stage."""
+        raise NotImplementedError(f"{type(self).__name__} reads no step output")
+
+    def _omni_turn_off(self, reason: str) -> None:
+        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
+                       "published: %s", reason)
+        self._omni_stage.turn_off(reason)  # closed (cache shut down) at the runner's shutdown
+        self.omni_prefix_cache = None
+
     def prefix_cache_stats(self) -> dict[str, int | float]:
         """Counters of the cache and the delivery (numbers only: safe over collective_rpc)."""
         return {} if self._omni_stage is None else self._omni_stage.stats()
@@ -326,14 +346,6 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
             self._omni_save_contained(output)
         return output
 
-    def _omni_save_contained(self, output: Any) -> None:
-        """`_omni_save`, a fault in it (an `omni_mm_outputs` override that raises, a batch it
-        cannot read) turning the stage off: it never reaches the forward."""
-        try:
-            self._omni_save(output)
-        except Exception as exc:
-            self._omni_turn_off(f"reading the step's outputs failed: {type(exc).__name__}: {exc}")
-
     def _omni_save(self, output: Any) -> None:
         read = read_forward_output(output)
         if read is None:
@@ -362,12 +374,6 @@ class PrefixCacheRunnerMixin(StageRunnerBase):
         """
         read = read_forward_output(model_output)
         return None if read is None else read.mm
-
-    def _omni_turn_off(self, reason: str) -> None:
-        logger.warning("omni prefix cache off for this stage, and its outputs are no longer "
-                       "published: %s", reason)
-        self._omni_stage.turn_off(reason)  # closed (cache shut down) at the runner's shutdown
-        self.omni_prefix_cache = None
 
 
 #: The mixin's own `omni_mm_outputs`: a runner whose hook is this one takes the mm outputs from
