@@ -40,6 +40,9 @@ class DeviceEvent(Protocol):
 
     def query(self) -> bool: ...
 
+    def wait(self, stream: Any = None) -> None:
+        """Makes the work queued later on `stream` (None: the current one) wait for it."""
+
 
 class _HostMemory:
     """A CPU tensor's memory as numpy sees it (`__array_interface__`), holding its storage: an

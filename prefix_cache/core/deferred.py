@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from prefix_cache.core.block_pool import PrefixBlockPool
-from prefix_cache.devices.base import NULL_SLOT, DeviceBackend, Transfer
+from prefix_cache.devices.base import NULL_SLOT, DeviceBackend, DeviceEvent, Transfer
 from prefix_cache.errors import OmniPrefixCacheError
 from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.layout import StepLayout
@@ -27,8 +27,9 @@ from prefix_cache.core.tasks import DeferredChunk, TaskState, TaskTable, WriteTa
 
 logger = logging.getLogger(__name__)
 
-#: One request's rows of one step: (request, first row, end row, key -> private device copy).
-StepChunk = tuple[str, int, int, dict[str, torch.Tensor]]
+#: One request's rows of one step: (request, first row, end row, key -> private device copy,
+#: an event after the copies on the saving stream).
+StepChunk = tuple[str, int, int, dict[str, torch.Tensor], DeviceEvent | None]
 #: Issues a task's copies (lazily), then hands it to the committer (`WriteLauncher.launch`).
 Launch = Callable[[WriteTask, Iterable[Transfer], bool], None]
 
@@ -57,18 +58,23 @@ class DeferredWriter:
 
     def snapshot(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout
                  ) -> list[StepChunk]:
-        """Each request's rows of the deferred keys, as private device copies."""
+        """Each request's rows of the deferred keys, as private device copies made on the
+        caller's stream, with the event after them: their write, wherever it is launched
+        from, waits for it."""
         if not deferred:
             return []
-        return [(req_id, start, end,
-                 {k: self._backend.snapshot(v[start:end]) for k, v in deferred.items()})
-                for req_id, (start, end) in layout.items()]
+        chunks = [(req_id, start, end,
+                   {k: self._backend.snapshot(v[start:end]) for k, v in deferred.items()})
+                  for req_id, (start, end) in layout.items()]
+        copied = self._backend.record_event()
+        return [(*chunk, copied) for chunk in chunks]
 
     def append(self, chunks: list[StepChunk], slots: np.ndarray, claim: int) -> None:
         """Add each request's chunk to its open write (opening one), then keep to the budget."""
-        for req_id, start, end, rows in chunks:
+        for req_id, start, end, rows, copied in chunks:
             nbytes = sum(t.numel() * t.element_size() for t in rows.values())
-            chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), rows, nbytes)
+            chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), rows, nbytes,
+                                  copied)
             with self._lock:
                 task = self._open.get(req_id)
                 if task is None:
@@ -110,6 +116,11 @@ class DeferredWriter:
                      if (keep := self._pool.still_claimed(chunk.slots, chunk.claims)).any()]
 
         def issue() -> Iterator[Transfer]:
+            # the copies were made on the stream of each save: this one waits for them (on
+            # the device), whichever stream retires the request
+            for copied in {id(c.copied): c.copied for c, _ in parts
+                           if c.copied is not None}.values():
+                copied.wait()
             slots = torch.from_numpy(np.concatenate([kept for _, kept in parts]))
             rows = {key: torch.cat([chunk.rows[key] for chunk, _ in parts])
                     for key in parts[0][0].rows}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from prefix_cache.devices.base import Transfer
+from prefix_cache.devices.base import DeviceEvent, Transfer
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
 from prefix_cache.core.latch import Latch
 
@@ -44,6 +44,7 @@ class DeferredChunk:
     claims: np.ndarray            # slot claim each row was saved under
     rows: dict[str, torch.Tensor]  # key -> [n, F] private device copy
     nbytes: int
+    copied: DeviceEvent | None    # after the copy, on the saving stream (None: synchronous)
 
 
 @dataclass
