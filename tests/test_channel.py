@@ -576,6 +576,37 @@ def test_a_mooncake_buffer_registration_that_fails_a_few_times_is_tried_again(
             channel.put("s", sample_outputs(4))
 
 
+def test_a_mooncake_buffer_whose_unregistration_failed_is_never_registered_over(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unregistration that fails (its metadata update timed out, in the soak) leaves the
+    buffer's range registered with the store's client, which refuses any later registration
+    that overlaps it ("does not support overlapped memory region", code -600). The channel
+    keeps such a buffer's memory, so no later entry's buffer lands in that range: every put
+    and get after it goes on."""
+    failing = [1]
+
+    class UnregistrationsThatFail(RealClient):
+        """Its next unregistration of an entry's buffer fails (the client keeps the range)."""
+
+        def unregister_buffer(self, ptr: int) -> int:
+            if failing:
+                failing.pop()
+                return -600
+            return self.real.unregister_buffer(ptr)
+
+    use_client(monkeypatch, UnregistrationsThatFail)
+    monkeypatch.setattr(mooncake_module, "_STILL_REGISTERED", kept := [])
+    rows = {HIDDEN_KEY: torch.arange(256.0).reshape(1, 256)}  # a 1-row chunk: about 1 KiB
+    with open_channel(mooncake_store.spec) as channel:
+        for i in range(20):  # same-size entries: freed memory is handed out again at once
+            channel.put(f"r{i}", rows)
+            assert torch.equal(channel.get(f"r{i}", timeout_s=5)[HIDDEN_KEY], rows[HIDDEN_KEY])
+        assert len(kept) == 1  # the buffer whose unregistration failed, never freed
+        with pytest.raises(OmniPrefixCacheChannelError, match="Mooncake code -600"):
+            with channel._registered(kept[0]):  # what a buffer allocated there would meet
+                pass
+
+
 @pytest.mark.parametrize("option", ["ttl=0", "wait=-1", "ttl=nan"])
 def test_a_bad_shm_option_leaves_no_namespace_and_no_open_file(tmp_path: Path,
                                                                  option: str) -> None:

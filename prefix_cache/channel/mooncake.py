@@ -124,6 +124,11 @@ _INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU machines; -
 LOG_LEVEL = "WARNING"
 
 
+#: Buffers whose unregistration failed (the metadata server's update timed out): still
+#: registered with their client, so their memory is never handed out again.
+_STILL_REGISTERED: list[torch.Tensor] = []
+
+
 def _register(store: Any, ptr: int, nbytes: int) -> int:
     """Registers `nbytes` at `ptr` with the store's transfer engine, which updates the metadata
     server: a call that times out under load now and then, so one that fails is tried again
@@ -644,6 +649,10 @@ class MooncakeChannel(StageChannel):
 
     @contextmanager
     def _registered(self, buffer: torch.Tensor) -> Iterator[int]:
+        """`buffer` registered with the store while the block runs. One whose unregistration
+        fails stays registered with the client, which refuses any registration overlapping
+        it: its memory is kept for the life of the process (`_STILL_REGISTERED`), so no later
+        buffer is allocated there."""
         ptr = buffer.data_ptr()
         rc = _register(self._store, ptr, buffer.numel())
         if rc != 0:
@@ -653,7 +662,10 @@ class MooncakeChannel(StageChannel):
         try:
             yield ptr
         finally:
-            self._store.unregister_buffer(ptr)
+            if self._store.unregister_buffer(ptr) != 0:
+                logger.warning("mooncake channel %s: unregistering a %d-byte buffer failed; "
+                               "its memory is kept", self.spec, buffer.numel())
+                _STILL_REGISTERED.append(buffer)
 
     def _put_bytes(self, key: str, data: torch.Tensor, what: str) -> None:
         with self._registered(data) as ptr:
