@@ -394,13 +394,21 @@ def test_a_consumer_stopped_right_after_reading_the_leases_takes_no_live_produce
         with pytest.raises(OmniPrefixCacheChannelTimeoutError):
             consumer.get("warm-up", timeout_s=0.3)  # the consumer has seen the leases
         StoppedRightAfterALeaseScan.armed.append(1)
-        late = threading.Timer(LEASE_S + 3, producer.put, args=("r", _marked(7)))
-        late.start()
         try:
-            assert _mark(consumer.get("r", timeout_s=30)) == 7
+            _gets_what_a_live_producer_puts_late(producer, consumer, LEASE_S + 3)
         finally:
-            late.join(30)
             StoppedRightAfterALeaseScan.armed.clear()
+
+
+def _gets_what_a_live_producer_puts_late(producer: MooncakeChannel, consumer: MooncakeChannel,
+                                         after_s: float) -> None:
+    """`producer` puts `r` (which it expected) after `after_s`; `consumer`'s wait gets it."""
+    late = threading.Timer(after_s, producer.put, args=("r", _marked(7)))
+    late.start()
+    try:
+        assert _mark(consumer.get("r", timeout_s=30)) == 7
+    finally:
+        late.join(30)
 
 
 class SlowRemovesOnTheKeeper(RealClient):
@@ -432,12 +440,7 @@ def test_a_producer_whose_keeper_sweeps_longer_than_a_lease_is_not_judged_dead(
             producer.put(f"done-{i}", _marked(i))
             assert _mark(consumer.get(f"done-{i}", timeout_s=5)) == i
         producer.expect("r")
-        late = threading.Timer(LEASE_S + 4, producer.put, args=("r", _marked(7)))
-        late.start()
-        try:
-            assert _mark(consumer.get("r", timeout_s=30)) == 7
-        finally:
-            late.join(30)
+        _gets_what_a_live_producer_puts_late(producer, consumer, LEASE_S + 4)
 
 
 def _close_with_a_promise_open(spec: str) -> None:
