@@ -34,6 +34,8 @@ from prefix_cache.channel.mooncake import LEASE_S, MooncakeChannel, _Chain
 from tests.mooncake_store import HOST, MooncakeStoreProcesses
 from tests.test_channel import RealClient, _mark, _marked, use_client
 
+pytestmark = pytest.mark.slow  # a store and processes killed at every store call
+
 #: Children fork from a server that imported the channel once and never opened a store client.
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["torch", "prefix_cache.channel.mooncake"])

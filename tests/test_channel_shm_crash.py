@@ -33,7 +33,8 @@ from prefix_cache.channel import _shm
 from prefix_cache.channel.shm import NAMESPACE_PREFIX, RECLAIM_GRACE_S, ShmChannel
 from prefix_cache.core.pool_rows import PoolRows
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="flock and fork: Linux")
+pytestmark = [pytest.mark.skipif(not Path("/proc/self").exists(), reason="flock and fork: Linux"),
+              pytest.mark.slow]  # processes killed at every step
 
 _SPAWN = multiprocessing.get_context("spawn")
 REPO = Path(__file__).resolve().parents[1]

@@ -798,6 +798,7 @@ HIT_BY_A_STEP_THAT_OMITS_A_KEY = Workload(
 
 
 @settings(settings.get_profile("prefix-cache-random"))
+@pytest.mark.slow
 @given(workload=workloads())
 @example(workload=PREEMPTED_WITH_OPEN_DEFERRED_WRITE)
 @example(workload=HIT_BY_A_STEP_THAT_OMITS_A_KEY)

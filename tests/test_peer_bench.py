@@ -13,6 +13,8 @@ import torch
 
 from benchmarks import peer_vllm_omni
 
+pytestmark = pytest.mark.slow  # the peer imported from its wheel, both caches run
+
 TINY = ["--runs", "1", "--width", "64", "--decode-steps", "3", "--prefill-steps", "2",
         "--hit-steps", "2", "--forward-ms", "1"]
 

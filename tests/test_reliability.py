@@ -159,6 +159,7 @@ def step_or_error(manager: OmniPrefixCacheManager, d: StepDriver, so: SimpleName
     return None
 
 
+@pytest.mark.slow  # each case waits out a stalled copy
 @pytest.mark.parametrize("write_stream,point", [
     (stream, point) for stream in ("compute", "copy") for point in ENGINE_POINTS + COMMITTER_POINTS
     if (stream, point) != ("compute", "record_event")])  # in-stream saves record no ready event
