@@ -8,8 +8,9 @@
  * are one call (`put_all`) where the namespace has room, however many entries they are (a
  * streaming step's chunks: the budget read and written twice for all of them, under the
  * namespace lock the caller took first), three (`reserve`, `write`, `publish`) for an entry
- * that waits for room, and a step's expectations one. The protocol is the one `prefix_cache.channel.shm` documents; its
- * Python keeps the rare paths (a full namespace's recount, sweeps, takes). The caller holds
+ * that waits for room, and a step's expectations one. The protocol is the one
+ * `prefix_cache.channel.shm` documents; its Python keeps the rare paths (a full namespace's
+ * recount, sweeps, takes). The caller holds
  * the namespace lock around `put_all`, and the handle's thread lock around the others, which
  * lock the handle's shared descriptor themselves (all but `write`).
  *
@@ -483,8 +484,8 @@ reserve_puts(int lock_fd, int budget_fd, int force, int take_lock, Put *puts, Py
     }
 }
 
-/* Each reserved entry's pieces into its temp file, without the namespace lock: the file is
- * this call's alone. */
+/* Each reserved entry's pieces into its temp file (the namespace lock is not needed: the file
+ * is this call's alone). */
 static void
 write_puts(Put *puts, Py_ssize_t n)
 {
@@ -593,18 +594,16 @@ lost(const Put *p)
     return p->fd >= 0 && p->err;
 }
 
-/* Under the namespace lock (taken here unless `take_lock` is 0), the rooms of entries `lost`
- * given back: their temp files removed and their bytes uncounted. Where the lock cannot be
- * had, each is left a dead writer's temp file once closed, which the next recount removes and
- * uncounts. */
+/* Under the namespace lock, which the caller holds: the rooms of entries `lost` given back,
+ * their temp files removed and their bytes uncounted. */
 static void
-return_rooms(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
+return_rooms(int budget_fd, Put *puts, Py_ssize_t n)
 {
     Py_ssize_t i = 0;
     while (i < n && !lost(&puts[i])) {
         i++;
     }
-    if (i == n || (take_lock && lock(lock_fd, LOCK_EX) < 0)) {
+    if (i == n) {
         return;
     }
     uint64_t freed = 0;
@@ -617,9 +616,6 @@ return_rooms(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
     if (freed && read_budget(budget_fd, &b) == 0) {
         b.used = b.used > freed ? b.used - freed : 0;
         write_budget(budget_fd, &b);
-    }
-    if (take_lock) {
-        lock(lock_fd, LOCK_UN);
     }
 }
 
@@ -815,7 +811,7 @@ put_all(PyObject *self, PyObject *args)
     reserve_puts(-1, budget_fd, force, 0, puts, n);
     write_puts(puts, n);
     publish_puts(-1, budget_fd, 0, puts, n);
-    return_rooms(-1, budget_fd, 0, puts, n);
+    return_rooms(budget_fd, puts, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (puts[i].fd >= 0) {  /* published or given back: its flock goes with it */
             STEP(close(puts[i].fd));
