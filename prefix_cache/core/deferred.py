@@ -27,9 +27,8 @@ from prefix_cache.core.tasks import DeferredChunk, TaskState, TaskTable, WriteTa
 
 logger = logging.getLogger(__name__)
 
-#: One request's rows of one step: (request, first row, end row, key -> private device copy,
-#: an event after the copies on the saving stream).
-StepChunk = tuple[str, int, int, dict[str, torch.Tensor], DeviceEvent | None]
+#: One request's rows of one step: (request, first row, end row, key -> private device copy).
+StepChunk = tuple[str, int, int, dict[str, torch.Tensor]]
 #: Issues a task's copies (lazily), then hands it to the committer (`WriteLauncher.launch`).
 Launch = Callable[[WriteTask, Iterable[Transfer], bool], None]
 
@@ -59,19 +58,19 @@ class DeferredWriter:
     def snapshot(self, deferred: Mapping[str, torch.Tensor], layout: StepLayout
                  ) -> list[StepChunk]:
         """Each request's rows of the deferred keys, as private device copies made on the
-        caller's stream, with the event after them: their write, wherever it is launched
-        from, waits for it."""
+        caller's stream (`append` takes the event after them)."""
         if not deferred:
             return []
-        chunks = [(req_id, start, end,
-                   {k: self._backend.snapshot(v[start:end]) for k, v in deferred.items()})
-                  for req_id, (start, end) in layout.items()]
-        copied = self._backend.record_event()
-        return [(*chunk, copied) for chunk in chunks]
+        return [(req_id, start, end,
+                 {k: self._backend.snapshot(v[start:end]) for k, v in deferred.items()})
+                for req_id, (start, end) in layout.items()]
 
-    def append(self, chunks: list[StepChunk], slots: np.ndarray, claim: int) -> None:
-        """Add each request's chunk to its open write (opening one), then keep to the budget."""
-        for req_id, start, end, rows, copied in chunks:
+    def append(self, chunks: list[StepChunk], slots: np.ndarray, claim: int,
+               copied: DeviceEvent | None) -> None:
+        """Add each request's chunk to its open write (opening one), then keep to the budget;
+        `copied`: the event after their copies on the saving stream (their write, wherever it
+        is launched from, waits for it)."""
+        for req_id, start, end, rows in chunks:
             nbytes = sum(t.numel() * t.element_size() for t in rows.values())
             chunk = DeferredChunk(slots[start:end], np.full(end - start, claim), rows, nbytes,
                                   copied)

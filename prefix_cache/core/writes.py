@@ -113,8 +113,10 @@ class StepWriter:
         deferred = self._privates(outputs.deferred, in_stream)
         chunks = self._deferred.snapshot(outputs.deferred, layout)
         leftover = map_tensors(outputs.leftover, self._private) if outputs.leftover else {}
-        # copy-stream moves start after every private copy: they read them
+        # copy-stream moves start after every private copy: they read them; so does the
+        # deferred chunks' write, from whichever stream retires their request
         ready = None if in_stream else self._backend.record_event()
+        copied = ready if ready is not None or not chunks else self._backend.record_event()
         arena = self._staging.arenas[slot]
         arena.reset()
         host_rows: dict[str, HostCopy] = {}
@@ -147,7 +149,7 @@ class StepWriter:
                     in_stream=in_stream, host_slots=layout.slots)
                 for key, rows in immediate.items()), False)
         if chunks:
-            self._deferred.append(chunks, layout.slots, claim)
+            self._deferred.append(chunks, layout.slots, claim, copied)
         record = StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                             {}, host_rows, {}, leftover, readable=plan_reads)
         if hits:
