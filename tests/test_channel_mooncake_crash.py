@@ -366,40 +366,52 @@ def test_a_producer_rewriting_its_lease_is_not_taken_for_gone_while_others_died(
             producer.join(30)
 
 
-class StoppedRightAfterALeaseScan(RealClient):
-    """Once armed, the second read of the producer slots returns only after LEASE_S + 1 s:
-    the process was stopped (SIGSTOP, a debugger, a frozen container) right after the store
-    answered, with the leases it read growing old meanwhile."""
+class StoppedAroundALeaseScan(RealClient):
+    """Once armed, the second read of the producer slots takes LEASE_S + 1 s more: the process
+    was stopped (SIGSTOP, a debugger, a frozen container) right after the store answered, with
+    the leases it read growing old meanwhile (`before` off), or right before the question
+    reached the store, with the leases it reads newer than its clock says (`before` on)."""
 
     armed: list[int] = []  # slot reads to let through before the stop
+    before = False
 
     def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> Any:
-        read = self.real.batch_get_into(keys, ptrs, sizes)
+        stop = False
         if self.armed and "/.producer/" in keys[0]:
             if self.armed[0] == 0:
                 self.armed.clear()
-                time.sleep(LEASE_S + 1)
+                stop = True
             else:
                 self.armed[0] -= 1
+        if stop and self.before:
+            time.sleep(LEASE_S + 1)
+        read = self.real.batch_get_into(keys, ptrs, sizes)
+        if stop and not self.before:
+            time.sleep(LEASE_S + 1)
         return read
 
 
-def test_a_consumer_stopped_right_after_reading_the_leases_takes_no_live_producer_for_dead(
-        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The leases a scan read are as old as the read: a consumer stopped between the store's
-    answer and its own clock's reading (the soak's consumer stalls) judges them from when it
-    asked, and waits on for the live producer's entry instead of reporting it dead."""
-    use_client(monkeypatch, StoppedRightAfterALeaseScan)
+@pytest.mark.parametrize("stopped", ["after the store answered", "before the store was asked"])
+def test_a_consumer_stopped_around_a_lease_scan_takes_no_live_producer_for_dead(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch,
+        stopped: str) -> None:
+    """A scan's leases were current at some moment between its question and the store's
+    answer: a consumer stopped after the answer (the soak's consumer stalls) judges them from
+    when it asked; one stopped before the question reached the store, from when the answer
+    came (the 30-minute Mooncake soak: a live producer reported dead, three times). Either
+    way it waits on for the live producer's entry instead of reporting it dead."""
+    use_client(monkeypatch, StoppedAroundALeaseScan)
+    monkeypatch.setattr(StoppedAroundALeaseScan, "before", stopped.startswith("before"))
     with open_channel(mooncake_store.spec) as producer, \
             open_channel(producer.spec) as consumer:
         producer.expect("r")
         with pytest.raises(OmniPrefixCacheChannelTimeoutError):
             consumer.get("warm-up", timeout_s=0.3)  # the consumer has seen the leases
-        StoppedRightAfterALeaseScan.armed.append(1)
+        StoppedAroundALeaseScan.armed.append(1)
         try:
             _gets_what_a_live_producer_puts_late(producer, consumer, LEASE_S + 3)
         finally:
-            StoppedRightAfterALeaseScan.armed.clear()
+            StoppedAroundALeaseScan.armed.clear()
 
 
 def _gets_what_a_live_producer_puts_late(producer: MooncakeChannel, consumer: MooncakeChannel,

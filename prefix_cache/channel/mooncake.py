@@ -379,9 +379,11 @@ class _Leases:
     (on loopback, two reads in three while a lease is rewritten back to back): it holds what
     the last scan found in it, so a live producer is never missed.
 
-    Invariant: `_changed[token]` is when the scan that last saw that producer's lease change
-    asked for it (first hearing of a producer counts as a change), and `_scanned` when the
-    last completed scan asked: a scan's values are as old as its question.
+    Invariant: `_changed[token]` is when the store answered the scan that last saw that
+    producer's lease change (first hearing of a producer counts as a change), and `_scanned`
+    when the last completed scan asked. A scan's values held at some moment between its
+    question and its answer, so a lease stayed the same at least from the one to the other,
+    however long this process was stopped before or after either read.
     """
 
     def __init__(self, store: Any, namespace: str, reclaim_after_s: float) -> None:
@@ -410,13 +412,13 @@ class _Leases:
             return
         try:
             asked = time.monotonic()  # what a scan reads is as old as its question
-            self._read_slots(asked)
+            self._read_slots()
             self._reclaim(asked)
             self._scanned = asked
         finally:
             self._lock.release()
 
-    def _read_slots(self, asked: float) -> None:
+    def _read_slots(self) -> None:
         ptr, size = self._buffer.data_ptr(), _RECORD.size
         if not self._registered:
             if _register(self._store, ptr, self._buffer.numel()) != 0:
@@ -425,6 +427,7 @@ class _Leases:
             self._registered = True
         reads = self._store.batch_get_into(self.slots, [ptr + k * size for k in range(
             MAX_PRODUCERS)], [size] * MAX_PRODUCERS)
+        answered = time.monotonic()
         raw = self._buffer.numpy().tobytes()
         seen = {found[0]: (token, found) for token, found in self._in_slots.items()}
         in_slots = {}
@@ -441,7 +444,7 @@ class _Leases:
                 continue  # not a record this channel wrote
             in_slots[producer.token] = (slot, producer, counter == CLOSED)
             if self._values.get(producer.token) != value:
-                self._values[producer.token], self._changed[producer.token] = value, asked
+                self._values[producer.token], self._changed[producer.token] = value, answered
         self._in_slots = in_slots
 
     def _reclaim(self, asked: float) -> None:
@@ -468,10 +471,11 @@ class _Leases:
         return (found[1], found[2]) if found is not None else None
 
     def dead(self, producer: _Producer) -> bool:
-        """Whether `producer` died: its lease unchanged for LEASE_S up to when the last scan
-        that completed asked for it (a closed one never). Not up to now, nor up to the answer:
-        a handle whose process was stopped, before or after the store answered, or whose scan
-        another thread still runs, has not looked meanwhile."""
+        """Whether `producer` died: its lease unchanged for LEASE_S from the answer that showed
+        it changed to the question of the last scan that completed (a closed one never). Not
+        up to now, nor up to that scan's answer: a handle whose process was stopped, before or
+        after the store answered, or whose scan another thread still runs, has not looked
+        meanwhile."""
         found = self._in_slots.get(producer.token)
         if found is not None and found[2]:
             return False
