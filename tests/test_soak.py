@@ -90,8 +90,9 @@ def test_a_stream_with_a_hole_or_a_restart_is_caught_by_the_consumer() -> None:
 
 
 def rows_outcome(num_rows: int, *, error: str | None = None, message: str = "",
-                 aborted: bool = False) -> Outcome:
-    return Outcome(1, RowCheck(0, num_rows, None, None, 0.0), aborted, error, message)
+                 aborted: bool = False, published_at: float | None = None) -> Outcome:
+    return Outcome(1, RowCheck(0, num_rows, None, None, 0.0), aborted, error, message,
+                   published_at=published_at)
 
 
 @pytest.mark.parametrize("outcome, fields, producer_died, what", [
@@ -111,6 +112,27 @@ def rows_outcome(num_rows: int, *, error: str | None = None, message: str = "",
 def test_each_outcome_is_judged_by_what_the_soak_did(outcome: Outcome, fields: dict,
                                                      producer_died: bool, what: str) -> None:
     assert soak.judge(instance(outcome, **fields), producer_died).what == what
+
+
+@pytest.mark.parametrize("outcome, predecessors", [
+    # the retry's own entry, cut short by its abort (the 30-minute shm soak at 87d51ba took
+    # it for the predecessor's, read again and reported the retry's entry lost)
+    (rows_outcome(2, published_at=101.0), False),
+    (rows_outcome(5, published_at=101.0), False),
+    (rows_outcome(7, published_at=99.0), True),  # the predecessor's, whole before its death
+    (rows_outcome(2, error=soak.PRODUCER_DIED, message="pid 11 on host h died",
+                  published_at=99.0), True),  # the predecessor's chunks, cut by its death
+    (rows_outcome(0, error=soak.PRODUCER_DIED, message="its producer pid 11 on host h died"),
+     True),
+    (rows_outcome(0, error=soak.PRODUCER_DIED, message="its producer pid 12 on host h died"),
+     False),  # the retry's own producer, not the predecessor's
+    (rows_outcome(0, error="OmniPrefixCacheChannelError", message="channel c stayed full"),
+     False),
+])
+def test_a_retrys_read_tells_its_own_entry_from_what_its_predecessor_left(
+        outcome: Outcome, predecessors: bool) -> None:
+    retry = instance(outcome, kind="retry", aborted=True, submitted_at=100.0)
+    assert soak.read_the_predecessors(retry, outcome, predecessor_pids={11}) is predecessors
 
 
 def test_a_failure_the_soak_did_not_cause_is_a_problem() -> None:

@@ -74,7 +74,9 @@ class StageChunk:
     chunk is `final` and carries the entry's `aborted` marker and `meta`. One given to
     `put_all` may hold `PoolRows`, as `put`'s outputs may. `stream` is the publisher's name of
     the entry it belongs to, where one id has several in progress at once (two live requests
-    under one external id): chunks of different streams are chunks of different entries."""
+    under one external id): chunks of different streams are chunks of different entries.
+    A chunk `stream` yields says when its publisher put it (`published_at`, its `time.time()`).
+    """
 
     rows: dict[str, torch.Tensor]
     start: int
@@ -82,6 +84,7 @@ class StageChunk:
     aborted: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
     stream: str = ""
+    published_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -433,7 +436,8 @@ class StageChannel(ABC):
         chunk that does not start where the last ended. The entry is the reader's alone: other
         entries of the id stay for later reads, whatever their chunks' order."""
         for entry in self._chunks(request_id, timeout_s):
-            yield StageChunk(entry.outputs, entry.start, entry.final, entry.aborted, entry.meta)
+            yield StageChunk(entry.outputs, entry.start, entry.final, entry.aborted, entry.meta,
+                             published_at=entry.published_at)
 
     def _chunks(self, request_id: str, timeout_s: float) -> Iterator[StageEntry]:
         """The chunks of the id's next entry in order, up to its final one: the oldest chunk

@@ -179,6 +179,7 @@ class Instance:
     prompt_len: int
     streamed: bool
     generation: int  # the producer it was submitted to
+    submitted_at: float = 0.0  # time.time() just before vLLM was given it
     kind: str = "new"  # new, duplicate id, retry
     read_at: str = "submit"  # its read starts at: submit, end (vLLM says it ended), expiry
     state: str = "queued"
@@ -259,6 +260,18 @@ def judge(instance: Instance, producer_died: bool) -> Verdict:
         return Verdict("failed", cause)
     return Verdict("failed", cause, problem=f"{name}: failed for no fault of the soak's: "
                                             f"{outcome.error}: {outcome.message}")
+
+
+def read_the_predecessors(retry: Instance, outcome: Outcome, predecessor_pids: set[int]
+                          ) -> bool:
+    """Whether a retry's read got what the instance it retries (cut unread) left rather than
+    the retry's own entry: rows published before the retry was submitted, or, where it read
+    none, the death of that instance's producer alone (any of `predecessor_pids` named). The
+    rest is the retry's: an entry its abort cut short, its own stage's failure."""
+    if outcome.published_at is not None:
+        return outcome.published_at < retry.submitted_at
+    named = {int(pid) for pid in re.findall(r"pid (\d+)", outcome.message)}
+    return outcome.error == PRODUCER_DIED and bool(named) and named <= predecessor_pids
 
 
 def failure_cause(message: str) -> str:
@@ -477,7 +490,8 @@ class Soak:
         self.consumer = ConsumerProcess(channel.spec, references_path, self.outcomes)
         self.producer = Producer(model_dir, channel, generation=0)
         self.dead_generations: set[int] = set()
-        self.dead_pids: set[int] = set()  # their engine-core processes, which publish
+        #: by dead generation, its engine-core processes, which publish
+        self.dead_pids: dict[int, set[int]] = {}
         self.clean_ids: list[str] = []  # ids whose last instance was delivered whole
         self.retries: list[Instance] = []
         self.late_reads: list[tuple[float, Instance]] = []
@@ -604,6 +618,7 @@ class Soak:
         if instance.read_at == "submit":
             self._send_read(instance, READ_TIMEOUT_S)
         self.live[instance.request_id] = instance
+        instance.submitted_at = time.time()
         try:
             self.producer.add(instance.request_id, self.prompts[instance.prompt],
                               instance.max_tokens)
@@ -665,8 +680,8 @@ class Soak:
             self._judge(self.instances[outcome.key], outcome)
 
     def _judge(self, instance: Instance, outcome: Outcome) -> None:
-        if (old := instance.predecessor) is not None and not (
-                outcome.error is None and outcome.rows.num_rows == instance.rows_wanted):
+        if (old := instance.predecessor) is not None and read_the_predecessors(
+                instance, outcome, self.dead_pids.get(old.generation, set())):
             instance.predecessor = None  # its entry came first, in put order: read again
             self._judge_predecessor(old, outcome)
             self._send_read(instance, READ_TIMEOUT_S)
@@ -697,7 +712,7 @@ class Soak:
         verdict = judge(old, producer_died=True)
         if verdict.problem is None and outcome.error == PRODUCER_DIED:
             named = {int(pid) for pid in re.findall(r"pid (\d+)", outcome.message)}
-            if not named or not named <= self.dead_pids:
+            if not named or not named <= set().union(*self.dead_pids.values()):
                 verdict = Verdict("lost", problem=f"{old.name}: read by its retry, a producer "
                                                   f"the soak did not see die was reported dead: "
                                                   f"{outcome.message}")
@@ -793,7 +808,7 @@ class Soak:
         """Its requests are cut (their consumers must learn it), the engine is started again."""
         generation = self.producer.generation
         self.dead_generations.add(generation)
-        self.dead_pids |= self.producer.pids
+        self.dead_pids[generation] = self.producer.pids
         for instance in list(self.live.values()):
             self._ended(instance, "cut")
         with contextlib.suppress(Exception):  # its processes are gone; close what is left

@@ -119,7 +119,8 @@ class Outcome:
     """What a read got: `rows` that arrived (a failure's before it failed), the entry's
     aborted marker, the channel error that ended it (its class name and message), and
     `disorder`: a chunk that did not start where the rows before it ended, which `stream`
-    yielded without raising."""
+    yielded without raising; `published_at`: when the first piece read was published (its
+    publisher's `time.time()`; None: none was read)."""
 
     key: int
     rows: RowCheck
@@ -127,6 +128,7 @@ class Outcome:
     error: str | None = None
     message: str = ""
     disorder: str | None = None
+    published_at: float | None = None
 
 
 def read(channel: StageChannel, references: References, job: Read) -> Outcome:
@@ -135,9 +137,11 @@ def read(channel: StageChannel, references: References, job: Read) -> Outcome:
     parts: list[torch.Tensor] = []
     first: int | None = None if job.drain else 0  # a drain reads on from where the last stopped
     aborted, disorder, error, message = False, None, None, ""
+    published_at: float | None = None
     try:
-        for start, rows, final, marked in _chunks(channel, job):
+        for start, rows, final, marked, put_at in _chunks(channel, job):
             first = start if first is None else first
+            published_at = put_at if published_at is None else published_at
             standing = first + sum(p.shape[0] for p in parts)
             if start != standing and disorder is None:
                 disorder = f"a chunk from position {start} after positions up to {standing}"
@@ -151,18 +155,21 @@ def read(channel: StageChannel, references: References, job: Read) -> Outcome:
             message = f"not a channel error: {message}"
     rows = torch.cat(parts) if parts else torch.empty(0)
     return Outcome(job.key, references.check(job.prompt, rows, first or 0), aborted, error,
-                   message, disorder)
+                   message, disorder, published_at)
 
 
 def _chunks(channel: StageChannel, job: Read
-            ) -> Iterator[tuple[int, torch.Tensor | None, bool, bool]]:
-    """(start, rows or None, final, aborted) of each piece of the entry as the read takes it."""
+            ) -> Iterator[tuple[int, torch.Tensor | None, bool, bool, float]]:
+    """(start, rows or None, final, aborted, published at) of each piece of the entry as the
+    read takes it."""
     if job.streamed:
         for chunk in channel.stream(job.request_id, job.timeout_s):
-            yield chunk.start, chunk.rows.get(HIDDEN_KEY), chunk.final, chunk.aborted
+            yield (chunk.start, chunk.rows.get(HIDDEN_KEY), chunk.final, chunk.aborted,
+                   chunk.published_at)
     else:
         entry = channel.get_entry(job.request_id, job.timeout_s)
-        yield entry.start, entry.outputs.get(HIDDEN_KEY), True, entry.aborted
+        yield entry.start, entry.outputs.get(HIDDEN_KEY), True, entry.aborted, \
+            entry.published_at
 
 
 def serve(spec: str, references_path: str, conn: Connection) -> None:
