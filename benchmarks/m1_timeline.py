@@ -31,8 +31,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from prefix_cache import devices
 from prefix_cache.devices.base import Transfer
-from prefix_cache.tools.device_trace import merged_spans
-from prefix_cache.tools.harness import format_table
+from prefix_cache.tools.profiling.device_trace import merged_spans
+from prefix_cache.tools.reporting.harness import format_table
 from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, pipelined, saves_by_dma, without_dma
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, bench_dtype, random_slots
 

@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from prefix_cache import devices
-from prefix_cache.tools.harness import format_table
+from prefix_cache.tools.reporting.harness import format_table
 from prefix_cache.tools.metrics.overhead import step_loop
 from prefix_cache.tools.metrics.workload import bench_dtype
 

@@ -40,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prefix_cache.tools.harness import format_table
+from prefix_cache.tools.reporting.harness import format_table
 from prefix_cache.tools.pipeline_bench import decode_steps
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,7 +39,7 @@ from prefix_cache.devices import get_backend
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.tools.harness import format_table
+from prefix_cache.tools.reporting.harness import format_table
 from tests.sim import StepDriver
 
 BLOCK_SIZE = 16

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import open_channel
-from prefix_cache.tools.engines import (multiprocessing_mode, start_talker, start_thinker,
+from prefix_cache.tools.pipelines.engines import (multiprocessing_mode, start_talker, start_thinker,
                                         write_random_qwen2)
 
 SHARED = [(7 * i) % 1000 + 1 for i in range(64)]  # two 32-token blocks, shared by every prompt

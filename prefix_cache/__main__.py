@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from prefix_cache.tools.targets import METRICS
+from prefix_cache.tools.reporting.targets import METRICS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +49,15 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> _Parser:
-    parser = _Parser(prog="python -m prefix_cache")
+    parser = _Parser(
+        prog="python -m prefix_cache", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="the engine benches run as modules of their own (each takes --help):\n"
+               "  python -m prefix_cache.tools.pipeline_bench  M8 and the step time beside "
+               "vLLM's plain worker\n"
+               "  python -m prefix_cache.tools.stream_bench    M9: what streaming buys stage 2 "
+               "and costs stage 1\n"
+               "  python -m prefix_cache.tools.kill_test       stage 1 killed again and again: "
+               "what stage 2 sees")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     demo = sub.add_parser(
         "demo", help="the two-stage pipeline (thinker -> channel -> talker) on vLLM's engine, "

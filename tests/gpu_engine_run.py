@@ -2,7 +2,7 @@
 
 Each run is a process of its own (`python -m tests.gpu_engine_run CASE on|off MP MODEL OUT`): it
 starts one stage-1 engine on the GPU with prefix caching on or off, drives a case's workload
-through `prefix_cache.tools.pipeline.run_pipeline` (which takes each request's entry off the stage
+through `prefix_cache.tools.pipelines.pipeline.run_pipeline` (which takes each request's entry off the stage
 channel as soon as vLLM returns its final output), and saves the entries, cached-token counts
 and the cache's stats to OUT for the test to compare.
 
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, EngineShape, multiprocessing_mode,
+from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, EngineShape, multiprocessing_mode,
                                         start_thinker)
-from prefix_cache.tools.pipeline import StageRequest, run_pipeline
+from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
 from tests.vllm_fixtures import FirstPreemptedAborter, unrelated_decoding_requests
 
@@ -106,7 +106,7 @@ class _Unwrap:
 def _mm_worker() -> type:
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from prefix_cache.tools.engines import default_worker
+    from prefix_cache.tools.pipelines.engines import default_worker
     worker = resolve_obj_by_qualname(default_worker())  # this platform's cache worker
     v1_runner = next(iter(worker.runner_hooks))  # the V1 runner class it builds
     runner = type("MMRunner", (_Unwrap, PrefixCacheRunnerMixin, _EmitsMM, v1_runner), {})

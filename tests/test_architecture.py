@@ -66,6 +66,24 @@ def test_at_most_eight_modules_sit_directly_under_the_package() -> None:
     assert face == FACE and len(face) <= 8
 
 
+#: What the tools' commands share, one subpackage a concern: never a command of their own.
+TOOL_INTERNALS = ("metrics", "pipelines", "profiling", "reporting")
+
+
+def test_the_tools_folder_holds_the_commands_and_what_they_share_sits_below() -> None:
+    """At most 14 modules at `tools/` (the commands), the rest in the subpackages, which never
+    import a command: the arrows run from the commands down."""
+    tools = PACKAGE / "tools"
+    assert len(list(tools.glob("*.py"))) <= 14
+    assert {p.name for p in tools.iterdir() if p.is_dir() and p.name != "__pycache__"} \
+        == set(TOOL_INTERNALS)
+    commands = {f"prefix_cache.tools.{p.stem}" for p in tools.glob("*.py") if p.stem != "__init__"}
+    internal = tuple(f"prefix_cache.tools.{sub}." for sub in TOOL_INTERNALS)
+    up = sorted(f"{module} -> {target}" for module, targets in _imports().items()
+                if module.startswith(internal) for target in targets & commands)
+    assert not up, "tools' internals importing a command:\n" + "\n".join(up)
+
+
 def _upward(graph: dict[str, set[str]]) -> list[str]:
     """The arrows of `graph` that point to a higher layer."""
     rank = {layer: i for i, layer in enumerate(LAYERS)}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefix_cache.tools.targets import METRICS
+from prefix_cache.tools.reporting.targets import METRICS
 
 pytestmark = pytest.mark.slow
 

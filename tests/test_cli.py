@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from prefix_cache import devices
-from prefix_cache.tools import bench, bench_report, harness
+from prefix_cache.tools import bench
+from prefix_cache.tools.reporting import bench_report, harness
 from prefix_cache.__main__ import main
-from prefix_cache.tools.targets import METRICS, Target
+from prefix_cache.tools.reporting.targets import METRICS, Target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,7 +185,7 @@ def test_bench_help_lines_up_each_metric_and_its_target(capsys) -> None:
 
 
 def test_each_demo_run_logs_to_a_file_of_its_own() -> None:
-    from prefix_cache.tools.engine_logs import new_log_path
+    from prefix_cache.tools.pipelines.engine_logs import new_log_path
     first, second = new_log_path("demo"), new_log_path("demo")
     try:
         assert first != second and first.exists() and second.exists()

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from prefix_cache.tools import device_trace
-from prefix_cache.tools.device_trace import DeviceWork, compare_table, device_work
+from prefix_cache.tools.profiling import device_trace
+from prefix_cache.tools.profiling.device_trace import DeviceWork, compare_table, device_work
 
 
 def device(ts: float, dur: float, name: str, cat: str) -> dict[str, Any]:

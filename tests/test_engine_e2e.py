@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def talker(talker_model_dir: Path) -> Iterator[Any]:
     """Stage 2, shared by every run; in a process of its own, since in-process thinkers tear
     down this process's torch.distributed state when they close."""
-    from prefix_cache.tools.engines import multiprocessing_mode, start_talker
+    from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_talker
     with multiprocessing_mode(True):
         engine = start_talker(talker_model_dir)
     yield engine
@@ -38,8 +38,8 @@ def talker(talker_model_dir: Path) -> Iterator[Any]:
 def run_once(thinker_model_dir: Path, talker: Any, spec: str, *, prefix_caching: bool,
              multiprocessing: bool, asynchronous: bool = False
              ) -> tuple[Any, dict[str, int | float]]:
-    from prefix_cache.tools.engines import multiprocessing_mode, start_thinker
-    from prefix_cache.tools.pipeline import run_pipeline
+    from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_thinker
+    from prefix_cache.tools.pipelines.pipeline import run_pipeline
     with multiprocessing_mode(multiprocessing), open_channel(spec) as channel:
         # in-process only: the patch does not reach an engine core process
         with cpu_async_scheduling() if asynchronous else nullcontext():

@@ -38,7 +38,7 @@ RUN_TIMEOUT_S = 420
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from prefix_cache.tools.engines import write_random_qwen2
+    from prefix_cache.tools.pipelines.engines import write_random_qwen2
     return write_random_qwen2(tmp_path_factory.mktemp("gpu_qwen2") / "model", seed=0)
 
 

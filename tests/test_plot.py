@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefix_cache.tools.plot import plot_scaling, unplottable
+from prefix_cache.tools.reporting.plot import plot_scaling, unplottable
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_cache.tools.profile import format_table, parse_collapsed, summarize
+from prefix_cache.tools.profiling.profile import format_table, parse_collapsed, summarize
 
 ENGINE = "thread (100): MainThread;<module> (prefix_cache/tools/pipeline_bench.py:9)"
 STEP = (ENGINE + ";LLMEngine.step (vllm/v1/engine/llm_engine.py:1)"

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from prefix_cache.tools.engines import ENGINE_ENV  # noqa: E402
+from prefix_cache.tools.pipelines.engines import ENGINE_ENV  # noqa: E402
 from tests.vllm_fixtures import thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import LLM
-    from prefix_cache.tools.engines import EngineShape
+    from prefix_cache.tools.pipelines.engines import EngineShape
 
     if __name__ == "__main__":
         LLM(model=sys.argv[1], **EngineShape().engine_args(), enable_prefix_caching=True,

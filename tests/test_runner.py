@@ -22,8 +22,8 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import (OmniPrefixCacheChannelError, StageEntry,  # noqa: E402
                                   open_channel)
-from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
-from prefix_cache.tools.pipeline import StageRequest, run_pipeline  # noqa: E402
+from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline  # noqa: E402
 from prefix_cache.integration.runner_mixin import (PrefixCacheRunnerMixin,  # noqa: E402
                                                    external_request_id, external_request_ids)
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from prefix_cache.channel import StageChunk
 from prefix_cache.config import HIDDEN_KEY
 from prefix_cache.tools import soak
-from prefix_cache.tools.soak_consumer import Outcome, Read, References, RowCheck, read
+from prefix_cache.tools.pipelines.soak_consumer import Outcome, Read, References, RowCheck, read
 
 #: Seed 1's first heavy faults come in the order consumer stall, consumer kill, producer kill:
 #: the engine's restart last, so 1.25 minutes meet all three.

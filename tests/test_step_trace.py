@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prefix_cache.tools.step_trace import compare_table, read_trace, step_trace
+from prefix_cache.tools.profiling.step_trace import compare_table, read_trace, step_trace
 
 ENGINE, OUTPUT = 10, 11
 PREFILL = "execute_context_1(64)_generation_0(0)"

@@ -14,8 +14,8 @@ import torch
 
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import StageChannel, open_channel
-from prefix_cache.tools.codec_stage import Code2WavLike
-from prefix_cache.tools.streaming import RowStream
+from prefix_cache.tools.pipelines.codec_stage import Code2WavLike
+from prefix_cache.tools.pipelines.streaming import RowStream
 from tests.vllm_fixtures import talker_model_dir  # noqa: F401  (the fixture; no vLLM import)
 
 HIDDEN = 256
@@ -69,10 +69,10 @@ def test_the_codecs_frames_do_not_depend_on_how_the_rows_were_cut() -> None:
 @pytest.mark.vllm
 def test_a_streamed_talker_starts_before_the_final_chunk_with_the_whole_entrys_tokens(
         talker_model_dir: Path) -> None:
-    from prefix_cache.tools.engine_loop import EngineLoop
-    from prefix_cache.tools.engines import multiprocessing_mode, start_talker
-    from prefix_cache.tools.pipeline import talker_params
-    from prefix_cache.tools.stream_pipeline import feed_talker
+    from prefix_cache.tools.pipelines.engine_loop import EngineLoop
+    from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_talker
+    from prefix_cache.tools.pipelines.pipeline import talker_params
+    from prefix_cache.tools.pipelines.stream_pipeline import feed_talker
 
     rows = thinker_like_rows()
     params = talker_params(6)

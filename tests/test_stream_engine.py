@@ -24,7 +24,7 @@ from prefix_cache.channel import StageChannel, StageChunk, open_channel  # noqa:
 from prefix_cache.integration.chunks import ChunkSchedule  # noqa: E402
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, vllm_device  # noqa: E402
-from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from tests.vllm_fixtures import (PREEMPTING_SHAPE, cpu_async_scheduling,  # noqa: E402,F401
                                  thinker_model_dir)
 

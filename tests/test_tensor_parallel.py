@@ -45,8 +45,8 @@ def run_thinker(model_dir: Path, *, tensor_parallel_size: int, prefix_caching: b
     """The demo's workload through one thinker: its `PipelineRun` and each rank's stats. A
     tensor-parallel engine runs its engine core in a process of its own, a single worker in this
     one (it starts faster)."""
-    from prefix_cache.tools.engines import multiprocessing_mode, start_thinker
-    from prefix_cache.tools.pipeline import run_pipeline
+    from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_thinker
+    from prefix_cache.tools.pipelines.pipeline import run_pipeline
     parallel = tensor_parallel_size > 1
     with multiprocessing_mode(parallel), open_channel() as channel:
         thinker = start_thinker(model_dir, channel, prefix_caching=prefix_caching,

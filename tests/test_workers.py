@@ -26,7 +26,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from prefix_cache import HIDDEN_KEY, OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.channel import OmniPrefixCacheChannelTimeoutError, open_channel  # noqa: E402
 from prefix_cache.integration.delivery import FinishedRequest, StageDelivery  # noqa: E402
-from prefix_cache.tools.engines import multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_thinker  # noqa: E402
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin  # noqa: E402
 from prefix_cache.integration.stage_outputs import scheduled_prompt_lens  # noqa: E402
 from prefix_cache.vllm_runners import PrefixCacheCPUWorker  # noqa: E402
@@ -183,7 +183,7 @@ def test_a_worker_whose_runner_cannot_carry_the_cache_refuses_at_start_naming_th
 
 def test_a_worker_with_no_channel_configured_refuses_at_start_saying_how_to_configure_one(
         thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefix_cache.tools.engines import Engine, EngineShape, default_worker
+    from prefix_cache.tools.pipelines.engines import Engine, EngineShape, default_worker
     monkeypatch.delenv("PREFIX_CACHE_CHANNEL", raising=False)
     with multiprocessing_mode(False), pytest.raises(Exception) as refused:
         Engine(thinker_model_dir, EngineShape(), enable_prefix_caching=True,

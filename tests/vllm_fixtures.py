@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from prefix_cache.tools.engines import EngineShape
-from prefix_cache.tools.pipeline import StageRequest
+from prefix_cache.tools.pipelines.engines import EngineShape
+from prefix_cache.tools.pipelines.pipeline import StageRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -218,7 +218,7 @@ def ensure_cpu_slot_mapping_kernel() -> None:
 def thinker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen2 (hidden 256, 2 layers, initializer_range=1.0) for stage 1."""
     pytest.importorskip("transformers")
-    from prefix_cache.tools.engines import write_random_qwen2
+    from prefix_cache.tools.pipelines.engines import write_random_qwen2
     return write_random_qwen2(tmp_path_factory.mktemp("thinker"), seed=0)
 
 
@@ -226,12 +226,12 @@ def thinker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def talker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second random Qwen2 of the same hidden size, for stage 2."""
     pytest.importorskip("transformers")
-    from prefix_cache.tools.engines import write_random_qwen2
+    from prefix_cache.tools.pipelines.engines import write_random_qwen2
     return write_random_qwen2(tmp_path_factory.mktemp("talker"), seed=1)
 
 
 def engine_runner(engine: Any) -> Any:
-    """The model runner of an in-process engine (`prefix_cache.tools.pipeline.Engine` built with
+    """The model runner of an in-process engine (`prefix_cache.tools.pipelines.pipeline.Engine` built with
     VLLM_ENABLE_V1_MULTIPROCESSING=0): engine core -> executor -> worker -> runner."""
     core = engine.engine.engine_core.engine_core
     return core.model_executor.driver_worker.worker.model_runner

@@ -17,8 +17,8 @@ import torch
 from prefix_cache.devices import available, backend_classes, get_backend
 from prefix_cache.config import WRITE_STREAMS
 from prefix_cache.devices.base import DeviceBackend
-from prefix_cache.tools.bench_report import Metric, judge, metric_json, report, scaling_report
-from prefix_cache.tools.harness import machine, source_commit, unwritable, write_json
+from prefix_cache.tools.reporting.bench_report import Metric, judge, metric_json, report, scaling_report
+from prefix_cache.tools.reporting.harness import machine, source_commit, unwritable, write_json
 from prefix_cache.tools.metrics.engine_thread import STEP_FORWARD_US, engine_thread_us, scaling
 from prefix_cache.tools.metrics.hits import HIT_INPUT_SETS, HIT_TOKENS, measure_hit
 from prefix_cache.tools.metrics.interference import gemm_interference
@@ -27,8 +27,8 @@ from prefix_cache.tools.metrics.overhead import step_loop
 from prefix_cache.tools.metrics.save import SAVES_IN_FLIGHT, measure_save
 from prefix_cache.tools.metrics.stalls import engine_thread_stalls
 from prefix_cache.tools.metrics.workload import BLOCK, FULL_POOL_BLOCKS, WIDTH, bench_dtype
-from prefix_cache.tools.plot import plot_scaling, unplottable
-from prefix_cache.tools.targets import METRICS
+from prefix_cache.tools.reporting.plot import plot_scaling, unplottable
+from prefix_cache.tools.reporting.targets import METRICS
 
 
 #: Step sizes M1 is judged at (SPEC §8: the target holds at both; the table shows the lower).

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.tools.engine_logs import new_log_path, output_to_log
+from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
 
 #: Largest |on - off| row difference accepted, per device: float32 rows of the same tokens
 #: computed in different batch shapes (chunk boundaries, batch composition) differ in
@@ -46,7 +46,7 @@ def make_workload(seed: int = 0, num_requests: int = 12) -> list[Any]:
     Request 7 starts with the long prompt's first 64 tokens: with caching on it
     hits the aborted request's blocks.
     """
-    from prefix_cache.tools.pipeline import StageRequest
+    from prefix_cache.tools.pipelines.pipeline import StageRequest
     rng = random.Random(seed)
     families = [[rng.randrange(1, 1000) for _ in range(length)] for length in (64, 96, 96)]
     families.append(families[1][:64] + [rng.randrange(1, 1000) for _ in range(32)])
@@ -157,7 +157,7 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
 def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_path: Path,
              device: str = "cpu") -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
-    from prefix_cache.tools import engines
+    from prefix_cache.tools.pipelines import engines
     from prefix_cache.tools import pipeline as pl
     from prefix_cache.channel import open_channel
 
@@ -238,7 +238,7 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_pa
 
 def vllm_device() -> str:
     """The device vLLM's engines run on here (its platform: cpu, cuda, npu, ...)."""
-    from prefix_cache.tools.engines import apply_engine_env
+    from prefix_cache.tools.pipelines.engines import apply_engine_env
     apply_engine_env()
     from vllm.platforms import current_platform
     return current_platform.device_type

@@ -97,7 +97,7 @@ def kill_engine(engine: Any) -> None:
     publishes, where the executor runs one), and wait until they are gone."""
     import psutil  # a dependency of vLLM
 
-    from prefix_cache.tools.engines import engine_core_pid
+    from prefix_cache.tools.pipelines.engines import engine_core_pid
     pid = engine_core_pid(engine)
     if pid == os.getpid():
         raise RuntimeError("the kill test needs an engine-core process of its own, not an "
@@ -135,7 +135,7 @@ class KillRun:
     def round(self, index: int, kill: bool) -> RoundReport:
         from vllm import SamplingParams
 
-        from prefix_cache.tools.engines import start_thinker
+        from prefix_cache.tools.pipelines.engines import start_thinker
         thinker = start_thinker(self.thinker_dir, self.channel, prefix_caching=True)
         report = RoundReport(index, None)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -223,7 +223,7 @@ class KillRun:
 
     def _check_talker(self, report: RoundReport, prompt_of: dict[str, int],
                       delivered: dict[str, torch.Tensor]) -> None:
-        from prefix_cache.tools.pipeline import talk
+        from prefix_cache.tools.pipelines.pipeline import talk
         spoken = talk(self.talker, delivered, TALKER_TOKENS)
         for request_id, (tokens, _margin) in spoken.items():
             reference = self.tokens.setdefault(prompt_of[request_id], list(tokens))
@@ -237,7 +237,7 @@ def run(kills: int, spec: str | None, *, seed: int = 0,
         say: Callable[[str], None] = print) -> tuple[list[RoundReport], list[str]]:
     """`kills` rounds with a kill, then one without; per round its report, and what of the
     channel is left after its owner closed it (a shared-memory namespace's directory)."""
-    from prefix_cache.tools import engines
+    from prefix_cache.tools.pipelines import engines
     reports = []
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-kill-") as tmp, \
             engines.multiprocessing_mode(True):
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the stage channel (default: a new shared-memory namespace)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill times")
     args = parser.parse_args(argv)
-    from prefix_cache.tools.engine_logs import new_log_path, output_to_log
+    from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
     log_path = new_log_path("kill")
     with output_to_log(log_path) as terminal:
         def say(line: str) -> None:

@@ -32,21 +32,21 @@ from pathlib import Path
 from typing import Any
 
 from prefix_cache.channel import StageChannel
-from prefix_cache.tools.bench_report import Metric, metric_json, report
-from prefix_cache.tools.device_trace import DeviceWork, device_work
-from prefix_cache.tools.device_trace import compare_table as device_compare_table
-from prefix_cache.tools.engine_logs import new_log_path, output_to_log
-from prefix_cache.tools.harness import (REPORT_WIDTH, machine, source_commit, spread, unwritable,
+from prefix_cache.tools.reporting.bench_report import Metric, metric_json, report
+from prefix_cache.tools.profiling.device_trace import DeviceWork, device_work
+from prefix_cache.tools.profiling.device_trace import compare_table as device_compare_table
+from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
+from prefix_cache.tools.reporting.harness import (REPORT_WIDTH, machine, source_commit, spread, unwritable,
                                         write_json)
-from prefix_cache.tools.targets import PIPELINE_METRICS
-from prefix_cache.tools.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
+from prefix_cache.tools.reporting.targets import PIPELINE_METRICS
+from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
                                         cache_engine_thread_s, engine_core_pid,
                                         multiprocessing_mode, start_talker, start_thinker,
                                         vllm_trace_config, write_dummy_qwen2, write_random_qwen2)
-from prefix_cache.tools.pipeline import StageRequest, run_pipeline, warm_up
-from prefix_cache.tools.profile import ProfileSummary, format_table
-from prefix_cache.tools.profile_capture import profile_engine, torch_trace_path
-from prefix_cache.tools.step_trace import StepTrace, compare_table, read_trace, step_trace
+from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline, warm_up
+from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
+from prefix_cache.tools.profiling.profile_capture import profile_engine, torch_trace_path
+from prefix_cache.tools.profiling.step_trace import StepTrace, compare_table, read_trace, step_trace
 
 
 @dataclass(frozen=True)
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     if traces:
         print(textwrap.fill(f"each engine's decode steps in {TRACE_PASSES} alternating traced "
                             "passes (vLLM's worker profiler; self time, GIL waits included: "
-                            "see prefix_cache/tools/step_trace.py):", REPORT_WIDTH,
+                            "see prefix_cache/tools/profiling/step_trace.py):", REPORT_WIDTH,
                             initial_indent="\n"), compare_table(traces["plain"], traces["cache"]),
               f"traces: {args.profile}/{{plain,cache}}-trace", sep="\n", flush=True)
     if devices:
@@ -528,7 +528,7 @@ def device_report(devices: dict[str, DeviceWork]) -> str:
         return ("\nno device work in the traces: they hold no CUDA activity (a CPU run records "
                 "none)")
     return textwrap.fill("what the device ran in each engine's traced steps (torch's profiler; "
-                         "see prefix_cache/tools/device_trace.py):", REPORT_WIDTH,
+                         "see prefix_cache/tools/profiling/device_trace.py):", REPORT_WIDTH,
                          initial_indent="\n") + f"\n{device_compare_table(devices)}"
 
 
@@ -542,7 +542,7 @@ def profile_report(profiles: dict[str, ProfileSummary | None], out_dir: Path, *,
     shared = ("; in-process, the engines share this process: the plain engine's column shows "
               "the cache engine's threads, idle while it is not stepped" if in_process else "")
     return textwrap.fill(f"where each engine's threads spent its profiled window (py-spy, share "
-                         f"of its ticks; see prefix_cache/tools/profile.py{shared}):",
+                         f"of its ticks; see prefix_cache/tools/profiling/profile.py{shared}):",
                          REPORT_WIDTH, initial_indent="\n") + \
         f"\n{format_table(summaries)}\nprofiles (raw py-spy stacks" + \
         (", torch Chrome traces" if in_process else "") + f"): {out_dir}"

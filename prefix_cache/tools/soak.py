@@ -2,7 +2,7 @@
 
 Stage 1 runs on vLLM's CPU engine with the cache, prefix caching and streaming on (each request's
 rows published in chunks as it runs), in an engine-core process of its own, stepped by this
-process. A consumer in a process of its own (`prefix_cache.tools.soak_consumer`) reads each
+process. A consumer in a process of its own (`prefix_cache.tools.pipelines.soak_consumer`) reads each
 request's entry, half whole (`get_entry`), half chunk by chunk (`stream`), most from the moment
 the request is submitted, `LAZY_SHARE` of them only once vLLM reports the request ended (a
 stage that reads lazily). Requests come from three prompt families sharing 64- and 96-token
@@ -80,8 +80,8 @@ from typing import Any
 
 from prefix_cache.channel import (OmniPrefixCacheChannelError,
                                   OmniPrefixCacheChannelTimeoutError, StageChannel, open_channel)
-from prefix_cache.tools.engines import EngineShape
-from prefix_cache.tools.soak_consumer import ConsumerProcess, Outcome, Read, References
+from prefix_cache.tools.pipelines.engines import EngineShape
+from prefix_cache.tools.pipelines.soak_consumer import ConsumerProcess, Outcome, Read, References
 
 #: Prompt families: shared prefix lengths (whole 32-token blocks), and prompts per family.
 FAMILY_PREFIXES = (64, 64, 96)
@@ -147,8 +147,8 @@ def reference_rows(model_dir: Path, prompts: list[list[int]], say: Callable[[str
 
     from prefix_cache.config import HIDDEN_KEY
     from prefix_cache.tools.demo import TOLERANCE
-    from prefix_cache.tools.engines import start_thinker
-    from prefix_cache.tools.pipeline import StageRequest, run_pipeline
+    from prefix_cache.tools.pipelines.engines import start_thinker
+    from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline
     requests = [StageRequest(f"reference-{i}", prompt, MAX_GENERATED)
                 for i, prompt in enumerate(prompts)]
     with open_channel("shm") as channel:
@@ -290,7 +290,7 @@ class Producer:
     returns (raising) when the engine core dies on its own."""
 
     def __init__(self, model_dir: Path, channel: StageChannel, generation: int) -> None:
-        from prefix_cache.tools.engines import engine_core_pid, start_thinker
+        from prefix_cache.tools.pipelines.engines import engine_core_pid, start_thinker
         self.generation = generation
         self.engine = start_thinker(model_dir, channel, prefix_caching=True, shape=SOAK_SHAPE,
                                     stage_options={"stream": True}, disable_log_stats=False)
@@ -317,7 +317,7 @@ class Producer:
         return outputs
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        from prefix_cache.tools.pipeline import greedy_params
+        from prefix_cache.tools.pipelines.pipeline import greedy_params
         self.engine.engine.add_request(request_id, {"prompt_token_ids": prompt},
                                        greedy_params(max_tokens))
 
@@ -853,7 +853,7 @@ def run(minutes: float, channel: str = "shm", *, seed: int = 0,
         faults: Collection[str] = FAULTS, say: Callable[[str], None] = print) -> SoakReport:
     """A soak of `minutes` of traffic (after the reference run and the first engine start),
     injecting the kinds of `faults`."""
-    from prefix_cache.tools import engines
+    from prefix_cache.tools.pipelines import engines
     report = SoakReport(channel, seed, minutes)
     with contextlib.ExitStack() as stack:
         stack.enter_context(engines.multiprocessing_mode(True))
@@ -891,7 +891,7 @@ def fault_kinds(text: str) -> list[str]:
 
 def main(minutes: float, channel: str, seed: int, faults: Collection[str] = FAULTS) -> int:
     """The soak with vLLM's logs in a file of its own; the table; 1 on any problem."""
-    from prefix_cache.tools.engine_logs import new_log_path, output_to_log
+    from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
     log_path = new_log_path("soak")
     with output_to_log(log_path) as terminal:
         def say(line: str) -> None:

@@ -6,7 +6,7 @@
 Stage 1 (the thinker, with the cache) generates 64 tokens per request; stage 2
 (a plain talker on `prompt_embeds`) starts on the thinker's prompt rows, as soon
 as they have arrived when stage 1 streams, else after its finish
-(`prefix_cache.tools.stream_pipeline`). Requests of two prompt families run one
+(`prefix_cache.tools.pipelines.stream_pipeline`). Requests of two prompt families run one
 at a time, so the later two of each run hit the prefix cache. Figures:
 
 - M9: the talker's first token, from the thinker's submission, streaming on / off;
@@ -20,7 +20,7 @@ at a time, so the later two of each run hit the prefix cache. Figures:
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
 `stream: N`). `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
-and off, and prints where stage 1's threads spent them (`prefix_cache.tools.profile`).
+and off, and prints where stage 1's threads spent them (`prefix_cache.tools.profiling.profile`).
 
 Each figure is the median over `runs` runs made back to back, on and off interleaved, with
 the smallest and largest beside it; both thinkers and the talker are started once, warmed up,
@@ -44,18 +44,18 @@ from pathlib import Path
 from typing import Any
 
 from prefix_cache.channel import StageChannel
-from prefix_cache.tools.bench_report import Metric, metric_json, report
-from prefix_cache.tools.engine_logs import new_log_path, output_to_log
-from prefix_cache.tools.engine_loop import EngineLoop
-from prefix_cache.tools.engines import Engine, cache_engine_thread_s, engine_core_pid
-from prefix_cache.tools.harness import machine, source_commit, spread, unwritable, write_json
-from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, greedy_params
-from prefix_cache.tools.profile import ProfileSummary, format_table
-from prefix_cache.tools.profile_capture import find_py_spy, profile_engine
+from prefix_cache.tools.reporting.bench_report import Metric, metric_json, report
+from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
+from prefix_cache.tools.pipelines.engine_loop import EngineLoop
+from prefix_cache.tools.pipelines.engines import Engine, cache_engine_thread_s, engine_core_pid
+from prefix_cache.tools.reporting.harness import machine, source_commit, spread, unwritable, write_json
+from prefix_cache.tools.pipelines.pipeline import ROWS_TIMEOUT_S, greedy_params
+from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
+from prefix_cache.tools.profiling.profile_capture import find_py_spy, profile_engine
 from prefix_cache.tools.stream_demo import StreamWorkload
-from prefix_cache.tools.stream_pipeline import StreamRequest, run_stages
-from prefix_cache.tools.streaming import RowStream
-from prefix_cache.tools.targets import STREAM_METRICS
+from prefix_cache.tools.pipelines.stream_pipeline import StreamRequest, run_stages
+from prefix_cache.tools.pipelines.streaming import RowStream
+from prefix_cache.tools.reporting.targets import STREAM_METRICS
 
 WORKLOAD = StreamWorkload(num_requests=4, thinker_tokens=64, talker_tokens=4)
 
@@ -138,8 +138,8 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
     from vllm.platforms import current_platform
 
     from prefix_cache.channel import open_channel
-    from prefix_cache.tools import engines
-    from prefix_cache.tools.stream_pipeline import start_stage
+    from prefix_cache.tools.pipelines import engines
+    from prefix_cache.tools.pipelines.stream_pipeline import start_stage
     first_token: dict[bool, list[float]] = {True: [], False: []}
     hit_chunk, hit_step, steps = [], [], {True: [], False: []}
     cache_s: dict[bool, list[float]] = {True: [], False: []}  # engine thread's, a step
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(results, STREAM_METRICS), flush=True)
     if profiles:
         print(f"\nwhere stage 1's threads spent M9c's decode steps, streaming on and off "
-              f"(py-spy, share of its ticks; see prefix_cache/tools/profile.py):\n"
+              f"(py-spy, share of its ticks; see prefix_cache/tools/profiling/profile.py):\n"
               f"{format_table(profiles)}\nprofiles (raw py-spy stacks): {args.profile}",
               flush=True)
     print(f"\nvLLM's logs and warnings: {log_path}")

@@ -1,7 +1,7 @@
 """`python -m prefix_cache demo --stream`: three stages, streamed and not, prefix caching on and off.
 
 Thinker (vLLM with the cache) -> talker (vLLM on `prompt_embeds`, with the cache)
--> codec (`Code2WavLike`, no cache), as `prefix_cache.tools.stream_pipeline`
+-> codec (`Code2WavLike`, no cache), as `prefix_cache.tools.pipelines.stream_pipeline`
 runs them, in four configurations: streaming on and off (both vLLM stages publish
 chunks while a request runs, or whole entries at its finish: an engine pair each)
 by prefix caching on and off (off: both engines' prefix caches are emptied before
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from prefix_cache.channel import StageChannel
-from prefix_cache.tools.codec_stage import Code2WavLike
+from prefix_cache.tools.pipelines.codec_stage import Code2WavLike
 from prefix_cache.tools.demo import DEFAULT_TOLERANCE, TOLERANCE, format_table
-from prefix_cache.tools.engines import Engine
-from prefix_cache.tools.stream_pipeline import StreamRequest, StreamResult
+from prefix_cache.tools.pipelines.engines import Engine
+from prefix_cache.tools.pipelines.stream_pipeline import StreamRequest, StreamResult
 
 #: The configurations, in table order: (streaming, prefix caching); the first is the plain run.
 CONFIGS = ((False, False), (False, True), (True, False), (True, True))
@@ -94,7 +94,7 @@ def run_config(stages: tuple[Engine, StageChannel, Engine, StageChannel],
                workload: StreamWorkload, codec: Code2WavLike) -> list[StreamResult]:
     """`requests` through the stages from empty prefix caches; without `caching`, the caches
     are emptied before every request, so no request finds another's blocks."""
-    from prefix_cache.tools.stream_pipeline import run_stages
+    from prefix_cache.tools.pipelines.stream_pipeline import run_stages
     batches = [requests] if caching else [[r] for r in requests]
     results = []
     for batch in batches:
@@ -120,7 +120,7 @@ def run_stream_demo(progress: Callable[[str], None], say: Callable[[str], None],
                     device: str = "cpu", workload: StreamWorkload = StreamWorkload()) -> int:
     """Every configuration, the tables and the verdict; 0 when every check holds."""
     from prefix_cache.channel import open_channel
-    from prefix_cache.tools import engines
+    from prefix_cache.tools.pipelines import engines
     from prefix_cache.tools import stream_pipeline as sp
 
     progress(f"thinker and talker run on vLLM's {device} engine, the codec on torch")

@@ -1,2 +1,2 @@
-"""The bench's measurements, one module per metric (`targets.METRICS` names them), over
-`workload`'s rows and `harness`'s timing."""
+"""The bench's measurements, one module per metric (`reporting.targets.METRICS` names them),
+over `workload`'s rows and `reporting.harness`'s timing."""

@@ -14,7 +14,7 @@ from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.output_buffers import OutputBuffers
 from prefix_cache.core.reads import RowRead
-from prefix_cache.tools.harness import timeit, timeit_interleaved
+from prefix_cache.tools.reporting.harness import timeit, timeit_interleaved
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from prefix_cache.devices.base import DeviceBackend, Transfer
-from prefix_cache.tools.harness import paired_seconds
+from prefix_cache.tools.reporting.harness import paired_seconds
 from prefix_cache.tools.metrics.save import land, saves_by_dma, without_dma
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, random_slots, synchronize
 

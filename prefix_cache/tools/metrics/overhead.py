@@ -11,7 +11,7 @@ from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.devices.base import DeviceBackend
 from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.tools.harness import paired_seconds
+from prefix_cache.tools.reporting.harness import paired_seconds
 from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, scheduler_step,
                                                  synchronize)
 

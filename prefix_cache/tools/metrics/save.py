@@ -14,7 +14,7 @@ import torch
 
 from prefix_cache.devices.accelerator import AcceleratorBackend
 from prefix_cache.devices.base import DeviceBackend, Transfer, block_on_event
-from prefix_cache.tools.harness import timeit
+from prefix_cache.tools.reporting.harness import timeit
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, random_slots, synchronize
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from prefix_cache.tools.profile import ProfileSummary, summarize
+from prefix_cache.tools.profiling.profile import ProfileSummary, summarize
 
 #: Samples per second of each py-spy sampler.
 SAMPLE_RATE = 100

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.tools.harness import format_table
+from prefix_cache.tools.reporting.harness import format_table
 
 #: Categories of the calls a CPU thread makes (annotations mark steps: they need not nest).
 CALL_CATEGORIES = frozenset({"python_function", "cpu_op", "cuda_runtime", "cuda_driver"})

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any
 
-from prefix_cache.tools.harness import REPORT_WIDTH, format_table
-from prefix_cache.tools.targets import METRICS, MetricSpec
+from prefix_cache.tools.reporting.harness import REPORT_WIDTH, format_table
+from prefix_cache.tools.reporting.targets import METRICS, MetricSpec
 
 
 @dataclass

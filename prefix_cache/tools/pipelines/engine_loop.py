@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefix_cache.tools.engines import Engine
-from prefix_cache.tools.pipeline import min_margin
+from prefix_cache.tools.pipelines.engines import Engine
+from prefix_cache.tools.pipelines.pipeline import min_margin
 
 #: How long an idle loop waits for a submission before it looks at its stop flag again.
 IDLE_POLL_S = 0.002

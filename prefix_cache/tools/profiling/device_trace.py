@@ -7,7 +7,7 @@ kind, how many ran and for how long, and the time in which a device-to-host copy
 host-to-device one ran at once. The cache's own kernels (`CACHE_KERNELS`: its zero-copy scatter
 into mapped host rows) are counted apart from the step's.
 
-    python -m prefix_cache.tools.device_trace PLAIN.json[.gz] CACHE.json[.gz]
+    python -m prefix_cache.tools.profiling.device_trace PLAIN.json[.gz] CACHE.json[.gz]
 
 `pipeline_bench --profile` prints the same table for its two engines' traces.
 """
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.tools.harness import format_table
-from prefix_cache.tools.step_trace import read_trace
+from prefix_cache.tools.reporting.harness import format_table
+from prefix_cache.tools.profiling.step_trace import read_trace
 
 #: Names of the kernels the cache launches (`devices/cuda/scatter.py`'s Triton kernel).
 CACHE_KERNELS = ("scatter_rows_kernel",)
@@ -126,7 +126,7 @@ def _time(us: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m prefix_cache.tools.device_trace",
+        prog="python -m prefix_cache.tools.profiling.device_trace",
         description="The device work of torch profiler Chrome traces, side by side.")
     parser.add_argument("traces", nargs="+", type=Path, metavar="TRACE",
                         help="a Chrome trace (.json or .json.gz); its file name heads its column")

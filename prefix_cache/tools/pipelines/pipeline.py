@@ -8,7 +8,7 @@ from each request's rows as soon as they arrive. The driver steps the thinker
 by hand so arrivals and aborts land at fixed steps; it takes a request's rows as
 soon as the thinker returns its final output (or the driver aborted it): the
 worker publishes them whether or not the thinker steps again. Nothing crosses
-vLLM's RPC but the channel spec, in `additional_config` (see `prefix_cache.tools.engines`).
+vLLM's RPC but the channel spec, in `additional_config` (see `prefix_cache.tools.pipelines.engines`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from prefix_cache.channel import StageChannel, StageEntry
 from prefix_cache.config import HIDDEN_KEY
-from prefix_cache.tools.engines import Engine
+from prefix_cache.tools.pipelines.engines import Engine
 
 #: Seconds the driver waits for a finished request's rows on the channel.
 ROWS_TIMEOUT_S = 60.0

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from prefix_cache.channel import StageChannel
-from prefix_cache.tools.codec_stage import Code2WavLike
-from prefix_cache.tools.engine_loop import EngineLoop, Finished
-from prefix_cache.tools.engines import Engine, EngineShape, start_thinker
-from prefix_cache.tools.pipeline import ROWS_TIMEOUT_S, greedy_params, talker_params
-from prefix_cache.tools.streaming import RowStream
+from prefix_cache.tools.pipelines.codec_stage import Code2WavLike
+from prefix_cache.tools.pipelines.engine_loop import EngineLoop, Finished
+from prefix_cache.tools.pipelines.engines import Engine, EngineShape, start_thinker
+from prefix_cache.tools.pipelines.pipeline import ROWS_TIMEOUT_S, greedy_params, talker_params
+from prefix_cache.tools.pipelines.streaming import RowStream
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from prefix_cache.tools.harness import unwritable
+from prefix_cache.tools.reporting.harness import unwritable
 
 
 def unplottable(png_path: str, quick: bool) -> str | None:
