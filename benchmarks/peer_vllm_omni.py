@@ -70,7 +70,7 @@ from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.tools.bench import unusable_device
 from prefix_cache.tools.reporting.harness import (format_table, machine, source_commit, spread,
-                                        unwritable, write_json)
+                                                  unwritable, write_json)
 from prefix_cache.tools.metrics.workload import BLOCK, WIDTH, bench_dtype, held_host_bytes
 from tests.sim import StepDriver, token_rows
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from prefix_cache import HIDDEN_KEY
 from prefix_cache.channel import open_channel
-from prefix_cache.tools.pipelines.engines import (multiprocessing_mode, start_talker, start_thinker,
-                                        write_random_qwen2)
+from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
+from prefix_cache.tools.pipelines.engines import (multiprocessing_mode, start_talker,
+                                                  start_thinker, write_random_qwen2)
 
 SHARED = [(7 * i) % 1000 + 1 for i in range(64)]  # two 32-token blocks, shared by every prompt
 PROMPTS = {"first": SHARED + [11, 12, 13, 14, 15],
@@ -40,9 +41,11 @@ def main() -> int:
     thinker_params = SamplingParams(max_tokens=1, detokenize=False)  # rows: the prompt's
     talker_params = SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0, ignore_eos=True,
                                    detokenize=False)
-    # each engine in an engine-core process of its own: closing one leaves the other running
+    # each engine in an engine-core process of its own: closing one leaves the other running;
+    # vLLM's logs go to a file, this script's lines to the terminal
+    log_path = new_log_path("thinker-talker")
     with tempfile.TemporaryDirectory() as tmp, open_channel("shm") as channel, \
-            multiprocessing_mode(True):
+            multiprocessing_mode(True), output_to_log(log_path) as terminal:
         thinker = start_thinker(write_random_qwen2(Path(tmp) / "thinker"), channel,
                                 prefix_caching=True)
         talker = start_talker(write_random_qwen2(Path(tmp) / "talker", seed=1))
@@ -58,10 +61,11 @@ def main() -> int:
                     print(f"{name}: {len(PROMPTS[name])} prompt tokens, "
                           f"{output.num_cached_tokens or 0} from the prefix cache, "
                           f"{rows.shape[0]} rows to the talker, talker tokens "
-                          f"{list(spoken.outputs[0].token_ids)}", flush=True)
+                          f"{list(spoken.outputs[0].token_ids)}", file=terminal)
         finally:
             talker.close()
             thinker.close()
+    print(f"vLLM's logs: {log_path}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Each run is a process of its own (`python -m tests.gpu_engine_run CASE on|off MP MODEL OUT`): it
 starts one stage-1 engine on the GPU with prefix caching on or off, drives a case's workload
-through `prefix_cache.tools.pipelines.pipeline.run_pipeline` (which takes each request's entry off the stage
+through `tools.pipelines.pipeline.run_pipeline` (which takes each request's entry off the stage
 channel as soon as vLLM returns its final output), and saves the entries, cached-token counts
 and the cache's stats to OUT for the test to compare.
 
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, EngineShape, multiprocessing_mode,
-                                        start_thinker)
+from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, EngineShape,
+                                                  multiprocessing_mode, start_thinker)
 from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
 from tests.vllm_fixtures import FirstPreemptedAborter, unrelated_decoding_requests

@@ -31,7 +31,8 @@ from prefix_cache.core.chunk_reads import ChunkRows  # noqa: E402
 from prefix_cache.core.request_reads import RequestRows  # noqa: E402
 from prefix_cache.integration.delivery import StageDelivery  # noqa: E402
 from prefix_cache.integration.stage_outputs import MAX_FAULTED_STEPS, StageOutputDriver  # noqa: E402
-from prefix_cache.tools.pipelines.engines import Engine, multiprocessing_mode, start_thinker  # noqa: E402
+from prefix_cache.tools.pipelines.engines import (  # noqa: E402
+    Engine, multiprocessing_mode, start_thinker)
 from tests.vllm_fixtures import thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]

@@ -54,3 +54,6 @@ def test_thinker_talker_example_hits_the_shared_prefix_submitted_first(tmp_path:
                                       "67 rows to the talker")
     assert lines["third"].startswith("third: 68 prompt tokens, 64 from the prefix cache, "
                                      "68 rows to the talker")
+    # its own lines alone on the terminal; vLLM's logs in the file the last line names
+    assert len(run.stdout.splitlines()) == 4 and run.stderr == ""
+    assert Path(run.stdout.splitlines()[-1].removeprefix("vLLM's logs: ")).stat().st_size > 0

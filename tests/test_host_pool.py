@@ -104,7 +104,8 @@ def test_the_worker_logs_its_pool_at_start_and_refuses_one_over_budget(
         thinker_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     pytest.importorskip("vllm")
     from prefix_cache.channel import open_channel
-    from prefix_cache.tools.pipelines.engines import Engine, EngineShape, default_worker, multiprocessing_mode
+    from prefix_cache.tools.pipelines.engines import (Engine, EngineShape, default_worker,
+                                                      multiprocessing_mode)
 
     pool_bytes = EngineShape().num_blocks * EngineShape().block_size * 256 * 4
 

@@ -40,7 +40,8 @@ def live_tensor_bytes() -> int:
 
 
 def test_two_thousand_requests_leave_host_memory_flat(thinker_model_dir: Path) -> None:
-    from prefix_cache.tools.pipelines.engines import EngineShape, multiprocessing_mode, start_thinker
+    from prefix_cache.tools.pipelines.engines import (EngineShape, multiprocessing_mode,
+                                                      start_thinker)
     from prefix_cache.tools.pipelines.pipeline import RequestResult, StageRequest, run_pipeline
     rng = random.Random(0)
     families = [[rng.randrange(1, 1000) for _ in range(32)] for _ in range(4)]

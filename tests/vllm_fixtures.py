@@ -231,7 +231,7 @@ def talker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_runner(engine: Any) -> Any:
-    """The model runner of an in-process engine (`prefix_cache.tools.pipelines.pipeline.Engine` built with
+    """The model runner of an in-process engine (`tools.pipelines.pipeline.Engine` built with
     VLLM_ENABLE_V1_MULTIPROCESSING=0): engine core -> executor -> worker -> runner."""
     core = engine.engine.engine_core.engine_core
     return core.model_executor.driver_worker.worker.model_runner

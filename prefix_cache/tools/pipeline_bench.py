@@ -36,13 +36,14 @@ from prefix_cache.tools.reporting.bench_report import Metric, metric_json, repor
 from prefix_cache.tools.profiling.device_trace import DeviceWork, device_work
 from prefix_cache.tools.profiling.device_trace import compare_table as device_compare_table
 from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
-from prefix_cache.tools.reporting.harness import (REPORT_WIDTH, machine, source_commit, spread, unwritable,
-                                        write_json)
+from prefix_cache.tools.reporting.harness import (REPORT_WIDTH, machine, source_commit, spread,
+                                                  unwritable, write_json)
 from prefix_cache.tools.reporting.targets import PIPELINE_METRICS
 from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
-                                        cache_engine_thread_s, engine_core_pid,
-                                        multiprocessing_mode, start_talker, start_thinker,
-                                        vllm_trace_config, write_dummy_qwen2, write_random_qwen2)
+                                                  cache_engine_thread_s, engine_core_pid,
+                                                  multiprocessing_mode, start_talker, start_thinker,
+                                                  vllm_trace_config, write_dummy_qwen2,
+                                                  write_random_qwen2)
 from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline, warm_up
 from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
 from prefix_cache.tools.profiling.profile_capture import profile_engine, torch_trace_path

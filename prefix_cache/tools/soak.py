@@ -2,7 +2,7 @@
 
 Stage 1 runs on vLLM's CPU engine with the cache, prefix caching and streaming on (each request's
 rows published in chunks as it runs), in an engine-core process of its own, stepped by this
-process. A consumer in a process of its own (`prefix_cache.tools.pipelines.soak_consumer`) reads each
+process. A consumer in a process of its own (`tools.pipelines.soak_consumer`) reads each
 request's entry, half whole (`get_entry`), half chunk by chunk (`stream`), most from the moment
 the request is submitted, `LAZY_SHARE` of them only once vLLM reports the request ended (a
 stage that reads lazily). Requests come from three prompt families sharing 64- and 96-token

@@ -48,7 +48,8 @@ from prefix_cache.tools.reporting.bench_report import Metric, metric_json, repor
 from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.pipelines.engine_loop import EngineLoop
 from prefix_cache.tools.pipelines.engines import Engine, cache_engine_thread_s, engine_core_pid
-from prefix_cache.tools.reporting.harness import machine, source_commit, spread, unwritable, write_json
+from prefix_cache.tools.reporting.harness import (machine, source_commit, spread, unwritable,
+                                                  write_json)
 from prefix_cache.tools.pipelines.pipeline import ROWS_TIMEOUT_S, greedy_params
 from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
 from prefix_cache.tools.profiling.profile_capture import find_py_spy, profile_engine

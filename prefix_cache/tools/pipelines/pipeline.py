@@ -8,7 +8,8 @@ from each request's rows as soon as they arrive. The driver steps the thinker
 by hand so arrivals and aborts land at fixed steps; it takes a request's rows as
 soon as the thinker returns its final output (or the driver aborted it): the
 worker publishes them whether or not the thinker steps again. Nothing crosses
-vLLM's RPC but the channel spec, in `additional_config` (see `prefix_cache.tools.pipelines.engines`).
+vLLM's RPC but the channel spec, in `additional_config` (see
+`prefix_cache.tools.pipelines.engines`).
 """
 
 from __future__ import annotations
