@@ -33,9 +33,9 @@ from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.channel import StageChannel, open_channel  # noqa: E402
 from prefix_cache.integration.serving import served_channel_keys  # noqa: E402
 from prefix_cache.tools.demo import vllm_device  # noqa: E402
-from prefix_cache.tools.pipelines.engines import (# noqa: E402     ENGINE_ENV, EngineShape,
-                                                  default_worker, multiprocessing_mode,
-                                                  platform_engine_args, start_thinker)
+from prefix_cache.tools.pipelines.engines import (  # noqa: E402
+    ENGINE_ENV, EngineShape, default_worker, multiprocessing_mode, platform_engine_args,
+    start_thinker)
 from tests.vllm_fixtures import thinker_model_dir  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
