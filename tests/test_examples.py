@@ -57,3 +57,18 @@ def test_thinker_talker_example_hits_the_shared_prefix_submitted_first(tmp_path:
     # its own lines alone on the terminal; vLLM's logs in the file the last line names
     assert len(run.stdout.splitlines()) == 4 and run.stderr == ""
     assert Path(run.stdout.splitlines()[-1].removeprefix("vLLM's logs: ")).stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_serve_stage_example_serves_a_hit_and_its_rows_under_the_responses_keys(
+        tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    run = run_example("serve_stage.py", tmp_path, timeout_s=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "first: 72 prompt tokens, 0 from the prefix cache; 74 rows under " \
+        "'cmpl-first-0'"
+    assert lines[1] == "second: 71 prompt tokens, 64 from the prefix cache; 73 rows under " \
+        "'cmpl-second-0'"
+    assert lines[2].startswith("the server's log: ") and len(lines) == 3 and run.stderr == ""
