@@ -7,6 +7,7 @@ shared-memory entries are private; an unreachable backend is a clear error; memo
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hashlib
 import multiprocessing
@@ -546,6 +547,34 @@ def test_a_mooncake_read_that_fails_keeps_the_entry_for_the_next_get(
                            match=r"request r failed \(read returned -800 .*the entry is kept"):
             channel.get("r", timeout_s=5)
         assert same_rows(channel.get("r", timeout_s=5), sample_outputs(4))
+
+
+def test_a_mooncake_record_read_unreadable_once_is_read_again(
+        mooncake_store: MooncakeStoreProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain's record read back as bytes this channel never wrote (the 30-minute Mooncake
+    soak: once in 4614 requests, "a record of request soak-665 is not one this channel
+    wrote"; cause not found) is read again, as a slot being rewritten is: the get is served."""
+    unreadable: list[int] = []
+
+    class OneUnreadableRecord(RealClient):
+        """Its next read of a chain's record reports the record's size and writes bytes no
+        record holds."""
+
+        def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> Any:
+            if unreadable and "/.producer/" not in keys[0] \
+                    and "." not in keys[0].rsplit("/", 1)[-1]:
+                unreadable.pop()
+                for ptr in ptrs:
+                    ctypes.memset(ptr, 0xAB, mooncake_module._CHAIN.size)
+                return [mooncake_module._CHAIN.size] * len(keys)
+            return self.real.batch_get_into(keys, ptrs, sizes)
+
+    use_client(monkeypatch, OneUnreadableRecord)
+    with open_channel(mooncake_store.spec) as channel:
+        channel.put("r", sample_outputs(4))
+        unreadable.append(1)
+        assert same_rows(channel.get("r", timeout_s=5), sample_outputs(4))
+        assert not unreadable
 
 
 def test_a_mooncake_buffer_registration_that_fails_a_few_times_is_tried_again(

@@ -103,6 +103,9 @@ REGISTER_ATTEMPTS = 4
 REGISTER_PAUSE_S = 0.05
 #: How often a producer rewrites its lease.
 LEASE_REFRESH_S = 1.0
+#: Reads of a producer's chain record before one that cannot be read fails the get.
+RECORD_READS = 3
+RECORD_REREAD_S = 0.005
 #: How long a lease may stay unchanged (or gone), by a waiter's clock, before its producer is dead.
 LEASE_S = 4.0
 #: How old a reader's view of the namespace's producers (where it finds an id's chains) may be:
@@ -784,12 +787,21 @@ class MooncakeChannel(StageChannel):
 
     def _read_records(self, head: str, tokens: Sequence[str], request_id: str
                       ) -> list[_Chain | None]:
-        try:
-            raws = self._values.get_all([self._record_key(head, t) for t in tokens])
-            return [None if raw is None else _Chain.unpack(raw) for raw in raws]
-        except ValueError as e:
-            raise OmniPrefixCacheChannelError(
-                f"mooncake channel {self.spec}: a record of request {request_id} {e}") from e
+        """The chain records of `tokens` under `head`, read again (RECORD_READS in all) while
+        one reads as bytes this channel never wrote (seen once in a 30-minute soak, as a
+        record was being rewritten, it seems); a channel error naming the last failure."""
+        keys = [self._record_key(head, t) for t in tokens]
+        for attempt in range(1, RECORD_READS + 1):
+            try:
+                return [None if raw is None else _Chain.unpack(raw)
+                        for raw in self._values.get_all(keys)]
+            except ValueError as e:
+                failure = e
+            if attempt < RECORD_READS:
+                time.sleep(RECORD_REREAD_S * attempt)
+        raise OmniPrefixCacheChannelError(
+            f"mooncake channel {self.spec}: a record of request {request_id} {failure} "
+            f"({RECORD_READS} reads)") from failure
 
     def _candidates(self, head: str, chains: Sequence[tuple[str, _Chain]]
                     ) -> list[tuple[str, list[str]]]:
