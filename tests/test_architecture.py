@@ -156,6 +156,59 @@ def test_no_module_imports_through_the_package_face() -> None:
     assert not through, "imports through prefix_cache/__init__:\n" + "\n".join(through)
 
 
+def _defined(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, imports;
+    conditional ones included); with a module `__getattr__`, the names its strings spell too
+    (`vllm_runners` resolves its workers' names on first use)."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for target in targets for t in ast.walk(target)
+                         if isinstance(t, ast.Name))
+    if "__getattr__" in names:
+        names.update(node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                     and isinstance(node.value, str) and node.value.isidentifier())
+    return names
+
+
+def _dangling() -> list[str]:
+    """`from prefix_cache.X import Y` anywhere in the package, the tests, the examples and the
+    benchmarks (in functions too, which no import at start runs) where Y is neither a module
+    of X nor a name X defines."""
+    modules = _modules()
+    found = []
+    paths = [*modules.values(), *(path for folder in ("tests", "examples", "benchmarks")
+                                  for path in sorted((PACKAGE.parent / folder).glob("*.py")))]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.startswith("prefix_cache")):
+                continue
+            if node.module not in modules:
+                found.append(f"{path.name}: no module {node.module}")
+                continue
+            defined = None
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules or full in LEAVES or alias.name == "*":
+                    continue
+                defined = _defined(modules[node.module]) if defined is None else defined
+                if alias.name not in defined:
+                    found.append(f"{path.name}: from {node.module} import {alias.name}")
+    return found
+
+
+def test_every_import_of_the_package_names_what_exists() -> None:
+    dangling = _dangling()
+    assert not dangling, "imports of names that do not exist:\n" + "\n".join(dangling)
+
+
 def test_the_rules_catch_an_arrow_up_and_a_circle() -> None:
     """The facade importing vLLM's integration, and two tools importing each other (as
     manager -> integration.adapter and bench <-> pipeline_bench once did)."""

@@ -518,7 +518,7 @@ def _take_dying(spec: str, die_at: int) -> None:
     _arm_death()
     channel = open_channel(spec)
     DyingAtCall.die_at = die_at
-    channel.get("r", timeout_s=5)
+    channel.get("r", timeout_s=30)  # long: a loaded metadata server answers in seconds
     os._exit(1)
 
 

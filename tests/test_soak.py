@@ -162,9 +162,7 @@ def test_a_seed_gives_the_same_faults() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["shm", pytest.param("mooncake", marks=pytest.mark.xfail(
-    strict=False, reason="known, issue 54: on Mooncake a live producer is now and then reported "
-    "dead under the soak's load (3 waits in the 30-minute run at 87d51ba; cause not found)"))])
+@pytest.mark.parametrize("backend", ["shm", "mooncake"])
 def test_a_short_soak_with_every_fault_finds_nothing_wrong_or_lost(
         backend: str, request: pytest.FixtureRequest) -> None:
     pytest.importorskip("vllm")

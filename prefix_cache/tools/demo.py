@@ -143,7 +143,7 @@ def perturbation_effect(talker: Any, result: Any) -> dict[float, int]:
     """Per noise level, how many of the talker's tokens change when noise is added to its rows."""
     import torch
 
-    from prefix_cache.tools import pipeline as pl
+    from prefix_cache.tools.pipelines import pipeline as pl
     rows = result.rows
     generator = torch.Generator().manual_seed(0)
     noise = torch.randn(rows.shape, generator=generator) * rows.pow(2).mean().sqrt()
@@ -158,7 +158,7 @@ def run_demo(progress: Callable[[str], None], say: Callable[[str], None], log_pa
              device: str = "cpu") -> int:
     """Both pipeline runs, the table and the verdict; 0 when every check holds."""
     from prefix_cache.tools.pipelines import engines
-    from prefix_cache.tools import pipeline as pl
+    from prefix_cache.tools.pipelines import pipeline as pl
     from prefix_cache.channel import open_channel
 
     requests = make_workload()

@@ -121,7 +121,7 @@ def run_stream_demo(progress: Callable[[str], None], say: Callable[[str], None],
     """Every configuration, the tables and the verdict; 0 when every check holds."""
     from prefix_cache.channel import open_channel
     from prefix_cache.tools.pipelines import engines
-    from prefix_cache.tools import stream_pipeline as sp
+    from prefix_cache.tools.pipelines import stream_pipeline as sp
 
     progress(f"thinker and talker run on vLLM's {device} engine, the codec on torch")
     requests = workload.requests()
