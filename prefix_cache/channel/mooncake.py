@@ -788,8 +788,9 @@ class MooncakeChannel(StageChannel):
     def _read_records(self, head: str, tokens: Sequence[str], request_id: str
                       ) -> list[_Chain | None]:
         """The chain records of `tokens` under `head`, read again (RECORD_READS in all) while
-        one reads as bytes this channel never wrote (seen once in a 30-minute soak, as a
-        record was being rewritten, it seems); a channel error naming the last failure."""
+        one reads as bytes this channel never wrote (once in a 30-minute soak; reads racing
+        rewrites on loopback never tore, the cause is not known); a channel error naming the
+        last failure."""
         keys = [self._record_key(head, t) for t in tokens]
         for attempt in range(1, RECORD_READS + 1):
             try:
