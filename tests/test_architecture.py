@@ -11,6 +11,7 @@ the layers below it, never one above; and no set of modules imports itself round
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import prefix_cache
@@ -156,6 +157,7 @@ def test_no_module_imports_through_the_package_face() -> None:
     assert not through, "imports through prefix_cache/__init__:\n" + "\n".join(through)
 
 
+@functools.cache
 def _defined(path: Path) -> set[str]:
     """The names a module defines at its top level (functions, classes, assignments, imports;
     conditional ones included); with a module `__getattr__`, the names its strings spell too

@@ -270,8 +270,13 @@ def read_the_predecessors(retry: Instance, outcome: Outcome, predecessor_pids: s
     rest is the retry's: an entry its abort cut short, its own stage's failure."""
     if outcome.published_at is not None:
         return outcome.published_at < retry.submitted_at
+    return death_of(outcome, predecessor_pids)
+
+
+def death_of(outcome: Outcome, pids: set[int]) -> bool:
+    """Whether `outcome` reports a producer's death naming some of `pids` and no other."""
     named = {int(pid) for pid in re.findall(r"pid (\d+)", outcome.message)}
-    return outcome.error == PRODUCER_DIED and bool(named) and named <= predecessor_pids
+    return outcome.error == PRODUCER_DIED and bool(named) and named <= pids
 
 
 def failure_cause(message: str) -> str:
@@ -710,12 +715,11 @@ class Soak:
         old.outcome = outcome
         self.report.predecessors_read += 1
         verdict = judge(old, producer_died=True)
-        if verdict.problem is None and outcome.error == PRODUCER_DIED:
-            named = {int(pid) for pid in re.findall(r"pid (\d+)", outcome.message)}
-            if not named or not named <= set().union(*self.dead_pids.values()):
-                verdict = Verdict("lost", problem=f"{old.name}: read by its retry, a producer "
-                                                  f"the soak did not see die was reported dead: "
-                                                  f"{outcome.message}")
+        if verdict.problem is None and outcome.error == PRODUCER_DIED \
+                and not death_of(outcome, set().union(*self.dead_pids.values())):
+            verdict = Verdict("lost", problem=f"{old.name}: read by its retry, a producer the "
+                                              f"soak did not see die was reported dead: "
+                                              f"{outcome.message}")
         if verdict.problem is not None:
             self.report.problems.append(verdict.problem)
             self.say(f"[soak] PROBLEM: {verdict.problem}")
