@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from prefix_cache.devices import backend_classes, parse_device
@@ -64,6 +64,10 @@ class PrefixCacheConfig:
     #: host bytes the stage's pools may take (None: `HOST_POOL_SHARE` of the host's memory,
     #: split evenly over its devices of the pool's type; see `host_budget`)
     host_budget_bytes: int | None = None
+    #: blocks of rows the host pool holds, pool block 0 unused as vLLM's null block is (None:
+    #: one per KV block, the mirror); fewer than `num_blocks` caps the pool, and its scheduler
+    #: side then decides which KV blocks' rows it holds (`prefix_cache.core.residency`)
+    pool_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens"):
@@ -79,6 +83,11 @@ class PrefixCacheConfig:
                                    or budget < 0):
             raise ValueError(f"PrefixCacheConfig.host_budget_bytes must be an int >= 0 or None, "
                              f"got {budget!r}")
+        pool = self.pool_blocks
+        if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int)
+                                 or not 1 < pool <= self.num_blocks):
+            raise ValueError(f"PrefixCacheConfig.pool_blocks must be an int in "
+                             f"2..num_blocks={self.num_blocks} or None, got {pool!r}")
         timeout = self.staging_claim_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not math.isfinite(timeout) or timeout <= 0:
@@ -115,6 +124,18 @@ class PrefixCacheConfig:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def capped(self) -> bool:
+        """Whether the pool holds fewer blocks than the KV cache has."""
+        return self.pool_blocks is not None and self.pool_blocks < self.num_blocks
+
+    def pool_config(self) -> PrefixCacheConfig:
+        """This config in pool blocks: what the cache below the capped pool's map works on
+        (itself where the pool mirrors the KV cache)."""
+        if not self.capped:
+            return self
+        return replace(self, num_blocks=self.pool_blocks, pool_blocks=None)
 
     def key_bytes(self, feat_shape: Sequence[int], dtype: torch.dtype) -> int:
         """Host bytes of one key's pool: a row of `feat_shape` for every KV slot."""

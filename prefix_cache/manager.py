@@ -41,6 +41,7 @@ from prefix_cache.core.outputs import OutputChecker
 from prefix_cache.core.reads import ReadPlanner
 from prefix_cache.core.report import StatsReport
 from prefix_cache.core.request_reads import RequestRows
+from prefix_cache.core.residency import POOL_MOVES_ATTR, PoolMap, PoolStep, ResidentView
 from prefix_cache.core.row_plans import RowPlans
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
@@ -76,8 +77,14 @@ class OmniPrefixCacheManager:
                 f"OmniPrefixCacheManager: view {type(view).__name__} lacks {missing} (a "
                 f"FullAttentionGroupView or any object with batch_req_ids and step_slots_cpu)")
         self.config = config
-        self.view = view
+        self.view = view  # the runner's (a capped pool's parts see it in pool slots)
         self.group_id = group_id
+        #: a capped pool's copy of the scheduler's KV block -> pool block map (None: mirror)
+        self.pool_map = PoolMap(config.num_blocks, config.pool_blocks, config.block_size) \
+            if config.capped else None
+        if self.pool_map is not None:
+            view = ResidentView(view, self.pool_map)
+        config = config.pool_config()
         self._owns_backend = backend is None  # a backend passed in stays open for its owner
         self.backend = backend if backend is not None else get_backend(config.device)
         self._lifetime = Lifetime()
@@ -146,6 +153,8 @@ class OmniPrefixCacheManager:
                 raise OmniPrefixCacheUnmatchError(
                     "new_step_starts called twice without save_outputs: every step, one with "
                     "no tokens included, is saved (then materialized or discarded)")
+            if self.pool_map is not None:
+                scheduler_output = self._in_pool_blocks(scheduler_output)
             events = translate_step(scheduler_output, self.group_id)
             self._started = True
             self._rows.note_allocations(scheduler_output, events)
@@ -174,6 +183,8 @@ class OmniPrefixCacheManager:
         with self._stats.timed("save_outputs"):
             self._check_usable("save_outputs")
             self._launcher.committer.sweep()  # the earlier steps' writes (complete by now) land
+            if self.pool_map is not None:  # the runner's slot mapping is in KV slots
+                slot_mapping = None
             return self._steps.save(hidden_states, mm_outputs, num_tokens_unpadded,
                                     num_tokens_padded, slot_mapping, plan_reads, self.policy)
 
@@ -255,7 +266,13 @@ class OmniPrefixCacheManager:
         """Counters since start: tokens, rows, bytes, staging waits, time per public call, pool
         and free output bytes, and the backend's own (`backend.*`)."""
         self._launcher.committer.sweep()  # count writes that completed as landed
-        return self._report.collect()
+        out = self._report.collect()
+        out["pool_blocks"] = self.pool.num_blocks - 1
+        out["resident_blocks"] = (self.pool.num_blocks - 1 if self.pool_map is None
+                                  else self.pool_map.resident_blocks)
+        for name in ("evicted_blocks", "hit_tokens_trimmed"):
+            out.setdefault(name, 0)
+        return out
 
     def shutdown(self) -> None:
         """Stop the threads, drain the copy stream, then release pinned memory and device clones.
@@ -286,6 +303,23 @@ class OmniPrefixCacheManager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def _in_pool_blocks(self, scheduler_output: Any) -> PoolStep:
+        """A capped pool's step: the scheduler's moves applied (after the reads of the requests
+        retired before it, before anything of this step), and the step in pool blocks."""
+        moves = getattr(scheduler_output, POOL_MOVES_ATTR, None)
+        if moves is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"new_step_starts: the host pool is capped ({self.config.pool_blocks - 1} of "
+                f"{self.config.num_blocks - 1} KV blocks) but the scheduler output carries no "
+                f"{POOL_MOVES_ATTR}: the engine's scheduler is not the cache's "
+                f"(prefix_cache.integration.workers.finishes), so no hit could be cut to the "
+                f"rows the pool holds")
+        self.pool_map.apply(moves)
+        if moves.evicted or moves.trimmed:
+            self._stats.add(evicted_blocks=moves.evicted,
+                            hit_tokens_trimmed=sum(moves.trimmed.values()))
+        return PoolStep(scheduler_output, self.pool_map, self.group_id)
 
     # ------------------------------------------------------------------ the call checks
 

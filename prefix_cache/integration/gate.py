@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -115,15 +116,45 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.2f} MiB"
 
 
+def host_pool_blocks(config: PrefixCacheConfig, *, token_bytes: int, max_model_len: int,
+                     device_type: str) -> int | None:
+    """Blocks of rows the stage's host pool holds, at `token_bytes` a token: None (one per KV
+    block, the mirror) where the mirror fits the host budget, else as many as fit it (block 0
+    unused, as vLLM's null block is). Refused in one line, naming the knobs, where they cannot
+    hold the blocks of one request of `max_model_len` tokens: a running request's rows stay in
+    the pool until it finishes. The scheduler side and the worker both size the pool here."""
+    budget = config.host_budget(devices_on_host(device_type))
+    block_bytes = config.block_size * token_bytes
+    if budget is None or not block_bytes or config.num_blocks * block_bytes <= budget:
+        return None
+    pool = budget // block_bytes
+    need = -(-max_model_len // config.block_size) + 1
+    if pool < need:
+        source = "host_budget_bytes" if config.host_budget_bytes is not None else "default"
+        raise _refuse(
+            f"one request of max_model_len={max_model_len} tokens holds the rows of {need} "
+            f"blocks while it runs (block 0 unused), {_size(need * block_bytes)} at "
+            f"{config.block_size} tokens x {token_bytes} B, over the host budget of "
+            f"{_size(budget)} ({source}); raise additional_config['prefix_cache']"
+            f"['host_budget_bytes'], lower max_model_len, or cache fewer keys")
+    return pool
+
+
 def check_host_pool(config: PrefixCacheConfig, *, keys: int, feat_shape: Sequence[int],
                     dtype: torch.dtype, device_type: str) -> str:
     """What the stage's pools take at start (`keys` keys of rows of `feat_shape`), as a line for
-    the log; refused in one line, naming the knobs, when that is over the host budget."""
+    the log: how many KV blocks' rows they hold where the pool is capped (`pool_blocks`); refused
+    in one line, naming the knobs, when that is over the host budget."""
     devices = devices_on_host(device_type)
     budget = config.host_budget(devices)
-    per_key = config.key_bytes(feat_shape, dtype)
-    pool = (f"{_size(keys * per_key)}: {keys} key(s) x {_size(per_key)} ({config.num_slots:,} KV "
-            f"slots x {math.prod(feat_shape)} x {dtype.itemsize} B of {dtype})")
+    pool_config = config.pool_config()
+    per_key = pool_config.key_bytes(feat_shape, dtype)
+    pool = (f"{_size(keys * per_key)}: {keys} key(s) x {_size(per_key)} "
+            f"({pool_config.num_slots:,} {'pool' if config.capped else 'KV'} slots x "
+            f"{math.prod(feat_shape)} x {dtype.itemsize} B of {dtype})")
+    if config.capped:
+        pool += (f", capped: rows of {config.pool_blocks - 1:,} of the {config.num_blocks - 1:,}"
+                 f" KV blocks, least recently used evicted")
     source = ("host_budget_bytes" if config.host_budget_bytes is not None else
               f"default: {HOST_POOL_SHARE:.0%} of host memory over {devices} {device_type} "
               f"device(s)")
@@ -136,3 +167,25 @@ def check_host_pool(config: PrefixCacheConfig, *, keys: int, feat_shape: Sequenc
                       f"num_gpu_blocks_override, cache fewer keys, or raise "
                       f"additional_config['prefix_cache']['host_budget_bytes']")
     return f"{pool}; host budget {_size(budget)} ({source})"
+
+
+def stage_pool_config(vllm_config: Any, kv_cache_config: Any, *, device_type: str,
+                      is_pooling_model: bool = False) -> PrefixCacheConfig | None:
+    """The stage's cache config (`stage_prefix_cache_config`, its stage options applied) with its
+    host pool sized (`host_pool_blocks`, a row of the model's hidden size a token): what the
+    worker builds and what the scheduler side caps, from the same engine config."""
+    options = stage_options(vllm_config)
+    config = stage_prefix_cache_config(
+        kv_cache_config=kv_cache_config, cache_config=vllm_config.cache_config,
+        kv_transfer_config=vllm_config.kv_transfer_config,
+        scheduler_config=vllm_config.scheduler_config, model_config=vllm_config.model_config,
+        speculative_config=vllm_config.speculative_config,
+        parallel_config=vllm_config.parallel_config, is_pooling_model=is_pooling_model,
+        host_budget_bytes=options.get("host_budget_bytes"))
+    if config is None:
+        return None
+    model = vllm_config.model_config
+    token_bytes = model.get_hidden_size() * model.dtype.itemsize
+    return replace(config, pool_blocks=host_pool_blocks(
+        config, token_bytes=token_bytes, max_model_len=int(model.max_model_len),
+        device_type=device_type))

@@ -34,9 +34,9 @@ from prefix_cache.integration.delivery import FinishedRequest, StageDelivery
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
 from prefix_cache.integration.forward_output import describe, read_forward_output
 from prefix_cache.integration.gate import (check_host_pool, check_stage_outputs,
-                                           stage_options, stage_prefix_cache_config,
-                                           stream_every)
+                                           stage_options, stage_pool_config, stream_every)
 from prefix_cache.integration.group_view import FullAttentionGroupView
+from prefix_cache.integration.workers.finishes import check_pool_scheduler
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
 
@@ -154,15 +154,11 @@ class StageRunnerBase:
         check_stage_outputs(speculative_config=vllm_config.speculative_config)
         options = stage_options(vllm_config)
         every = stream_every(options)
-        config = stage_prefix_cache_config(
-            kv_cache_config=self.kv_cache_config, cache_config=vllm_config.cache_config,
-            kv_transfer_config=vllm_config.kv_transfer_config,
-            scheduler_config=vllm_config.scheduler_config,
-            model_config=vllm_config.model_config,
-            speculative_config=vllm_config.speculative_config,
-            parallel_config=vllm_config.parallel_config,
-            is_pooling_model=self.is_pooling_model,
-            host_budget_bytes=options.get("host_budget_bytes"))
+        config = stage_pool_config(vllm_config, self.kv_cache_config,
+                                   device_type=self.device.type,
+                                   is_pooling_model=self.is_pooling_model)
+        if config is not None and config.capped:
+            check_pool_scheduler(vllm_config)
         backend = get_backend(self.device.type)
         hidden_size = vllm_config.model_config.get_hidden_size()
         dtype = vllm_config.model_config.dtype

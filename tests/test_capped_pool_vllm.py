@@ -1,0 +1,158 @@
+"""A capped host pool against vLLM's real scheduler: the cache's scheduler class keeps the map of
+KV blocks to pool blocks, the manager follows it, and every row any request receives is its own.
+
+Random workloads (shared-prefix families, chunked prefill, aborts, a KV cache that preempts) run
+through vLLM's `Scheduler` with `PoolResidency` over a pool of a little more than one longest
+request's blocks; a `BatchMirror` plays the runner and `StepChecker` checks each request's rows
+(its prefix hit's included) against the rows of its tokens, exactly. Every block a running request
+holds has a pool block after each schedule, the pool is never over its blocks, blocks are
+evicted, and hits are both served and cut.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from prefix_cache import PrefixCacheConfig, OmniPrefixCacheManager, devices
+from prefix_cache.core.residency import POOL_MOVES_ATTR
+from tests import scheduler_trace
+from tests.scheduler_trace import (KEY_WIDTHS, POLICY, BatchMirror, StepChecker, Workload,
+                                   random_workload)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+HIDDEN = 256  # the tiny model's hidden size: the scheduler side sizes the pool by it
+TOKEN_BYTES = HIDDEN * 4  # float32
+
+
+class Restarts:
+    """`scheduler_trace.step_spans`, with a request resumed after preemption at a prefix hit past
+    the positions its steps reached delivering from 0, its hit included (SPEC §4 rule 2: a
+    resume is a restart; the capped pool's admission preempts more, so vLLM resumes requests on
+    hits other requests made meanwhile)."""
+
+    def __init__(self) -> None:
+        self.reach: dict[str, int] = {}
+
+    def __call__(self, so: Any) -> dict[str, tuple[int, int, int]]:
+        spans = STEP_SPANS(so)
+        for req_id in so.finished_req_ids:
+            self.reach.pop(req_id, None)
+        restarted = {new.req_id for new in so.scheduled_new_reqs}
+        for req_id in so.scheduled_cached_reqs.resumed_req_ids:
+            start, n, end = spans[req_id]
+            if n > self.reach.get(req_id, 0):
+                spans[req_id] = (0, n, end)
+            restarted.add(req_id)
+        for req_id, (_, n, end) in spans.items():
+            self.reach[req_id] = end if req_id in restarted else max(end,
+                                                                     self.reach.get(req_id, 0))
+        return spans
+
+
+STEP_SPANS = scheduler_trace.step_spans
+
+
+def capped_run(workload: Workload, pool_blocks: int, max_model_len: int,
+               async_scheduling: bool = False) -> tuple[StepChecker, dict[str, Any], Any]:
+    """`workload` through vLLM's scheduler with a host budget of `pool_blocks` blocks and the
+    cache's scheduler class, the manager on a `BatchMirror`, every step checked."""
+    from vllm.v1.request import RequestStatus
+
+    from prefix_cache.integration.workers.finishes import PoolResidency
+    from tests.vllm_fixtures import fake_model_step, make_request, make_scheduler
+
+    bs = workload.block_size
+
+    def configure(vllm_config: Any) -> None:
+        vllm_config.additional_config = {"prefix_cache": {
+            "host_budget_bytes": pool_blocks * bs * TOKEN_BYTES}}
+        base = vllm_config.scheduler_config.get_scheduler_cls()
+        vllm_config.scheduler_config.scheduler_cls = type(
+            f"Resident{base.__name__}", (PoolResidency, base), {})
+
+    scheduler = make_scheduler(workload.num_blocks, bs, workload.max_num_seqs,
+                               workload.max_num_batched_tokens, max_model_len=max_model_len,
+                               configure=configure)
+    residency = scheduler._omni_residency
+    assert residency is not None and residency.pool_blocks == pool_blocks
+    mirror = BatchMirror(bs, workload.seed)
+    manager = OmniPrefixCacheManager(
+        PrefixCacheConfig(workload.num_blocks, bs, pool_blocks=pool_blocks,
+                          staging_capacity_tokens=workload.max_num_batched_tokens,
+                          staging_claim_timeout_s=10.0),
+        mirror, backend=devices.get_backend("cpu"))
+    manager.register_policy(POLICY)
+    requests = {r.req_id: make_request(r.req_id, r.prompt, r.max_tokens, hash_block_size=bs)
+                for r in workload.requests}
+    checker = StepChecker(manager, mirror, lambda r: requests[r].all_token_ids, bs, lag=1)
+    seen: Counter[str] = Counter()
+    scheduler_trace.step_spans = Restarts()
+    try:
+        for step in range(800):
+            for r in workload.requests:
+                if r.arrive_at == step:
+                    scheduler.add_request(requests[r.req_id])
+                if r.abort_at == step and not requests[r.req_id].is_finished():
+                    scheduler.finish_requests(r.req_id, RequestStatus.FINISHED_ABORTED)
+            if step > max(r.arrive_at for r in workload.requests) \
+                    and not scheduler.has_requests():
+                break
+            so = scheduler.schedule()
+            moves = getattr(so, POOL_MOVES_ATTR)
+            seen["moves"] += len(moves.kv_blocks)
+            for req in scheduler.running:  # every block a running request holds has rows
+                (blocks,) = scheduler.kv_cache_manager.get_block_ids(req.request_id)
+                assert all(residency.pool_of[b] for b in blocks), (step, req.request_id)
+            assert residency.resident_blocks <= pool_blocks - 1
+            checker.step(so)
+            fake_model_step(scheduler, so)
+        else:
+            raise AssertionError(f"{workload.name}: still running after 800 steps")
+        checker.drain()
+        stats = manager.stats()
+    finally:
+        scheduler_trace.step_spans = STEP_SPANS
+        manager.shutdown()
+    return checker, stats, scheduler
+
+
+def capped_workload(seed: int) -> tuple[Workload, int, int]:
+    """`random_workload(seed)` over a roomier KV cache, with a pool of one longest request's
+    blocks plus a few: (workload, pool blocks, max_model_len)."""
+    rng = random.Random(seed)
+    workload = random_workload(seed)
+    bs = workload.block_size
+    longest = max(-(-(len(r.prompt) + r.max_tokens) // bs) for r in workload.requests)
+    pool_blocks = longest + 1 + rng.randrange(0, 4)
+    num_blocks = max(workload.num_blocks, pool_blocks + 1 + rng.randrange(longest, 3 * longest))
+    return (Workload(workload.name, bs, num_blocks, workload.max_num_seqs,
+                     workload.max_num_batched_tokens, workload.requests, workload.seed),
+            pool_blocks, longest * bs)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_row_is_exact_under_a_capped_pool_on_vllms_scheduler(seed: int) -> None:
+    workload, pool_blocks, max_model_len = capped_workload(seed)
+    checker, stats, scheduler = capped_run(workload, pool_blocks, max_model_len)
+    assert stats["resident_blocks"] <= pool_blocks - 1
+    assert stats["pool_blocks"] == pool_blocks - 1
+    for key, width in KEY_WIDTHS.items():
+        assert stats[f"pool_bytes.{key}"] == pool_blocks * workload.block_size * width * 4
+
+
+def test_a_capped_pool_evicts_cuts_hits_and_still_serves_resident_ones() -> None:
+    """Over the seeds together: blocks are evicted, hits on evicted rows are cut and
+    recomputed, and hits on rows that stayed are served from the pool."""
+    totals: Counter[str] = Counter()
+    for seed in range(12):
+        workload, pool_blocks, max_model_len = capped_workload(seed)
+        checker, stats, _ = capped_run(workload, pool_blocks, max_model_len)
+        totals["evicted"] += stats["evicted_blocks"]
+        totals["trimmed"] += stats["hit_tokens_trimmed"]
+        totals["hits"] += checker.hit_tokens
+    assert totals["evicted"] > 0 and totals["trimmed"] > 0 and totals["hits"] > 0, totals
