@@ -22,6 +22,7 @@ from prefix_cache.core.residency import POOL_MOVES_ATTR
 from tests import scheduler_trace
 from tests.scheduler_trace import (KEY_WIDTHS, POLICY, BatchMirror, StepChecker, Workload,
                                    random_workload)
+from tests.vllm_fixtures import thinker_model_dir  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -156,3 +157,120 @@ def test_a_capped_pool_evicts_cuts_hits_and_still_serves_resident_ones() -> None
         totals["trimmed"] += stats["hit_tokens_trimmed"]
         totals["hits"] += checker.hit_tokens
     assert totals["evicted"] > 0 and totals["trimmed"] > 0 and totals["hits"] > 0, totals
+
+
+# ---------------------------------------------------------------------- the real CPU engine
+
+#: The demo's shape with prompts of up to 160 tokens: one request holds at most 5 blocks.
+CAPPED_SHAPE_ARGS = dict(max_model_len=160, num_blocks=25)
+#: The cache's scheduler, named for an engine whose worker runs in a process of its own.
+RESIDENT_SCHEDULER = "prefix_cache.integration.workers.finishes.ResidentScheduler"
+#: Eight blocks of rows (7 usable beside the unused block 0) of the KV cache's 25.
+CAPPED_BUDGET = 8 * 32 * TOKEN_BYTES
+
+
+def capped_workload_requests() -> list[Any]:
+    """The demo's workload without its 704-token prompt (longer than this shape's requests)."""
+    from prefix_cache.tools import demo
+    return [r for r in demo.make_workload(seed=1) if r.req_id != "req-long"]
+
+
+def run_engine(model_dir: Any, requests: list[Any], shape: Any, *, prefix_caching: bool,
+               multiprocessing: bool, budget: int | None = None, asynchronous: bool = False
+               ) -> tuple[Any, dict[str, int | float]]:
+    """`requests` through a thinker of `shape` (a host budget of `budget` bytes), its run and
+    its rank-0 stats."""
+    from contextlib import nullcontext
+
+    from prefix_cache.channel import open_channel
+    from prefix_cache.tools.pipelines.engines import multiprocessing_mode, start_thinker
+    from prefix_cache.tools.pipelines.pipeline import run_pipeline
+    from tests.vllm_fixtures import cpu_async_scheduling, engine_runner
+
+    options = {} if budget is None else {"host_budget_bytes": budget}
+    with multiprocessing_mode(multiprocessing), open_channel() as channel:
+        with cpu_async_scheduling() if asynchronous else nullcontext():
+            # an engine core of its own runs its worker in another process: the scheduler is
+            # named; in this one the worker installs it
+            named = {"scheduler_cls": RESIDENT_SCHEDULER} if multiprocessing else {}
+            thinker = start_thinker(model_dir, channel, prefix_caching=prefix_caching,
+                                    shape=shape, stage_options=options, **named)
+        try:
+            if asynchronous:
+                assert engine_runner(thinker).vllm_config.scheduler_config.async_scheduling
+            run = run_pipeline(thinker, channel, requests)
+            stats = thinker.stats()
+        finally:
+            thinker.close()
+    return run, stats
+
+
+@pytest.fixture(scope="module")
+def capped_shape() -> Any:
+    from prefix_cache.tools.pipelines.engines import EngineShape
+    return EngineShape(**CAPPED_SHAPE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def uncached_run(thinker_model_dir: Any, capped_shape: Any) -> Any:
+    run, _ = run_engine(thinker_model_dir, capped_workload_requests(), capped_shape,
+                        prefix_caching=False, multiprocessing=False)
+    return run
+
+
+def check_capped_run(run: Any, stats: dict[str, int | float], reference: Any) -> None:
+    """Every row within float32 tolerance of the run without prefix caching, the pools under
+    the budget, blocks evicted, hits cut and served."""
+    from prefix_cache import HIDDEN_KEY
+    from prefix_cache.tools import demo
+    checks = demo.compare(run, reference, demo.TOLERANCE["cpu"])
+    assert [c for c in checks if not c.ok] == []
+    assert sum(v for k, v in stats.items() if k.startswith("pool_bytes.")) <= CAPPED_BUDGET
+    assert stats[f"pool_bytes.{HIDDEN_KEY}"] == CAPPED_BUDGET
+    assert stats["pool_blocks"] == 7 and stats["resident_blocks"] <= 7
+    assert stats["evicted_blocks"] > 0
+    assert stats["hit_tokens_trimmed"] > 0  # recomputed: their rows are exact above
+    # vLLM counts a request's hit at its first schedule; the cache also each resume's
+    served = sum(c.cached_tokens for c in checks)
+    assert served > 0 and stats["hit_tokens"] >= served
+
+
+def test_a_capped_multiprocess_engine_matches_a_run_without_prefix_caching(
+        thinker_model_dir: Any, capped_shape: Any, uncached_run: Any) -> None:
+    run, stats = run_engine(thinker_model_dir, capped_workload_requests(), capped_shape,
+                            prefix_caching=True, multiprocessing=True, budget=CAPPED_BUDGET)
+    check_capped_run(run, stats, uncached_run)
+
+
+def test_a_capped_engine_scheduling_asynchronously_matches_a_run_without_prefix_caching(
+        thinker_model_dir: Any, capped_shape: Any, uncached_run: Any) -> None:
+    run, stats = run_engine(thinker_model_dir, capped_workload_requests(), capped_shape,
+                            prefix_caching=True, multiprocessing=False, budget=CAPPED_BUDGET,
+                            asynchronous=True)
+    check_capped_run(run, stats, uncached_run)
+
+
+def test_a_capped_engine_that_preempts_matches_a_run_without_prefix_caching(
+        thinker_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Four 48-token prompts decoding 100 tokens each outgrow a 7-block KV cache and a pool of 6
+    blocks: vLLM preempts (for KV blocks or for pool blocks), and every row is still exact."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from prefix_cache.tools import demo
+    from tests.vllm_fixtures import PREEMPTING_SHAPE, unrelated_decoding_requests
+
+    preempted: list[str] = []
+    preempt = Scheduler._preempt_request
+    monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, request, *args, **kwargs: (
+        preempted.append(request.request_id), preempt(self, request, *args, **kwargs))[1])
+    budget = 7 * 32 * TOKEN_BYTES
+    off, _ = run_engine(thinker_model_dir, unrelated_decoding_requests(), PREEMPTING_SHAPE,
+                        prefix_caching=False, multiprocessing=False)
+    preempted.clear()
+    on, stats = run_engine(thinker_model_dir, unrelated_decoding_requests(), PREEMPTING_SHAPE,
+                           prefix_caching=True, multiprocessing=False, budget=budget)
+    assert preempted, "no request was preempted"
+    checks = demo.compare(on, off, demo.TOLERANCE["cpu"])
+    assert [c for c in checks if not c.ok] == []
+    assert stats["pool_blocks"] == 6
+    assert sum(v for k, v in stats.items() if k.startswith("pool_bytes.")) <= budget

@@ -30,11 +30,13 @@ of KV blocks to pool blocks (`PoolResidency`): it admits a request's blocks only
 can hold them (vLLM then waits or preempts as for KV blocks), gives each block a request takes a
 pool block, cuts each prefix hit vLLM finds to its blocks with rows, and sends the step's moves
 with its scheduler output. Workers in other processes (tensor parallelism) need it named:
-`scheduler_cls="prefix_cache.integration.workers.finishes.ResidentScheduler"`.
+`scheduler_cls="prefix_cache.integration.workers.finishes.ResidentScheduler"` (a worker
+that shares the scheduler's process installs it itself).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -183,15 +185,32 @@ def check_pool_scheduler(vllm_config: Any) -> None:
             f"the engine with scheduler_cls=\"{__name__}.ResidentScheduler\"")
 
 
-def __getattr__(name: str) -> Any:
-    """`ResidentScheduler`: vLLM's synchronous scheduler with `PoolResidency`, built on first
-    use (no vLLM import at this module's import)."""
-    if name != "ResidentScheduler":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class ResidentScheduler(PoolResidency):
+    """What `scheduler_cls` names for a capped pool whose workers run in processes of their own:
+    builds vLLM's own scheduler for the engine's config (asynchronous or not) with
+    `PoolResidency`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        base = vllm_scheduler_class(kwargs["vllm_config"].scheduler_config)
+        return resident_scheduler_class(base)(*args, **kwargs)
+
+
+@functools.cache
+def resident_scheduler_class(base: type) -> type:
+    return type(f"Resident{base.__name__}", (PoolResidency, base), {"__module__": __name__})
+
+
+def vllm_scheduler_class(scheduler_config: Any) -> type:
+    """vLLM's scheduler class for `scheduler_config`: the one it names, or where that is
+    `ResidentScheduler`, vLLM's default for it."""
+    cls = scheduler_config.get_scheduler_cls()
+    if cls is not ResidentScheduler:
+        return cls
+    if scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        return AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    cls = type("ResidentScheduler", (PoolResidency, Scheduler), {"__module__": __name__})
-    globals()[name] = cls
-    return cls
+    return Scheduler
 
 
 def report_finishes(vllm_config: Any, listener: FinishListener) -> bool:
@@ -204,7 +223,7 @@ def report_finishes(vllm_config: Any, listener: FinishListener) -> bool:
     if vllm_config.parallel_config.distributed_executor_backend not in SAME_PROCESS_EXECUTORS:
         return False
     scheduler_config = vllm_config.scheduler_config
-    base = scheduler_config.get_scheduler_cls()
+    base = vllm_scheduler_class(scheduler_config)
     base = getattr(base, "_omni_base", base)  # installed before (a worker started twice)
     ref = weakref.WeakMethod(listener) if hasattr(listener, "__func__") else weakref.ref(listener)
     mixins = (FinishReporting,) if issubclass(base, PoolResidency) \
