@@ -16,6 +16,7 @@ pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (ci/setup-vl
 from vllm_omni.core.prefix_cache import (ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                                          PrefixCacheConfig, StageCacheOutputs)
 
+from prefix_cache.errors import OmniPrefixCacheUnmatchError  # noqa: E402
 from prefix_cache.integration.vllm_omni import plugin  # noqa: E402
 from prefix_cache.integration.vllm_omni.adapter import VllmOmniPrefixCache  # noqa: E402
 
@@ -150,3 +151,14 @@ def test_the_plugin_acts_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
     assert plugin.install() is True and plugin.install() is True
     assert runner_mixin.OmniPrefixCacheManager is VllmOmniPrefixCache
+
+
+def test_the_plugin_refuses_another_vllm_omni_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_omni.core.prefix_cache.runner_mixin as runner_mixin
+
+    monkeypatch.setattr(runner_mixin, "OmniPrefixCacheManager", OmniPrefixCacheManager)
+    monkeypatch.setenv(plugin.ENABLE_ENV, "1")
+    monkeypatch.setattr(plugin.importlib.metadata, "version", lambda name: "0.26.0")
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="this is vllm-omni 0.26.0"):
+        plugin.install()
+    assert runner_mixin.OmniPrefixCacheManager is OmniPrefixCacheManager

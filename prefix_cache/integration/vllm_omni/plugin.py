@@ -7,18 +7,24 @@ a stage in vllm-omni's deploy config), and only when `vllm_omni` is importable: 
 the module attribute `vllm_omni.core.prefix_cache.runner_mixin.OmniPrefixCacheManager`, the
 name vllm-omni's runner mixin constructs its manager by, to `VllmOmniPrefixCache`. No file is
 changed; a stage without the variable, or a stage with prefix caching off, runs as before.
+Asked for beside a vllm-omni release other than 0.30, it refuses with the release's name.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import os
+
+from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 #: The setting that turns this cache on inside vllm-omni.
 ENABLE_ENV = "OMNI_PREFIX_CACHE_IN_VLLM_OMNI"
 #: vllm-omni's module whose `OmniPrefixCacheManager` its runners construct.
 RUNNER_MIXIN = "vllm_omni.core.prefix_cache.runner_mixin"
+#: The vllm-omni releases whose manager API the adapter presents.
+SUPPORTED_RELEASES = ("0.30.",)
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +37,16 @@ def requested() -> bool:
 def install() -> bool:
     """Make vllm-omni's runners build `VllmOmniPrefixCache` if asked and vllm-omni is here;
     True if it is installed now. Safe to call again (vLLM loads plugins once a process, vllm-omni
-    again in its workers)."""
+    again in its workers). Asked for beside another vllm-omni release, it refuses: the engine
+    does not start."""
     if not requested() or importlib.util.find_spec("vllm_omni") is None:
         return False
+    release = importlib.metadata.version("vllm-omni")
+    if not release.startswith(SUPPORTED_RELEASES):
+        raise OmniPrefixCacheUnmatchError(
+            f"{ENABLE_ENV}=1: omni-prefix-cache presents the prefix-cache API of vllm-omni "
+            f"{' / '.join(r + 'x' for r in SUPPORTED_RELEASES)}, this is vllm-omni {release}; "
+            f"unset {ENABLE_ENV} to run vllm-omni's own cache")
     import vllm_omni.core.prefix_cache.runner_mixin as runner_mixin
 
     from prefix_cache.integration.vllm_omni.adapter import VllmOmniPrefixCache
