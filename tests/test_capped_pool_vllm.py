@@ -176,10 +176,10 @@ def capped_workload_requests() -> list[Any]:
 
 
 def run_engine(model_dir: Any, requests: list[Any], shape: Any, *, prefix_caching: bool,
-               multiprocessing: bool, budget: int | None = None, asynchronous: bool = False
-               ) -> tuple[Any, dict[str, int | float]]:
+               multiprocessing: bool, budget: int | None = None, asynchronous: bool = False,
+               **engine_args: Any) -> tuple[Any, list[dict[str, int | float]]]:
     """`requests` through a thinker of `shape` (a host budget of `budget` bytes), its run and
-    its rank-0 stats."""
+    each rank's stats."""
     from contextlib import nullcontext
 
     from prefix_cache.channel import open_channel
@@ -194,12 +194,13 @@ def run_engine(model_dir: Any, requests: list[Any], shape: Any, *, prefix_cachin
             # named; in this one the worker installs it
             named = {"scheduler_cls": RESIDENT_SCHEDULER} if multiprocessing else {}
             thinker = start_thinker(model_dir, channel, prefix_caching=prefix_caching,
-                                    shape=shape, stage_options=options, **named)
+                                    shape=shape, stage_options=options, **named,
+                                    **engine_args)
         try:
             if asynchronous:
                 assert engine_runner(thinker).vllm_config.scheduler_config.async_scheduling
             run = run_pipeline(thinker, channel, requests)
-            stats = thinker.stats()
+            stats = thinker.rank_stats()
         finally:
             thinker.close()
     return run, stats
@@ -239,7 +240,7 @@ def test_a_capped_multiprocess_engine_matches_a_run_without_prefix_caching(
         thinker_model_dir: Any, capped_shape: Any, uncached_run: Any) -> None:
     run, stats = run_engine(thinker_model_dir, capped_workload_requests(), capped_shape,
                             prefix_caching=True, multiprocessing=True, budget=CAPPED_BUDGET)
-    check_capped_run(run, stats, uncached_run)
+    check_capped_run(run, stats[0], uncached_run)
 
 
 def test_a_capped_engine_scheduling_asynchronously_matches_a_run_without_prefix_caching(
@@ -247,7 +248,7 @@ def test_a_capped_engine_scheduling_asynchronously_matches_a_run_without_prefix_
     run, stats = run_engine(thinker_model_dir, capped_workload_requests(), capped_shape,
                             prefix_caching=True, multiprocessing=False, budget=CAPPED_BUDGET,
                             asynchronous=True)
-    check_capped_run(run, stats, uncached_run)
+    check_capped_run(run, stats[0], uncached_run)
 
 
 def test_a_capped_engine_that_preempts_matches_a_run_without_prefix_caching(
@@ -267,10 +268,30 @@ def test_a_capped_engine_that_preempts_matches_a_run_without_prefix_caching(
     off, _ = run_engine(thinker_model_dir, unrelated_decoding_requests(), PREEMPTING_SHAPE,
                         prefix_caching=False, multiprocessing=False)
     preempted.clear()
-    on, stats = run_engine(thinker_model_dir, unrelated_decoding_requests(), PREEMPTING_SHAPE,
-                           prefix_caching=True, multiprocessing=False, budget=budget)
+    on, (stats,) = run_engine(thinker_model_dir, unrelated_decoding_requests(),
+                              PREEMPTING_SHAPE, prefix_caching=True, multiprocessing=False,
+                              budget=budget)
     assert preempted, "no request was preempted"
     checks = demo.compare(on, off, demo.TOLERANCE["cpu"])
     assert [c for c in checks if not c.ok] == []
     assert stats["pool_blocks"] == 6
     assert sum(v for k, v in stats.items() if k.startswith("pool_bytes.")) <= budget
+
+
+def test_a_capped_tensor_parallel_engine_matches_a_run_without_prefix_caching(
+        thinker_model_dir: Any, capped_shape: Any, uncached_run: Any,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP=2: rank 0 holds the capped pool, under the budget, and every row is exact; the
+    other rank holds none."""
+    import os
+
+    from tests.test_tensor_parallel import TP, omp_threads_bind
+    if len(os.sched_getaffinity(0)) < TP:
+        pytest.skip(f"tensor parallelism over {TP} CPU workers needs {TP} CPUs")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(TP))
+    run, (leader, *others) = run_engine(
+        thinker_model_dir, capped_workload_requests(), capped_shape, prefix_caching=True,
+        multiprocessing=True, budget=CAPPED_BUDGET, tensor_parallel_size=TP,
+        distributed_executor_backend="mp")
+    check_capped_run(run, leader, uncached_run)
+    assert [rank.keys() for rank in others] == [{"worker_rss_bytes"}] * (TP - 1)
