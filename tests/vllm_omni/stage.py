@@ -2,8 +2,8 @@
 
 `write_model` writes the model's config and processor (random weights: `load_format: dummy`),
 with a word tokenizer, nothing downloaded. `run_stage` runs the stage in a process of its own, with vllm-omni's prefix cache or, with
-`OMNI_PREFIX_CACHE_IN_VLLM_OMNI=1`, this one (the plugin acts at process start, so one
-process runs one cache). The stage runs `RecordingWorker`, this package's CPU worker whose
+`OMNI_PREFIX_CACHE_IN_VLLM_OMNI=1` in its environment or in the stage's `env:`, this one (the
+plugin acts at process start, so one process runs one cache). The stage runs `RecordingWorker`, this package's CPU worker whose
 runner also builds each request's payload every step, as a thinker ahead of a talker does (so
 the cache's `materialize` runs), and notes in `record_dir` each step's time and what the
 cache materialized. Its rounds: a warm-up request, then each round's prompts in one
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from prefix_cache.integration.vllm_omni.plugin import ENABLE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # the CPU attention backend needs a multiple of 32
@@ -70,10 +72,11 @@ def write_model(path: Path) -> Path:
     return path
 
 
-def deploy_config(max_tokens: int) -> dict[str, Any]:
+def deploy_config(max_tokens: int, stage_env: dict[str, str]) -> dict[str, Any]:
     """vllm-omni's thinker-only deploy config for the CPU: float32, 32-token blocks, prefix
-    caching on, the recording CPU worker."""
+    caching on, the recording CPU worker, `stage_env` in the stage's environment."""
     return {"async_chunk": False, "pipeline": "qwen2_5_omni_thinker_only", "stages": [{
+        "env": stage_env,
         "stage_id": 0, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_model_len": 512,
         "block_size": BLOCK, "dtype": "float32", "enforce_eager": True,
         "enable_prefix_caching": True, "skip_mm_profiling": True, "mm_processor_cache_gb": 0,
@@ -89,18 +92,23 @@ _STAGE_MAIN = ("import sys; sys.path.append(sys.argv[1]); "
 
 
 def run_stage(model: Path, rounds: Sequence[Sequence[Sequence[int]]], record_dir: Path, *,
-              this_cache: bool, max_tokens: int = 4, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run the stage over `rounds` (prompts of token ids) in a process of its own; returns
-    each round's outputs (`tokens`, `cached`: vLLM's cached prompt tokens, per request) and
-    what `RecordingWorker` noted (`read_records`)."""
+              this_cache: bool, in_deploy_config: bool = False, max_tokens: int = 4,
+              timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run the stage over `rounds` (prompts of token ids) in a process of its own, with this
+    cache if `this_cache` (asked for in the process's environment, or in the stage's `env:` of
+    the deploy config if `in_deploy_config`); returns each round's outputs (`tokens`,
+    `cached`: vLLM's cached prompt tokens, per request) and what `RecordingWorker` noted
+    (`read_records`)."""
     record_dir.mkdir(parents=True, exist_ok=True)
+    ask = {ENABLE_ENV: "1"} if this_cache else {}
     spec = record_dir / "rounds.json"
-    spec.write_text(json.dumps({"model": str(model), "rounds": rounds, "max_tokens": max_tokens}))
+    spec.write_text(json.dumps({"model": str(model), "rounds": rounds, "max_tokens": max_tokens,
+                                "stage_env": ask if in_deploy_config else {}}))
     env = {**os.environ, "OMNI_STAGE_RECORD_DIR": str(record_dir)}
     env.pop("VLLM_PLUGINS", None)  # vllm-omni's plugins and this project's load
-    env.pop("OMNI_PREFIX_CACHE_IN_VLLM_OMNI", None)
-    if this_cache:
-        env["OMNI_PREFIX_CACHE_IN_VLLM_OMNI"] = "1"
+    env.pop(ENABLE_ENV, None)
+    if not in_deploy_config:
+        env.update(ask)
     log = record_dir / "stage.log"
     with log.open("w") as out:
         done = subprocess.run([sys.executable, "-c", _STAGE_MAIN, str(ROOT), str(spec)],
@@ -207,7 +215,7 @@ def main(argv: Sequence[str]) -> int:
     spec_path = Path(list(argv)[0])
     spec = json.loads(spec_path.read_text())
     deploy = spec_path.parent / "deploy.yaml"
-    deploy.write_text(yaml.safe_dump(deploy_config(spec["max_tokens"])))
+    deploy.write_text(yaml.safe_dump(deploy_config(spec["max_tokens"], spec["stage_env"])))
     omni = Omni(model=spec["model"], deploy_config=str(deploy), stage_init_timeout=START_TIMEOUT_S)
     params = [SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])]
     rounds = []
