@@ -166,7 +166,7 @@ def test_a_live_producer_that_publishes_late_still_delivers_and_leaves_nothing()
         producer.join(30)
         assert producer.exitcode == 0
         assert sorted(p.name for p in channel.directory.iterdir()) \
-            == [".budget", ".key", ".lock", ".owner"]
+            == [".budget", ".key", ".lock", ".owner", ".ring"]
 
 
 def _publish_when_told_then_die(spec: str, ready: Any, told: Any) -> None:
@@ -423,7 +423,7 @@ def test_a_process_killed_at_any_step_leaves_the_ids_other_entries_whole(
             channel._sweep()
             assert channel.used_bytes() == 0, where
             assert sorted(p.name for p in channel.directory.iterdir()) \
-                == [".budget", ".key", ".lock", ".owner"], where
+                == [".budget", ".key", ".lock", ".owner", ".ring"], where
 
 
 # ---------------------------------------------------------- reclaiming dead owners' namespaces

@@ -17,12 +17,15 @@
  * An entry's rows may be a pool's, named by slot (`write`): they go from the pool into the
  * entry's file by pwritev, one copy, with no gathered copy between.
  *
+ * Entry files are numbered from the namespace's chunk ring (`_ring.c`, whose slots share the
+ * sequence), and every publish wakes the readers waiting on the ring.
+ *
  * Errors raise OSError (its errno's subclass) naming the file (`put_all` returns each entry's
  * instead, the others going on); a call that fails leaves no file of its own behind and
  * releases the namespace lock.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_shm.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -51,9 +54,9 @@ step(void)
 
 #define STEP(call) (step(), (call))
 
-/* `.budget`: three little-endian u64, capacity, bytes used, next sequence number. */
+/* `.budget`: two little-endian u64, the files' capacity and the bytes they use. */
 typedef struct {
-    uint64_t capacity, used, next_seq;
+    uint64_t capacity, used;
 } Budget;
 
 static uint64_t
@@ -78,7 +81,7 @@ store_le64(unsigned char *p, uint64_t v)
 static int
 read_budget(int fd, Budget *b)
 {
-    unsigned char raw[24];
+    unsigned char raw[16];
     ssize_t got;
     do {
         got = pread(fd, raw, sizeof raw, 0);
@@ -91,7 +94,6 @@ read_budget(int fd, Budget *b)
     }
     b->capacity = load_le64(raw);
     b->used = load_le64(raw + 8);
-    b->next_seq = load_le64(raw + 16);
     return 0;
 }
 
@@ -130,10 +132,9 @@ write_all(int fd, const char *data, size_t n, off_t offset)
 static int
 write_budget(int fd, const Budget *b)
 {
-    unsigned char raw[24];
+    unsigned char raw[16];
     store_le64(raw, b->capacity);
     store_le64(raw + 8, b->used);
-    store_le64(raw + 16, b->next_seq);
     return write_all(fd, (const char *)raw, sizeof raw, 0);
 }
 
@@ -180,6 +181,20 @@ fs_path(PyObject *obj, PyObject **out)
     return PyUnicode_FSConverter(obj, out);  /* a new bytes object, or 0 with an error set */
 }
 
+PyObject *
+fetch_error(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL) {
+        PyException_SetTraceback(value, traceback);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value;
+}
+
 #define ROW_RUNS 1024  /* iovecs a pwritev takes (Linux's IOV_MAX) */
 
 /* Rows `slots[0..n)` of the rows of `row_bytes` at `pool`, laid end to end in `fd` from
@@ -219,15 +234,6 @@ write_rows(int fd, const char *pool, size_t row_bytes, const int64_t *slots, Py_
     return k > 0 ? writev_all(fd, iov, k, at) : 0;
 }
 
-/* An entry's pieces, borrowed until release_pieces: each is bytes written at its offset, or
- * rows of a pool (`slots[i].obj` set) that `write_rows` writes there. */
-typedef struct {
-    Py_buffer *bufs;  /* the bytes, or the pool's [slots, row bytes] rows */
-    Py_buffer *slots;  /* a pool piece's int64 slots */
-    off_t *offsets;
-    Py_ssize_t n;
-} Pieces;
-
 static int
 write_each(int fd, const Pieces *p)
 {
@@ -244,7 +250,7 @@ write_each(int fd, const Pieces *p)
     return 0;
 }
 
-static void
+void
 release_pieces(Pieces *p)
 {
     for (Py_ssize_t i = 0; i < p->n; i++) {
@@ -300,7 +306,7 @@ borrow_rows(const char *fn, Py_ssize_t i, PyObject *rows, Pieces *p)
     return 0;
 }
 
-static int
+int
 borrow_pieces(const char *fn, PyObject *obj, Pieces *p)
 {
     p->bufs = NULL, p->slots = NULL, p->offsets = NULL, p->n = 0;
@@ -440,7 +446,7 @@ open_room(Put *p)
 static void
 reserve_puts(int lock_fd, int budget_fd, int force, int take_lock, Put *puts, Py_ssize_t n)
 {
-    Budget b = {0, 0, 0};
+    Budget b = {0, 0};
     int err = 0, counted = 0;
     if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
         err = errno;
@@ -536,10 +542,11 @@ place_put(Put *p)
 }
 
 /* Under the namespace lock (taken here unless `take_lock` is 0): each written entry numbered
- * (one read and one write of the budget for all, before any rename, so no number is handed out
- * twice) and placed (`place_put`). */
+ * from the ring's sequence, which slots share (numbers taken under the lock, before any rename,
+ * so an id's files are numbered in the order they are placed), and placed (`place_put`); then
+ * the ring's readers are told. */
 static void
-publish_puts(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
+publish_puts(RingHeader *ring, int lock_fd, int take_lock, Put *puts, Py_ssize_t n)
 {
     Py_ssize_t i = 0;
     while (i < n && !ready(&puts[i])) {
@@ -548,10 +555,8 @@ publish_puts(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
     if (i == n) {
         return;
     }
-    Budget b = {0, 0, 0};
-    int err = 0;
     if (take_lock && lock(lock_fd, LOCK_EX) < 0) {
-        err = errno;
+        int err = errno;
         for (; i < n; i++) {
             if (ready(&puts[i])) {
                 fail_put(&puts[i], err, NULL);
@@ -559,30 +564,23 @@ publish_puts(int lock_fd, int budget_fd, int take_lock, Put *puts, Py_ssize_t n)
         }
         return;
     }
-    if (read_budget(budget_fd, &b) < 0) {
-        err = errno;
-    } else {
-        for (Py_ssize_t j = i; j < n; j++) {
-            if (ready(&puts[j])) {
-                puts[j].seq = b.next_seq++;
-            }
-        }
-        if (write_budget(budget_fd, &b) < 0) {
-            err = errno;
+    for (Py_ssize_t j = i; j < n; j++) {
+        if (ready(&puts[j])) {
+            puts[j].seq = ring_take_seq(ring);
         }
     }
+    int placed = 0;
     for (; i < n; i++) {
-        if (!ready(&puts[i])) {
-            continue;
-        }
-        if (err) {
-            fail_put(&puts[i], err, NULL);
-        } else {
+        if (ready(&puts[i])) {
             place_put(&puts[i]);
+            placed |= !puts[i].err;
         }
     }
     if (take_lock) {
         lock(lock_fd, LOCK_UN);
+    }
+    if (placed) {
+        ring_notify(ring);
     }
 }
 
@@ -710,9 +708,10 @@ write_pieces(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(publish_doc,
-"publish(lock_fd, budget_fd, fd, temp_path, marker_path, entry_prefix, expectation_path,\n"
+"publish(ring, lock_fd, fd, temp_path, marker_path, entry_prefix, expectation_path,\n"
 "        expectation) -> int\n\n"
-"Under the namespace lock: take the next sequence number from the budget, create the id's\n"
+"Under the namespace lock: take the next sequence number from `ring` (the mapped `.ring`),\n"
+"create the id's\n"
 "marker `marker_path` unless it exists, rename the written temp file `temp_path` to\n"
 "`entry_prefix` + that number, and remove `expectation_path` if its contents are exactly\n"
 "`expectation` (the expectation this handle wrote; None: none to end). Then closes `fd`, the\n"
@@ -722,18 +721,24 @@ PyDoc_STRVAR(publish_doc,
 static PyObject *
 publish(PyObject *self, PyObject *args)
 {
-    int lock_fd, budget_fd;
-    PyObject *marker, *prefix, *expect_path, *expectation;
+    int lock_fd;
+    PyObject *ring_obj, *marker, *prefix, *expect_path, *expectation;
     Put p;
     init_put(&p);
-    if (!PyArg_ParseTuple(args, "iiiO&OOOO:publish", &lock_fd, &budget_fd, &p.fd, fs_path,
+    if (!PyArg_ParseTuple(args, "OiiO&OOOO:publish", &ring_obj, &lock_fd, &p.fd, fs_path,
                           &p.temp, &marker, &prefix, &expect_path, &expectation)) {
+        return NULL;
+    }
+    Py_buffer view;
+    RingHeader *ring;
+    if (borrow_ring(ring_obj, &view, &ring) < 0) {
+        release_put(&p);
         return NULL;
     }
     PyObject *result = NULL;
     if (borrow_place(&p, marker, prefix, expect_path, expectation) == 0) {
         Py_BEGIN_ALLOW_THREADS
-        publish_puts(lock_fd, budget_fd, 1, &p, 1);
+        publish_puts(ring, lock_fd, 1, &p, 1);
         if (!p.err) {
             STEP(close(p.fd));
         }
@@ -741,6 +746,7 @@ publish(PyObject *self, PyObject *args)
         result = p.err ? raise_errno(p.err, p.failed) : PyLong_FromUnsignedLongLong(p.seq);
     }
     release_put(&p);
+    PyBuffer_Release(&view);
     return result;
 }
 
@@ -758,26 +764,18 @@ borrow_put(PyObject *item, Put *p)
     }
     if (borrow_pieces("put_all", pieces, &p->pieces) < 0 ||
             borrow_place(p, marker, prefix, expect_path, expectation) < 0) {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        if (traceback != NULL) {
-            PyException_SetTraceback(value, traceback);
-        }
-        p->refused = value;
-        Py_XDECREF(type);
-        Py_XDECREF(traceback);
+        p->refused = fetch_error();
     }
     return 0;
 }
 
 PyDoc_STRVAR(put_all_doc,
-"put_all(budget_fd, force, entries) -> list\n\n"
+"put_all(ring, budget_fd, force, entries) -> list\n\n"
 "Whole puts in one call, where there is room now, under the namespace lock, which the caller\n"
 "holds (taken before it lets any pool's rows be read here, so none is held while a lock\n"
 "that another process keeps is awaited): each of `entries`, a tuple (temp_path, nbytes,\n"
 "pieces, marker_path, entry_prefix, expectation_path, expectation), reserved, written and\n"
-"published as `reserve`, `write` and `publish` do. Returns, per entry in order, its sequence\n"
+"published as `reserve`, `write` and `publish` do (numbered from `ring`). Returns, per entry in order, its sequence\n"
 "number; -1 where the budget had no room for it (unless `force`), nothing changed for it; or\n"
 "the exception that failed it, not raised (an OSError naming the file; a pieces error): its\n"
 "room was given back and the others went on.");
@@ -786,8 +784,13 @@ static PyObject *
 put_all(PyObject *self, PyObject *args)
 {
     int budget_fd, force;
-    PyObject *entries;
-    if (!PyArg_ParseTuple(args, "ipO:put_all", &budget_fd, &force, &entries)) {
+    PyObject *ring_obj, *entries;
+    if (!PyArg_ParseTuple(args, "OipO:put_all", &ring_obj, &budget_fd, &force, &entries)) {
+        return NULL;
+    }
+    Py_buffer view;
+    RingHeader *ring;
+    if (borrow_ring(ring_obj, &view, &ring) < 0) {
         return NULL;
     }
     PyObject *result = NULL, *seq = PySequence_Fast(entries, "put_all: entries must be a "
@@ -810,7 +813,7 @@ put_all(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     reserve_puts(-1, budget_fd, force, 0, puts, n);
     write_puts(puts, n);
-    publish_puts(-1, budget_fd, 0, puts, n);
+    publish_puts(ring, -1, 0, puts, n);
     return_rooms(budget_fd, puts, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (puts[i].fd >= 0) {  /* published or given back: its flock goes with it */
@@ -837,6 +840,7 @@ done:
     }
     PyMem_Free(puts);
     Py_XDECREF(seq);
+    PyBuffer_Release(&view);
     return result;
 }
 
@@ -975,5 +979,9 @@ static struct PyModuleDef shm_module = {
 PyMODINIT_FUNC
 PyInit__shm(void)
 {
-    return PyModule_Create(&shm_module);
+    PyObject *module = PyModule_Create(&shm_module);
+    if (module != NULL && PyModule_AddFunctions(module, ring_methods) < 0) {
+        Py_CLEAR(module);
+    }
+    return module;
 }

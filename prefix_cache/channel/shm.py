@@ -6,8 +6,8 @@ request id under a random key kept in the directory, so neither a request id nor
 name alone gives a file's name.
 
 Crash consistency: no file of an entry is ever renamed but once, into place. Each entry is
-`NAME.SEQ`, SEQ a sequence number the namespace hands out in publish order (from `.budget`),
-and the id's oldest entry is the one with the lowest SEQ. A put reserves its bytes and creates a
+`NAME.SEQ`, SEQ a sequence number the namespace hands out in publish order (from the ring's
+header, below), and the id's oldest entry is the one with the lowest SEQ. A put reserves its bytes and creates a
 temp file under the namespace lock (a `flock` on `.lock`, shared by every process on the
 machine), writes it without the lock, and renames it to `NAME.SEQ` under the lock. A get, under
 the lock, opens the id's lowest entry it awaits (the first chunk of an entry, or the next of
@@ -26,8 +26,24 @@ from the engine thread). A pool's rows are held (`reading`) only while they are 
 while a lock another process keeps is awaited: a consumer stopped while it holds the namespace
 lock stalls the puts, never the engine thread that moves rows out of the pool.
 
-`.budget` holds the namespace's capacity, the bytes its unconsumed entries and in-flight puts
-use, and the next SEQ. The count can only be off by what a killed process left: a temp file of
+The chunk ring (`.ring`, `prefix_cache.channel._shm`'s `_ring.c` has its protocol): a streaming
+step's chunks are one per request per step, and a file each cost a put and a take about ten
+system calls under the namespace lock. A chunk that is not its entry's last (the last ends the
+producer's expectation, a file) and fits a slot (`RING_SLOT_BYTES`) is published into a free
+slot of the ring, which every handle maps shared: a copy and two atomic stores, no system call
+and no lock, so no reader can stall it. Its slot carries the id's name and a SEQ from the same
+sequence as the files, so a take, which looks in the ring first and then, for an older one,
+in the id's files, finds an id's entries in publish order wherever they are. A reader claims a
+slot by compare-and-swap (exactly one reader takes it), copies it out and frees it; a full ring
+sends chunks to files. Crash consistency holds slot by slot: a slot is published whole or not
+at all, a sweep frees a slot whose writer died writing (its word names the producer's number,
+`writer` in its lock file) and one a reader has held past the time to live, whose copy then
+fails rather than return bytes written since. Every publish, file or slot, bumps the ring's
+publish count, a futex that waiting readers block on (the wake is a system call only while one
+waits). The ring takes `RING_SHARE` of the capacity, at most `RING_MAX_BYTES`.
+
+`.budget` holds the files' share of the capacity and the bytes their unconsumed entries and
+in-flight puts use. The count can only be off by what a killed process left: a temp file of
 a dead writer (each writer holds a flock on its temp file until it publishes) or an entry taken
 but not yet uncounted. Every sweep, and a put that finds no room (at most every RECOUNT_S: a
 put waiting for room polls the budget alone between), recounts it from the files and removes
@@ -86,7 +102,6 @@ from prefix_cache.channel import _shm
 from prefix_cache.channel.base import (DEFAULT_FULL_WAIT_S, DEFAULT_TTL_S, Awaited,
                                       StageChannel, spec_number)
 from prefix_cache.channel.codec import PREFIX_BYTES, ChunkTag, EncodedEntry, peek
-from prefix_cache.channel.dir_watch import DirectoryWatch
 from prefix_cache.channel.errors import OmniPrefixCacheChannelError
 from prefix_cache.core.pool_rows import reading
 
@@ -96,6 +111,7 @@ NAMESPACE_PREFIX = "omni-prefix-cache-"
 _KEY_FILE = ".key"
 _LOCK_FILE = ".lock"
 _BUDGET_FILE = ".budget"
+_RING_FILE = ".ring"
 _OWNER_FILE = ".owner"
 _TEMP_PREFIX = ".tmp-"
 _PRODUCER_PREFIX = ".producer-"
@@ -106,7 +122,18 @@ _DEAD_RE = re.compile(r"\.dead-[0-9a-f]{32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _CREATED_RE = re.compile(re.escape(NAMESPACE_PREFIX) + r"[0-9a-f]{32}")  # as `create` names one
 _ENTRY_RE = re.compile(r"([0-9a-f]{64})(?:\.([0-9]+))?")  # NAME, the id's marker; NAME.SEQ
-_BUDGET = struct.Struct("<QQQ")
+_BUDGET = struct.Struct("<QQ")
+_RING_HEADER = struct.Struct("<QII48x")  # magic, slot count, slot bytes (`_shm.h`'s RingHeader)
+_RING_MAGIC = int.from_bytes(b"OPCRING\x01", "little")
+_SLOT_HEADER_BYTES = 128  # `_ring.c`'s SlotHeader
+_WRITING, _READY, _TAKEN = 1, 2, 3  # a ring slot's states (`_ring.c`)
+#: A ring slot's bytes, its header included: a chunk of up to this less 128 bytes (a decode
+#: step's row of a 7B-class model's hidden states, 7 KiB in bfloat16, with its header and other
+#: keys' rows) goes into the ring.
+RING_SLOT_BYTES = 32 << 10
+#: The ring's share of a namespace's capacity, and its most bytes.
+RING_SHARE = 0.25
+RING_MAX_BYTES = 8 << 20
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
 DEFAULT_CAPACITY_SHARE = 0.5
 #: How old a namespace without an owner lock file must be to be reclaimed (its creator may be
@@ -130,11 +157,10 @@ def default_capacity(root: Path) -> int:
 
 
 class _Budget(NamedTuple):
-    """The contents of `.budget`."""
+    """The contents of `.budget`: the files' part of the capacity (the ring has the rest)."""
 
     capacity: int
-    used: int  # bytes of unconsumed entries and in-flight puts
-    next_seq: int  # the sequence number of the next entry published
+    used: int  # bytes of unconsumed entry files and in-flight puts
 
 
 def _create_private_file(path: Path | str) -> int:
@@ -197,11 +223,11 @@ class _HeldFile:
     record: dict[str, Any]
 
     @classmethod
-    def create(cls, path: Path) -> _HeldFile:
-        """A new lock file at `path` holding `_holder_record()`: written and locked under a
-        temp name, then renamed into place, so no one finds it unlocked while its holder
-        lives."""
-        record, temp = _holder_record(), path.with_name(path.name + ".new")
+    def create(cls, path: Path, **about: Any) -> _HeldFile:
+        """A new lock file at `path` holding `_holder_record()` and `about`: written and locked
+        under a temp name, then renamed into place, so no one finds it unlocked while its
+        holder lives."""
+        record, temp = {**_holder_record(), **about}, path.with_name(path.name + ".new")
         fd = _create_private_file(temp)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -259,6 +285,12 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
+def _refused(request_id: str, error: Exception) -> ValueError:
+    """Why a put refused an entry's pieces before it wrote any."""
+    return ValueError(f"request {request_id}: its entry's pieces were refused: "
+                      f"{type(error).__name__}: {error}")
+
+
 class ShmChannel(StageChannel):
     """Entries of one namespace directory; the directory exists from create until the owner
     closes, and only this user can list or read it. Entries, markers and `.budget` change only
@@ -284,23 +316,27 @@ class ShmChannel(StageChannel):
             fds.append(self._open_private(_BUDGET_FILE, os.O_RDWR))
             fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
             self._budget_fd, self._lock_fd = fds
+            self._ring = self._map_ring()
+            self._ring_slots, slot_bytes = _RING_HEADER.unpack_from(self._ring)[1:]
+            self._ring_bytes = self._ring_slots * slot_bytes
+            #: the largest entry a slot takes (none where the ring has no slots)
+            self._ring_payload = slot_bytes - _SLOT_HEADER_BYTES if self._ring_slots else -1
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
             #: per id, the numbers of its entries a take's scan found after the one it took,
-            #: newest first (see `_take_oldest`; under the lock)
-            self._later: dict[str, list[int]] = {}
+            #: newest first, and the namespace's next number then (see `_take_oldest`; under
+            #: the lock)
+            self._later: dict[str, tuple[list[int], int]] = {}
             self._next_recount = 0.0  # a put finding no room recounts from then on (monotonic)
             self._lock_files = [owner] if owner else []  # the owner's and the producer's
-            self._watch: DirectoryWatch | None = None  # readers' wake-ups, opened on first wait
-            self._watch_pid = 0  # the process `_watch` was opened in
-            self._watch_lock = threading.Lock()
-            super().__init__(ttl_s=ttl_s, capacity_bytes=self._read_budget().capacity,
+            super().__init__(ttl_s=ttl_s,
+                             capacity_bytes=self._read_budget().capacity + self._ring_bytes,
                              full_wait_s=full_wait_s, owns_namespace=owner is not None)
         except BaseException:  # a bad option or file: nothing of the handle stays behind
             _release(directory, os.getpid(), owner is not None, fds, [owner] if owner else [])
             raise
         self._finalizer = weakref.finalize(self, _release, directory, os.getpid(),
-                                           owner is not None, fds, self._lock_files)
+                                           owner is not None, fds, self._lock_files, self._ring)
 
     @classmethod
     def create(cls, root: Path | None = None, *, ttl_s: float = DEFAULT_TTL_S,
@@ -323,10 +359,16 @@ class ShmChannel(StageChannel):
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # exact, whatever the umask
             owner = _HeldFile.create(directory / _OWNER_FILE)  # first: see `_dead_namespace`
-            for name, data in ((_KEY_FILE, secrets.token_bytes(32)), (_LOCK_FILE, b""),
-                               (_BUDGET_FILE, _BUDGET.pack(capacity, 0, 0))):
-                fd = _create_private_file(directory / name)
+            slots = min(RING_MAX_BYTES, int(capacity * RING_SHARE)) // RING_SLOT_BYTES
+            for name, data, size in (
+                    (_KEY_FILE, secrets.token_bytes(32), 0), (_LOCK_FILE, b"", 0),
+                    (_RING_FILE, _RING_HEADER.pack(_RING_MAGIC, slots, RING_SLOT_BYTES),
+                     _RING_HEADER.size + slots * RING_SLOT_BYTES),
+                    (_BUDGET_FILE, _BUDGET.pack(capacity - slots * RING_SLOT_BYTES, 0), 0)):
+                fd = _create_private_file(directory / name)  # `.budget` last: `_dead_namespace`
                 try:
+                    if size:  # the ring's pages now: a full /dev/shm fails here, not in a put
+                        os.posix_fallocate(fd, 0, size)
                     _write_all(fd, memoryview(data), 0)
                 finally:
                     os.close(fd)
@@ -389,33 +431,40 @@ class ShmChannel(StageChannel):
 
     @contextmanager
     def _arrivals(self, request_id: str) -> Iterator[Callable[[float], None]]:
-        """Pauses that end when an entry of the id is renamed into the namespace (the handle's
-        `DirectoryWatch`), or plain sleeps where it has none."""
-        watch = self._directory_watch()
-        if watch is None:
-            yield time.sleep
-            return
-        with watch.waiting_for(self._name(request_id)) as pause:
-            yield pause
+        """Pauses that end when the namespace publishes anything (the ring's publish count,
+        which every publish bumps, a futex its readers block on): the count is read before the
+        first poll, so a publish after it ends the next pause at once."""
+        seen = _shm.ring_wait(self._ring, -1, 0)
 
-    def _directory_watch(self) -> DirectoryWatch | None:
-        """The handle's watch of its namespace, opened by its first waiting reader (one of
-        this process's own in a forked child); None where inotify cannot serve."""
-        if self._watch_pid not in (0, os.getpid()):  # a forked child: the lock may be held
-            self._watch_lock, self._watch, self._watch_pid = threading.Lock(), None, 0
-        with self._watch_lock:
-            if self._watch_pid != os.getpid():
-                self._watch = DirectoryWatch.open(self.directory)
-                self._watch_pid = os.getpid()
-                if self._watch is not None:
-                    weakref.finalize(self, self._watch.close)
-            return self._watch
+        def pause(seconds: float) -> None:
+            nonlocal seen
+            seen = _shm.ring_wait(self._ring, seen, seconds)
+
+        yield pause
+
+    def _map_ring(self) -> mmap.mmap:
+        """`.ring` mapped shared, its header checked."""
+        fd = self._open_private(_RING_FILE, os.O_RDWR)
+        try:
+            ring = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            _shm.ring_wait(ring, -1, 0)  # checks the header
+        except ValueError as e:  # an empty file, or no ring of this version
+            raise OmniPrefixCacheChannelError(
+                f"shm channel namespace {self.directory} has no usable {_RING_FILE}: {e}"
+            ) from None
+        finally:
+            os.close(fd)
+        return ring
+
+    def _digest(self, request_id: str) -> bytes:
+        """The id's name in the namespace as the ring holds it (`_name` is its hex)."""
+        return hashlib.blake2b(request_id.encode(), key=self._key, digest_size=32).digest()
 
     def _name(self, request_id: str) -> str:
         """The id's name in the namespace: a MAC of it under the namespace's key (a keyed
         BLAKE2b: 0.7 µs warm against 2.3-2.9 for an HMAC-SHA256 through OpenSSL, whose code an
         engine's output thread runs cold)."""
-        return hashlib.blake2b(request_id.encode(), key=self._key, digest_size=32).hexdigest()
+        return self._digest(request_id).hex()
 
     def _expectation_path(self, name: str) -> str:
         """The expectation file of the id named `name` (`_name`)."""
@@ -435,8 +484,9 @@ class ShmChannel(StageChannel):
             self._lock_files.remove(lock_file)
             lock_file.release()
         path = self.directory / (_PRODUCER_PREFIX + secrets.token_hex(16))
-        try:
-            self._lock_files.append(_HeldFile.create(path))
+        try:  # the number the ring's slots it writes name it by
+            self._lock_files.append(_HeldFile.create(path,
+                                                     writer=_shm.ring_new_producer(self._ring)))
         except OSError as e:
             raise self._gone_or(e, "cannot register a producer") from e
 
@@ -491,9 +541,12 @@ class ShmChannel(StageChannel):
         return f"{', '.join(dead)} (every producer of the namespace)"
 
     def used_bytes(self) -> int:
-        """Bytes of the capacity held by unconsumed entries and puts in flight."""
+        """Bytes of the capacity held by unconsumed entries and puts in flight: files, and the
+        ring's slots in use."""
         with self._operation(), self._locked():
-            return self._read_budget().used
+            in_files = self._read_budget().used
+        return in_files + len(_shm.ring_slots(self._ring)) * (self._ring_payload
+                                                               + _SLOT_HEADER_BYTES)
 
     def _open_private(self, name: str, flags: int) -> int:
         """A descriptor of the namespace's file `name`, refused unless private to this user."""
@@ -575,7 +628,28 @@ class ShmChannel(StageChannel):
             if marker.name not in chains:
                 os.unlink(marker.path)
         self._write_budget(self._read_budget()._replace(used=used))
+        self._free_stale_slots(expired_before)
         return used
+
+    def _free_stale_slots(self, expired_before: float) -> None:
+        """Frees the ring's expired entries, slots a reader has held since before
+        `expired_before` (its copy then fails, `_ring.c`), and slots whose writer is no live
+        producer of the namespace (it died writing)."""
+        writing = []
+        for slot, word, state, writer, _, _, published_at, claimed_at in \
+                _shm.ring_slots(self._ring):
+            if (state == _READY and published_at < expired_before) \
+                    or (state == _TAKEN and claimed_at < expired_before):
+                _shm.ring_release(self._ring, slot, word)
+            elif state == _WRITING:
+                writing.append((slot, word, writer))
+        if writing:
+            live = {record.get("writer") for f in os.scandir(self.directory)
+                    if _PRODUCER_RE.fullmatch(f.name) and _held(f.path)
+                    and (record := _read_record(f.path)) is not None}
+            for slot, word, writer in writing:
+                if writer not in live:
+                    _shm.ring_release(self._ring, slot, word)
 
     def _reserve(self, nbytes: int, *, force: bool) -> _Reservation | None:
         temp = self._temp_path()
@@ -608,23 +682,52 @@ class ShmChannel(StageChannel):
 
     def _put_now_all(self, puts: Sequence[tuple[str, EncodedEntry, bool]], *, force: bool
                      ) -> list[bool | Exception]:
+        results: list[bool | Exception | None] = [None] * len(puts)
+        in_ring = [i for i, (_, encoded, final) in enumerate(puts)
+                   if not final and encoded.nbytes <= self._ring_payload]
+        if in_ring:
+            self._put_in_ring([puts[i] for i in in_ring], in_ring, results)
+        in_files = [i for i, result in enumerate(results) if result is None]
+        if in_files:
+            self._put_in_files([puts[i] for i in in_files], in_files, results, force=force)
+        return results  # type: ignore[return-value]  # each set by one of the two
+
+    def _put_in_ring(self, puts: Sequence[tuple[str, EncodedEntry, bool]], at: list[int],
+                     results: list[bool | Exception | None]) -> None:
+        """Publishes chunks into free slots of the ring (memory alone: no system call, no
+        lock), each's outcome at `results[at[i]]`; one no slot took is left None. Final chunks
+        go to files: they end the producer's expectation, a file of its own."""
+        self._register_producer()
+        producer = self._producer
+        assert producer is not None, "registered above"
+        with reading(piece for _, encoded, _ in puts for _, piece in encoded.pieces):
+            placed = _shm.ring_put_all(self._ring, producer.record["writer"],
+                                       [(self._digest(request_id), encoded.nbytes,
+                                         encoded.pieces) for request_id, encoded, _ in puts])
+        for i, (request_id, _, _), seq in zip(at, puts, placed):
+            if isinstance(seq, Exception):
+                results[i] = _refused(request_id, seq)
+            elif seq >= 0:
+                results[i] = True
+
+    def _put_in_files(self, puts: Sequence[tuple[str, EncodedEntry, bool]], at: list[int],
+                      results: list[bool | Exception | None], *, force: bool) -> None:
+        """Publishes entries as files, those the budget has room for (all, if `force`), each's
+        outcome at `results[at[i]]`: True, False where there was no room, or why it failed."""
         entries = [(self._temp_path(), encoded.nbytes, encoded.pieces,
                     *self._entry_names(request_id, final)) for request_id, encoded, final in puts]
         # the namespace lock first (a consumer stopped while it holds the lock stalls this put,
         # never the engine thread: no pool's rows are held meanwhile), then one call for all
         with self._locked(), reading(piece for _, encoded, _ in puts
                                      for _, piece in encoded.pieces):
-            placed = _shm.put_all(self._budget_fd, force, entries)
-        results: list[bool | Exception] = []
-        for (request_id, encoded, _), seq in zip(puts, placed):
+            placed = _shm.put_all(self._ring, self._budget_fd, force, entries)
+        for i, (request_id, encoded, _), seq in zip(at, puts, placed):
             if isinstance(seq, OSError):
                 seq = self._gone_or(seq, f"cannot publish the entry for request {request_id} "
                                          f"({encoded.nbytes} bytes)")
             elif isinstance(seq, Exception):  # its pieces, refused before any system call
-                seq = ValueError(f"request {request_id}: its entry's pieces were refused: "
-                                 f"{type(seq).__name__}: {seq}")
-            results.append(seq if isinstance(seq, Exception) else seq >= 0)
-        return results
+                seq = _refused(request_id, seq)
+            results[i] = seq if isinstance(seq, Exception) else seq >= 0
 
     def _publish(self, request_id: str, encoded: EncodedEntry, reservation: _Reservation,
                  *, final: bool) -> None:
@@ -632,7 +735,7 @@ class ShmChannel(StageChannel):
             with reading(piece for _, piece in encoded.pieces):  # a pool's rows, held to copy
                 _shm.write(reservation.fd, encoded.pieces)  # unlocked: the file is this put's
             with self._process_locked() as lock_fd:  # one call, its system calls without the GIL
-                _shm.publish(lock_fd, self._budget_fd, reservation.fd, reservation.path,
+                _shm.publish(self._ring, lock_fd, reservation.fd, reservation.path,
                              *self._entry_names(request_id, final))
         except OSError as e:
             raise self._gone_or(e, f"cannot publish the entry for request {request_id} "
@@ -655,14 +758,45 @@ class ShmChannel(StageChannel):
                 f"{next(self._temp_count)}")
 
     def _take(self, request_id: str, awaited: Awaited) -> torch.Tensor | None:
+        digest = self._digest(request_id)
+        name, expired_before = digest.hex(), time.time() - self.ttl_s
+        while True:
+            in_ring = next(((seq, slot, word) for seq, slot, word, prefix in _shm.ring_find(
+                self._ring, digest, expired_before, PREFIX_BYTES)
+                if awaited.accepts(peek(prefix))), None)
+            # then the files, for one older than it (an id's files mark themselves: looked
+            # at after the ring, none published since is older than what the ring showed)
+            taken = self._take_file(request_id, name, expired_before, awaited,
+                                    below=in_ring[0] if in_ring else None)
+            if taken is not None:
+                return taken
+            if in_ring is None:
+                if not self.directory.is_dir():
+                    raise self._gone(f"waiting for request {request_id}")
+                return None
+            _, slot, word = in_ring
+            held = _shm.ring_claim(self._ring, slot, word)
+            if held < 0:
+                continue  # another reader took it first, or it expired: look again
+            data = _shm.ring_copy_out(self._ring, slot, held)
+            if data is None:
+                raise OmniPrefixCacheChannelError(
+                    f"request {request_id}: its chunk in the ring of shm channel {self.spec} "
+                    f"was freed while this reader held it (past the {self.ttl_s:g} s time to "
+                    f"live: a stopped reader?) and written again; the chunk is lost")
+            return torch.frombuffer(data, dtype=torch.uint8)
+
+    def _take_file(self, request_id: str, name: str, expired_before: float, awaited: Awaited,
+                   *, below: int | None) -> torch.Tensor | None:
+        """The id's oldest entry file that `awaited` accepts, numbered below `below` (None:
+        any), taken and mapped: None where there is none."""
+        if not os.path.lexists(f"{self._root}/{name}"):  # the id has no files: no lock taken
+            return None
         try:
             with self._locked():
-                taken = self._take_oldest(self._name(request_id), time.time() - self.ttl_s,
-                                          awaited.accepts)
+                taken = self._take_oldest(name, expired_before, awaited.accepts, below)
         except OSError as e:
             raise self._gone_or(e, f"cannot take an entry for request {request_id}") from e
-        if taken is None and not self.directory.is_dir():
-            raise self._gone(f"waiting for request {request_id}")
         if taken is None:
             return None
         fd, size = taken
@@ -676,49 +810,54 @@ class ShmChannel(StageChannel):
         return torch.frombuffer(view, dtype=torch.uint8)  # the mapping lives as long as it
 
     def _take_oldest(self, name: str, expired_before: float,
-                     accepts: Callable[[ChunkTag | None], bool]) -> tuple[int, int] | None:
-        """Claims the id's oldest unexpired entry that `accepts` its tag, freeing expired ones
-        it passes and leaving the others, and removes the id's marker if no entry is left
-        (caller holds the lock): its descriptor and size, or None.
+                     accepts: Callable[[ChunkTag | None], bool], below: int | None
+                     ) -> tuple[int, int] | None:
+        """Claims the id's oldest unexpired entry file numbered below `below` (None: any) that
+        `accepts` its tag, freeing expired ones it passes and leaving the others, and removes
+        the id's marker if no file is left (caller holds the lock): its descriptor and size,
+        or None.
 
-        The id's entries a scan of the namespace finds are kept for the next takes (`_later`):
-        entries are numbered in publish order, so none published since is older, and a backlog
-        drains with one scan, not one per entry. One that another handle took (or a sweep
-        freed) since is passed over; where the kept ones yield none, it scans again."""
+        The id's entries a scan of the namespace finds are kept for the next takes (`_later`),
+        with the namespace's next number when it scanned: files are numbered in publish order
+        under the lock, so none published since is older and every file numbered below that is
+        in the scan. A backlog drains with one scan, not one per entry. One that another handle
+        took (or a sweep freed) since is passed over; where the kept ones yield none, it scans
+        again, unless all it looks for is below the number the scan covers."""
         marker = f"{self._root}/{name}"
         if not os.path.lexists(marker):
             self._later.pop(name, None)
             return None
-        seqs = self._later.pop(name, None)
+        seqs, covered = self._later.pop(name, (None, 0))
         scanned = seqs is None
         while True:
             if seqs is None:
+                covered = _shm.ring_next_seq(self._ring)  # first: the lock is held
                 seqs, scanned = self._entry_seqs(name), True
-            taken, seqs = self._claim_first(marker, seqs, expired_before, accepts)
-            if taken is not None or scanned:
+            taken, seqs = self._claim_first(marker, seqs, expired_before, accepts, below)
+            if taken is not None or scanned or (below is not None and below <= covered):
                 break
             seqs = None
         if seqs:
-            self._later[name] = seqs
+            self._later[name] = seqs, covered
         elif scanned:  # no entry is left: none can be published while the lock is held
             os.unlink(marker)
         return taken
 
     def _claim_first(self, marker: str, seqs: list[int], expired_before: float,
-                     accepts: Callable[[ChunkTag | None], bool]
+                     accepts: Callable[[ChunkTag | None], bool], below: int | None
                      ) -> tuple[tuple[int, int] | None, list[int]]:
-        """The first entry of `seqs` (numbers newest first) that `_claim` takes, and the
-        numbers of the id's entries still there after it, newest first (caller holds the
-        lock)."""
+        """The first entry of `seqs` (numbers newest first) below `below` that `_claim`
+        takes, and the numbers of the id's entries still there after it, newest first (caller
+        holds the lock)."""
         left: list[int] = []  # passed over, oldest first
-        while seqs:
+        while seqs and (below is None or seqs[-1] < below):
             seq = seqs.pop()
             claim = self._claim(f"{marker}.{seq}", expired_before, accepts)
             if claim is True:
                 left.append(seq)
             elif claim is not False:
                 return claim, seqs + left[::-1]
-        return None, left[::-1]
+        return None, seqs + left[::-1]
 
     def _entry_seqs(self, name: str) -> list[int]:
         """The numbers of the id's entries, newest first (caller holds the lock)."""
@@ -765,17 +904,15 @@ class ShmChannel(StageChannel):
         return OmniPrefixCacheChannelError(f"shm channel {self.spec}: {what}: {error}")
 
     def _close(self) -> None:
-        if self._watch_pid == os.getpid():  # else a forked child's copy: its lock may be held
-            with self._watch_lock:
-                if self._watch is not None:
-                    self._watch.close()
         self._finalizer()
 
 
 def _release(directory: Path, owner_pid: int, owner: bool, fds: list[int],
-             held: list[_HeldFile]) -> None:
+             held: list[_HeldFile], ring: mmap.mmap | None = None) -> None:
     for fd in fds:
         os.close(fd)
+    if ring is not None:
+        ring.close()
     for lock_file in held:
         lock_file.release()
     if owner and os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
