@@ -865,7 +865,7 @@ def test_a_put_larger_than_the_capacity_fails_at_once(new_spec: str) -> None:
     with open_channel(new_spec + "&capacity=4096&wait=30") as channel:
         started = time.monotonic()
         with pytest.raises(OmniPrefixCacheChannelError,
-                           match="request req-big: its entry of .* exceeds the whole capacity"):
+                           match="request req-big: its entry of .* exceeds the most an entry can hold"):
             channel.put("req-big", _marked(0, rows=1024))
         assert time.monotonic() - started < 5
 

@@ -232,3 +232,23 @@ def test_a_namespace_without_a_ring_is_refused_by_name(tmp_path) -> None:
         os.chmod(owner.directory / ".ring", 0o600)
         with pytest.raises(OmniPrefixCacheChannelError, match=r"has no usable \.ring"):
             ShmChannel.join(owner.directory.name, tmp_path)
+
+
+def test_a_handle_closes_while_its_reader_waits_on_the_ring() -> None:
+    with open_channel("shm") as owner:
+        handle = open_channel(owner.spec)
+        failures: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                handle.get("req-never", timeout_s=10)
+            except OmniPrefixCacheChannelError as e:
+                failures.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.2)  # blocked in the ring's wait
+        handle.close()  # waits for operations in flight, not for the pause
+        reader.join(15)
+        assert not reader.is_alive()
+        assert failures and "closed" in str(failures[0])

@@ -114,7 +114,7 @@ def test_a_full_channel_fails_that_request_alone_and_its_consumer_is_told() -> N
         for rid in ("a", "big", "c"):
             delivery.finish(FinishedRequest(rid, f"ext-{rid}", prompt_len=3))
         with pytest.raises(OmniPrefixCacheChannelError,
-                           match=r"request ext-big: .*exceeds the whole capacity"):
+                           match=r"request ext-big: .*exceeds the most an entry can hold"):
             channel.get("ext-big", timeout_s=5)
         assert torch.equal(channel.get("ext-a", timeout_s=5)["hidden"], rows(0, 4)["hidden"])
         assert torch.equal(channel.get("ext-c", timeout_s=5)["hidden"], rows(0, 3)["hidden"])

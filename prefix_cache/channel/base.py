@@ -390,10 +390,11 @@ class StageChannel(ABC):
     def _wait_for_room(self, request_id: str, nbytes: int) -> Any:
         """A reservation of `nbytes` of the capacity, waiting up to `_room_deadline`; else
         raises."""
-        if nbytes > self.capacity_bytes:
+        if nbytes > self._largest_entry_bytes():
             raise OmniPrefixCacheChannelFullError(
-                f"request {request_id}: its entry of {nbytes} bytes exceeds the whole capacity "
-                f"({self.capacity_bytes} bytes) of channel {self.spec}")
+                f"request {request_id}: its entry of {nbytes} bytes exceeds the most an entry "
+                f"can hold ({self._largest_entry_bytes()} of the {self.capacity_bytes} bytes of "
+                f"channel {self.spec})")
         def room() -> Any:
             self._check_open(request_id)  # closed meanwhile: its close waits for this put
             reservation = self._reserve(nbytes, force=False)
@@ -406,6 +407,11 @@ class StageChannel(ABC):
         left = max(0.0, self._room_deadline() - time.monotonic())
         return poll_until(room, left, lambda: self._full_error(request_id, nbytes),
                           first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+
+    def _largest_entry_bytes(self) -> int:
+        """The most bytes an entry that waits for room can ever find: the whole capacity,
+        unless the backend keeps a part of it for chunks alone."""
+        return self.capacity_bytes
 
     def _full_error(self, request_id: str, nbytes: int) -> OmniPrefixCacheChannelFullError:
         return OmniPrefixCacheChannelFullError(

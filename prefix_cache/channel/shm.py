@@ -668,6 +668,9 @@ class ShmChannel(StageChannel):
             raise self._gone_or(e, f"cannot reserve {nbytes} bytes for an entry") from e
         return _Reservation(temp, fd)
 
+    def _largest_entry_bytes(self) -> int:
+        return self.capacity_bytes - self._ring_bytes  # the ring's part takes chunks alone
+
     def _unreserve(self, reservation: _Reservation) -> None:
         try:
             with self._locked():
@@ -912,7 +915,8 @@ def _release(directory: Path, owner_pid: int, owner: bool, fds: list[int],
     for fd in fds:
         os.close(fd)
     if ring is not None:
-        ring.close()
+        with suppress(BufferError):  # a reader still waiting on it: the mapping goes with it
+            ring.close()
     for lock_file in held:
         lock_file.release()
     if owner and os.getpid() == owner_pid:  # a forked copy of the owner must not remove it
