@@ -1,7 +1,7 @@
 """M9 on vLLM's real engine: what streaming stage 1's rows buys stage 2, and what it costs.
 
     python -m prefix_cache.tools.stream_bench [--runs N] [--json PATH] [--every N]
-        [--profile DIR [--profile-seconds S]]
+        [--model random|small|7b] [--cudagraphs] [--profile DIR [--profile-seconds S]]
 
 Stage 1 (the thinker, with the cache) generates 64 tokens per request; stage 2
 (a plain talker on `prompt_embeds`) starts on the thinker's prompt rows, as soon
@@ -17,6 +17,11 @@ at a time, so the later two of each run hit the prefix cache. Figures:
   polls and takes are not stage 1's client work). Beside it, the time stage 1's engine thread
   spent in the cache's calls (`ENGINE_THREAD_CALLS`, from its `stats()`) over each pass, a
   step on average: steadier than the steps' ratio, and without the other threads' share.
+
+The stages are random Qwen2 models of hidden 256 and 2 layers (`--model random`, float32), or
+`pipeline_bench`'s stage-1 models (`--model small`, or `7b` with dummy weights on a GPU; bf16
+there), the talker 2 layers of the thinker's width; `--cudagraphs` runs them with CUDA graphs
+(vLLM's full decode graphs) instead of eager.
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
 `stream: N`). `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
@@ -47,12 +52,14 @@ from prefix_cache.channel import StageChannel
 from prefix_cache.tools.reporting.bench_report import Metric, metric_json, report
 from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.pipelines.engine_loop import EngineLoop
-from prefix_cache.tools.pipelines.engines import Engine, cache_engine_thread_s, engine_core_pid
+from prefix_cache.tools.pipelines.engines import (Engine, EngineShape, cache_engine_thread_s,
+                                                  engine_core_pid)
 from prefix_cache.tools.reporting.harness import (machine, source_commit, spread, unwritable,
                                                   write_json)
 from prefix_cache.tools.pipelines.pipeline import ROWS_TIMEOUT_S, greedy_params
 from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
 from prefix_cache.tools.profiling.profile_capture import find_py_spy, profile_engine
+from prefix_cache.tools.pipeline_bench import MODELS, m8_stage_one
 from prefix_cache.tools.stream_demo import StreamWorkload
 from prefix_cache.tools.pipelines.stream_pipeline import StreamRequest, run_stages
 from prefix_cache.tools.pipelines.streaming import RowStream
@@ -131,11 +138,32 @@ def decode_steps(thinker: Engine, drainer: Drainer, requests: Sequence[StreamReq
     return loop.step_seconds
 
 
+def _stages(model: str, cudagraphs: bool, tmp: Path) -> tuple[Path, Path, EngineShape,
+                                                                dict[str, Any], str]:
+    """The thinker's and the talker's model folders, their engine shape and arguments, and
+    what they are, for `--model` and `--cudagraphs`."""
+    from prefix_cache.tools.pipelines import engines
+    graphs = engines.CUDA_GRAPH_ARGS if cudagraphs else {}
+    how = "CUDA graphs" if cudagraphs else "eager"
+    if model == "random":
+        return (engines.write_random_qwen2(tmp / "thinker", seed=0),
+                engines.write_random_qwen2(tmp / "talker", seed=1), EngineShape(), dict(graphs),
+                f"random Qwen2 (hidden 256, 2 layers) per stage, {how}")
+    _, stage_model, m8_shape = m8_stage_one(model)
+    shape = dataclasses.replace(EngineShape(), dtype=m8_shape.dtype)
+    return (stage_model.write(tmp / "thinker", seed=0),
+            stage_model.write(tmp / "talker", num_layers=2, seed=1), shape,
+            {**stage_model.engine_args, **graphs},
+            f"thinker {stage_model.describe(shape)}, talker 2 layers of its width, {how}")
+
+
 def measure(*, runs: int, progress: Callable[[str], None], every: int | None = None,
-            profile_dir: Path | None = None, profile_seconds: float = 10.0) -> dict[str, Any]:
+            model: str = "random", cudagraphs: bool = False, profile_dir: Path | None = None,
+            profile_seconds: float = 10.0) -> dict[str, Any]:
     """Every run's figures, streaming on (a chunk every step, or every `every` positions)
-    and off, on this machine's vLLM platform. With `profile_dir`, M9c's decode steps are then
-    profiled there, streaming on and off, `profile_seconds` of them each (`profile_capture`)."""
+    and off, on this machine's vLLM platform, with the stages `_stages` makes of `model`. With
+    `profile_dir`, M9c's decode steps are then profiled there, streaming on and off,
+    `profile_seconds` of them each (`profile_capture`)."""
     from vllm.platforms import current_platform
 
     from prefix_cache.channel import open_channel
@@ -146,13 +174,15 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
     cache_s: dict[bool, list[float]] = {True: [], False: []}  # engine thread's, a step
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m9-") as tmp, \
             open_channel("shm") as channel, engines.multiprocessing_mode(True):
-        thinker_dir = engines.write_random_qwen2(Path(tmp) / "thinker", seed=0)
-        talker_dir = engines.write_random_qwen2(Path(tmp) / "talker", seed=1)
-        progress("starting three engines (the thinker streaming and not, a talker) ...")
+        thinker_dir, talker_dir, shape, engine_args, stages = _stages(model, cudagraphs,
+                                                                      Path(tmp))
+        progress(f"starting three engines (the thinker streaming and not, a talker): "
+                 f"{stages} ...")
         thinkers = {streaming: start_stage(thinker_dir, channel, prefix_caching=True,
-                                           stream=streaming and (every or True))
+                                           stream=streaming and (every or True), shape=shape,
+                                           **engine_args)
                     for streaming in (True, False)}
-        talker = engines.start_talker(talker_dir)
+        talker = engines.start_talker(talker_dir, shape, **engine_args)
         drainer = Drainer(channel)
         try:
             def cold() -> None:
@@ -196,8 +226,8 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
                 engine.close()
     return {"device": current_platform.device_type, "runs": runs,
             "workload": f"{WORKLOAD.num_requests} requests of two families sharing 64-token "
-                        f"prefixes, {WORKLOAD.thinker_tokens} thinker tokens each; random "
-                        f"Qwen2 (hidden 256, 2 layers) per stage; a chunk every "
+                        f"prefixes, {WORKLOAD.thinker_tokens} thinker tokens each; {stages}; "
+                        f"a chunk every "
                         f"{f'{every} positions' if every else 'step'}",
             "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
             "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
@@ -265,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream a chunk every N positions (the stage option stream: N) "
                              "instead of every step")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--model", choices=["random", *MODELS], default="random",
+                        help="the stages' models: random Qwen2s of hidden 256 (default), or "
+                             "pipeline_bench's stage-1 model of that name")
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="run the engines with CUDA graphs (vLLM's full decode graphs)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after the runs, profile M9c's decode steps, streaming on and off, "
                              "into DIR: py-spy per thread of stage 1's engine-core process "
@@ -291,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[stream bench] {msg}", file=terminal, flush=True)
 
         try:
-            m9 = measure(runs=args.runs, progress=say, every=args.every,
+            m9 = measure(runs=args.runs, progress=say, every=args.every, model=args.model,
+                         cudagraphs=args.cudagraphs,
                          profile_dir=args.profile and Path(args.profile),
                          profile_seconds=args.profile_seconds)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
