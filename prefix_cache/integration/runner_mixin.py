@@ -36,6 +36,7 @@ from prefix_cache.integration.forward_output import describe, read_forward_outpu
 from prefix_cache.integration.gate import (check_host_pool, check_stage_outputs,
                                            stage_options, stage_pool_config, stream_every)
 from prefix_cache.integration.group_view import FullAttentionGroupView
+from prefix_cache.integration.prometheus import StageMetrics
 from prefix_cache.integration.workers.finishes import check_pool_scheduler
 from prefix_cache.manager import OmniPrefixCacheManager
 from prefix_cache.integration.stage_outputs import StageOutputDriver, StepBatch
@@ -124,6 +125,7 @@ class StageRunnerBase:
     _omni_preempted: Mapping[str, int | None] = MappingProxyType({})
     _omni_policy: ModelCachePolicy = ModelCachePolicy()
     _omni_stage: StageOutputDriver | None = None
+    _omni_metrics: StageMetrics | None = None  # where vLLM gathers processes' metrics
     _omni_external_id: Callable[[str], str]  # set with the stage: its caller's id of a request
     _omni_paused = False  # warm-up steps with made-up requests: neither cached nor published
 
@@ -180,6 +182,7 @@ class StageRunnerBase:
             empty_hidden=lambda: torch.empty((0, hidden_size), dtype=dtype, device=self.device),
             timeout_s=30.0 if config is None else config.staging_claim_timeout_s)
         self.omni_prefix_cache = manager
+        self._omni_metrics = StageMetrics.where_vllm_gathers(self._omni_stage.stats)
         start_logger.info("stage outputs go to channel %s", channel.spec)
         return manager
 
@@ -204,6 +207,9 @@ class StageRunnerBase:
     def shutdown(self) -> None:
         """Publish what is queued, stop the output thread and the cache, then vLLM's shutdown."""
         stage, self._omni_stage = self._omni_stage, None
+        metrics, self._omni_metrics = self._omni_metrics, None
+        if metrics is not None:
+            metrics.close()
         try:
             if stage is not None:
                 stage.close()
