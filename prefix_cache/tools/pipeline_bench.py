@@ -1,7 +1,8 @@
 """Pipeline figures on vLLM's real engine: M8 (what stage 1's prefix caching saves, and the
-two-stage end to end) and the engine step time with the cache against vLLM's plain worker.
+two-stage end to end), the engine step time with the cache against vLLM's plain worker, and
+M10 (M8's stage 1 with its host pool capped at a quarter of the KV mirror; `--only M10`).
 
-    python -m prefix_cache.tools.pipeline_bench [--runs N] [--json PATH] [--only M8|M5e]
+    python -m prefix_cache.tools.pipeline_bench [--runs N] [--json PATH] [--only M8|M5e|M10]
         [--model small|7b|tiny] [--cudagraphs] [--profile DIR]
 
 Each figure is the median of `runs` runs made back to back, on and off interleaved, with the
@@ -38,7 +39,7 @@ from prefix_cache.tools.profiling.device_trace import compare_table as device_co
 from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.reporting.harness import (REPORT_WIDTH, machine, source_commit, spread,
                                                   unwritable, write_json)
-from prefix_cache.tools.reporting.targets import PIPELINE_METRICS
+from prefix_cache.tools.reporting.targets import PIPELINE_METRICS, MetricSpec, Target
 from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
                                                   cache_engine_thread_s, engine_core_pid,
                                                   multiprocessing_mode, start_talker, start_thinker,
@@ -188,6 +189,97 @@ def measure_m8(*, runs: int = 5, multiprocessing: bool | None = None, model: str
         "e2e_ratio": statistics.median(times["e2e_on"]) / statistics.median(times["e2e_off"]),
         "e2e_ratio_per_run": spread(e2e_ratios),
     }
+
+
+#: M10's host budget: this share of the KV mirror's bytes (hidden rows of every KV slot).
+M10_POOL_SHARE = 0.25
+#: The scheduler a capped pool needs where the worker runs in a process of its own.
+RESIDENT_SCHEDULER = "prefix_cache.integration.workers.finishes.ResidentScheduler"
+M10_SPEC = MetricSpec("stage 1 time, pool capped at 25% of the KV mirror, prefix caching on / "
+                      "off, / (1 - resident-hit fraction); real engine", Target("<=", SLACK))
+#: Every figure this bench measures, in table order.
+BENCH_METRICS = {**PIPELINE_METRICS, "M10": M10_SPEC}
+
+
+def measure_m10(*, runs: int = 5, model: str = "small",
+                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """M10 on the real engine: M8's stage 1 with its host pool capped at `M10_POOL_SHARE` of the
+    KV mirror, prefix caching on / off, beside the hit fraction it served (resident) and the
+    one an uncapped pool serves; the capped run's rows against the off run's."""
+    import torch
+
+    from prefix_cache.channel import open_channel
+    from prefix_cache.tools import demo
+    device, stage_model, shape = m8_stage_one(model)
+    requests = m8_workload()
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    row_bytes = stage_model.hidden_size * getattr(torch, shape.dtype).itemsize
+    mirror = shape.num_blocks * shape.block_size * row_bytes
+    budget = int(shape.num_blocks * M10_POOL_SHARE) * shape.block_size * row_bytes
+    with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m10-") as tmp, \
+            open_channel() as channel:
+        progress(f"writing the M8 model on {device} ({stage_model.describe(shape)}) ...")
+        thinker_dir = stage_model.write(Path(tmp) / "thinker")
+        progress(f"starting three engines (capped at {budget:,} of {mirror:,} bytes, "
+                 f"uncapped, caching off) ...")
+        budgets = {"capped": budget, "uncapped": None, "off": None}
+        engines = {label: start_thinker(
+            thinker_dir, channel, prefix_caching=label != "off", shape=shape,
+            stage_options=None if b is None else {"host_budget_bytes": b},
+            scheduler_cls=RESIDENT_SCHEDULER, **stage_model.engine_args)
+            for label, b in budgets.items()}
+        try:
+            for engine in engines.values():
+                warm_up(engine, channel, requests=requests)
+            times: dict[str, list[float]] = {label: [] for label in engines}
+            hits: dict[str, list[int]] = {"capped": [], "uncapped": []}
+            rows_exact = True
+            for i in range(runs):
+                progress(f"run {i + 1}/{runs} ...")
+                order = list(engines.items())  # rotated each run: drift cancels
+                done = {}
+                for label, engine in order[i % 3:] + order[:i % 3]:
+                    _cold(engine)
+                    done[label] = run = run_pipeline(engine, channel, requests)
+                    times[label].append(run.seconds)
+                    if label in hits:
+                        hits[label].append(sum(r.cached_tokens for r in run.results.values()))
+                rows_exact &= all(c.ok for c in demo.compare(done["capped"], done["off"],
+                                                             demo.TOLERANCE[device]))
+            stats = engines["capped"].stats()
+        finally:
+            for engine in engines.values():
+                engine.close()
+    resident = statistics.median(hits["capped"]) / prompt_tokens
+    ratio = statistics.median(times["capped"]) / statistics.median(times["off"])
+    pool_bytes = sum(v for k, v in stats.items() if k.startswith("pool_bytes."))
+    return {
+        "device": device,
+        "workload": f"M8's stage 1: {len(requests)} requests of {len(requests[0].prompt)} "
+                    f"tokens, 75% in shared prefixes; {stage_model.describe(shape)} on "
+                    f"{device}; host pool capped at {budget:,} of the mirror's {mirror:,} bytes",
+        "runs": runs, "resident_hit_fraction": resident,
+        "uncapped_hit_fraction": statistics.median(hits["uncapped"]) / prompt_tokens,
+        "stage1_capped_s": spread(times["capped"]), "stage1_uncapped_s": spread(times["uncapped"]),
+        "stage1_off_s": spread(times["off"]), "ratio": ratio,
+        "uncapped_ratio": statistics.median(times["uncapped"]) / statistics.median(times["off"]),
+        "target": SLACK * (1 - resident), "pass": ratio <= SLACK * (1 - resident) and rows_exact
+        and pool_bytes <= budget,
+        "rows_exact": rows_exact, "budget_bytes": budget, "mirror_bytes": mirror,
+        "pool_bytes": pool_bytes, "pool_blocks": stats["pool_blocks"],
+        "evicted_blocks": stats["evicted_blocks"], "hit_tokens_trimmed": stats["hit_tokens_trimmed"],
+    }
+
+
+def m10_metric(m10: dict[str, Any]) -> Metric:
+    """M10 as the bench judges it: the capped stage 1's on / off ratio ÷ (1 - resident-hit
+    fraction)."""
+    return Metric(m10["ratio"] / (1 - m10["resident_hit_fraction"]),
+                  f"stage 1 capped on/off {m10['ratio']:.3f} at resident-hit fraction "
+                  f"{m10['resident_hit_fraction']:.2f} (uncapped: {m10['uncapped_hit_fraction']:.2f},"
+                  f" on/off {m10['uncapped_ratio']:.3f}); pool {m10['pool_bytes']:,} B of a "
+                  f"{m10['budget_bytes']:,} B budget; rows "
+                  f"{'exact' if m10['rows_exact'] else 'NOT exact'}", m10["workload"])
 
 
 def _timed_steps(engine: Engine, requests: list[StageRequest],
@@ -408,10 +500,10 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
                 f"(here: the small or tiny model, eager)")
     if args.model == "tiny" and torch.cuda.is_available():
         return "--model tiny: CPU only (on a GPU, --cudagraphs makes steps as Python-bound)"
-    if args.cudagraphs and args.only == "M8":
-        return "--cudagraphs applies to M5e's step comparison: not with --only M8"
-    if args.profile and args.only == "M8":
-        return "--profile profiles M5e's step comparison: not with --only M8"
+    if args.cudagraphs and args.only in ("M8", "M10"):
+        return f"--cudagraphs applies to M5e's step comparison: not with --only {args.only}"
+    if args.profile and args.only in ("M8", "M10"):
+        return f"--profile profiles M5e's step comparison: not with --only {args.only}"
     if args.json and (problem := unwritable(args.json)):
         return problem
     if args.profile:
@@ -441,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one run per figure (about 2 minutes on 2 cores): a first look, "
                              "without the spread --runs gives")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--only", choices=list(PIPELINE_METRICS),
-                        help="measure this figure only (default: both)")
+    parser.add_argument("--only", choices=list(BENCH_METRICS),
+                        help="measure this figure only (default: M8 and M5e)")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="stage 1's model: small (default; hidden 1024 x 8 layers on a CPU, "
                              "2048 x 8 on a GPU), 7b (hidden 4096 x 32 layers, vLLM's dummy "
@@ -482,18 +574,22 @@ def main(argv: list[str] | None = None) -> int:
                     profile_dir=args.profile and Path(args.profile),
                     profile_seconds=args.profile_seconds,
                     progress=lambda msg: say(f"M5e: {msg}"))
+            if args.only == "M10":
+                figures["M10"] = measure_m10(runs=args.runs, model=args.model,
+                                             progress=lambda msg: say(f"M10: {msg}"))
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
             traceback.print_exc()
             say(f"FAILED: {type(exc).__name__}: {exc} (details in {log_path})")
             return 1
-    judged = {"M8": m8_metric, "M5e": m5e_metric}
+    judged = {"M8": m8_metric, "M5e": m5e_metric, "M10": m10_metric}
     device = next(iter(figures.values()))["device"]
-    specs = {name: PIPELINE_METRICS[name] for name in figures}
+    specs = {name: BENCH_METRICS[name] for name in figures}
     results = {"device": device, "commit": source_commit(), "machine": machine(device),
                "model": args.model, "cudagraphs": args.cudagraphs,
                "metrics": {name: metric_json(specs[name], judged[name](figure), device)
                            for name, figure in figures.items()},
-               "m8": figures.get("M8"), "step_time": figures.get("M5e")}
+               "m8": figures.get("M8"), "step_time": figures.get("M5e"),
+               "m10": figures.get("M10")}
     profiles = results["step_time"] and results["step_time"].pop("profile")
     traces = results["step_time"] and results["step_time"].pop("trace")
     devices = results["step_time"] and results["step_time"].pop("device_work")
