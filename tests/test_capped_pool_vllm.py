@@ -2,7 +2,8 @@
 KV blocks to pool blocks, the manager follows it, and every row any request receives is its own.
 
 Random workloads (shared-prefix families, chunked prefill, aborts, a KV cache that preempts) run
-through vLLM's `Scheduler` with `PoolResidency` over a pool of a little more than one longest
+through vLLM's `Scheduler` and `AsyncScheduler` (step N's output read after step N+1 is
+scheduled) with `PoolResidency` over a pool of a little more than one longest
 request's blocks; a `BatchMirror` plays the runner and `StepChecker` checks each request's rows
 (its prefix hit's included) against the rows of its tokens, exactly. Every block a running request
 holds has a pool block after each schedule, the pool is never over its blocks, blocks are
@@ -70,6 +71,7 @@ def capped_run(workload: Workload, pool_blocks: int, max_model_len: int,
     bs = workload.block_size
 
     def configure(vllm_config: Any) -> None:
+        vllm_config.scheduler_config.async_scheduling = async_scheduling
         vllm_config.additional_config = {"prefix_cache": {
             "host_budget_bytes": pool_blocks * bs * TOKEN_BYTES}}
         base = vllm_config.scheduler_config.get_scheduler_cls()
@@ -79,6 +81,8 @@ def capped_run(workload: Workload, pool_blocks: int, max_model_len: int,
     scheduler = make_scheduler(workload.num_blocks, bs, workload.max_num_seqs,
                                workload.max_num_batched_tokens, max_model_len=max_model_len,
                                configure=configure)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    assert isinstance(scheduler, AsyncScheduler) == async_scheduling
     residency = scheduler._omni_residency
     assert residency is not None and residency.pool_blocks == pool_blocks
     mirror = BatchMirror(bs, workload.seed)
@@ -93,6 +97,7 @@ def capped_run(workload: Workload, pool_blocks: int, max_model_len: int,
     checker = StepChecker(manager, mirror, lambda r: requests[r].all_token_ids, bs, lag=1)
     seen: Counter[str] = Counter()
     scheduler_trace.step_spans = Restarts()
+    in_flight = None  # asynchronous: the step whose output is not read yet
     try:
         for step in range(800):
             for r in workload.requests:
@@ -102,8 +107,15 @@ def capped_run(workload: Workload, pool_blocks: int, max_model_len: int,
                     scheduler.finish_requests(r.req_id, RequestStatus.FINISHED_ABORTED)
             if step > max(r.arrive_at for r in workload.requests) \
                     and not scheduler.has_requests():
-                break
+                if in_flight is None:
+                    break
+                fake_model_step(scheduler, in_flight)
+                in_flight = None
+                continue
             so = scheduler.schedule()
+            if in_flight is not None:  # asynchronous: step N's output is read after N+1 is
+                fake_model_step(scheduler, in_flight)  # scheduled, before N+1 runs
+                in_flight = None
             moves = getattr(so, POOL_MOVES_ATTR)
             seen["moves"] += len(moves.kv_blocks)
             for req in scheduler.running:  # every block a running request holds has rows
@@ -111,7 +123,10 @@ def capped_run(workload: Workload, pool_blocks: int, max_model_len: int,
                 assert all(residency.pool_of[b] for b in blocks), (step, req.request_id)
             assert residency.resident_blocks <= pool_blocks - 1
             checker.step(so)
-            fake_model_step(scheduler, so)
+            if async_scheduling:
+                in_flight = so
+            else:
+                fake_model_step(scheduler, so)
         else:
             raise AssertionError(f"{workload.name}: still running after 800 steps")
         checker.drain()
@@ -136,10 +151,13 @@ def capped_workload(seed: int) -> tuple[Workload, int, int]:
             pool_blocks, longest * bs)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(12))
-def test_every_row_is_exact_under_a_capped_pool_on_vllms_scheduler(seed: int) -> None:
+def test_every_row_is_exact_under_a_capped_pool_on_vllms_scheduler(
+        seed: int, async_scheduling: bool) -> None:
     workload, pool_blocks, max_model_len = capped_workload(seed)
-    checker, stats, scheduler = capped_run(workload, pool_blocks, max_model_len)
+    checker, stats, scheduler = capped_run(workload, pool_blocks, max_model_len,
+                                           async_scheduling)
     assert stats["resident_blocks"] <= pool_blocks - 1
     assert stats["pool_blocks"] == pool_blocks - 1
     for key, width in KEY_WIDTHS.items():
