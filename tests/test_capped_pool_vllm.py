@@ -195,7 +195,8 @@ def capped_workload_requests() -> list[Any]:
 
 def run_engine(model_dir: Any, requests: list[Any], shape: Any, *, prefix_caching: bool,
                multiprocessing: bool, budget: int | None = None, asynchronous: bool = False,
-               **engine_args: Any) -> tuple[Any, list[dict[str, int | float]]]:
+               stream: bool = False, **engine_args: Any
+               ) -> tuple[Any, list[dict[str, int | float]]]:
     """`requests` through a thinker of `shape` (a host budget of `budget` bytes), its run and
     each rank's stats."""
     from contextlib import nullcontext
@@ -205,7 +206,9 @@ def run_engine(model_dir: Any, requests: list[Any], shape: Any, *, prefix_cachin
     from prefix_cache.tools.pipelines.pipeline import run_pipeline
     from tests.vllm_fixtures import cpu_async_scheduling, engine_runner
 
-    options = {} if budget is None else {"host_budget_bytes": budget}
+    options: dict[str, Any] = {} if budget is None else {"host_budget_bytes": budget}
+    if stream:
+        options["stream"] = True
     with multiprocessing_mode(multiprocessing), open_channel() as channel:
         with cpu_async_scheduling() if asynchronous else nullcontext():
             # an engine core of its own runs its worker in another process: the scheduler is
@@ -267,6 +270,17 @@ def test_a_capped_engine_scheduling_asynchronously_matches_a_run_without_prefix_
                             prefix_caching=True, multiprocessing=False, budget=CAPPED_BUDGET,
                             asynchronous=True)
     check_capped_run(run, stats[0], uncached_run)
+
+
+def test_a_capped_streaming_engine_matches_a_run_without_prefix_caching(
+        thinker_model_dir: Any, capped_shape: Any, uncached_run: Any) -> None:  # noqa: F811
+    """Streamed: a hit's cached rows go out as its first chunk while the step runs, then a
+    chunk every step, each read from the pool through the map."""
+    run, stats = run_engine(thinker_model_dir, capped_workload_requests(), capped_shape,
+                            prefix_caching=True, multiprocessing=False, budget=CAPPED_BUDGET,
+                            stream=True)
+    check_capped_run(run, stats[0], uncached_run)
+    assert stats[0]["delivery_chunks"] > 0
 
 
 def test_a_capped_engine_that_preempts_matches_a_run_without_prefix_caching(
