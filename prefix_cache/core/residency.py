@@ -41,7 +41,7 @@ POOL_MOVES_ATTR = "omni_pool_moves"
 class PoolMoves:
     """One step's changes of the map: KV block `kv_blocks[i]` now has pool block
     `pool_blocks[i]` (the KV block that had it before has none); `evicted` of them took a pool
-    block from a KV block whose rows vLLM kept cached; `trimmed` is, per request the step starts,
+    block from another KV block, whose rows are gone; `trimmed` is, per request the step starts,
     the hit tokens vLLM found that are recomputed because their rows were gone."""
 
     kv_blocks: np.ndarray
