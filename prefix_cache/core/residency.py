@@ -172,17 +172,18 @@ class PoolMap:
 
     def blocks(self, kv_blocks: Sequence[int], what: str) -> list[int]:
         """The pool blocks of `kv_blocks` (`what` names them in the refusal)."""
-        kv = np.asarray(kv_blocks, dtype=np.int64)
+        return self._pool_blocks(np.asarray(kv_blocks, dtype=np.int64), what).tolist()
+
+    def _pool_blocks(self, kv: np.ndarray, what: str) -> np.ndarray:
         if len(kv) and (kv.min() < 0 or kv.max() >= len(self._pool_of)):
             raise OmniPrefixCacheUnmatchError(
                 f"{what}: KV block ids {kv.tolist()[:8]} outside 0..{len(self._pool_of) - 1}")
         pools = self._pool_of[kv]
         if len(pools) and not pools.all():
-            missing = [int(b) for b, p in zip(kv_blocks, pools) if not p]
             raise OmniPrefixCacheUnmatchError(
-                f"{what}: KV blocks {missing[:8]} have no rows in the capped host pool (the "
-                f"scheduler side maps every block a request holds)")
-        return pools.tolist()
+                f"{what}: KV blocks {kv[pools == 0].tolist()[:8]} have no rows in the capped "
+                f"host pool (the scheduler side maps every block a request holds)")
+        return pools
 
     def runs(self, runs: np.ndarray, what: str) -> np.ndarray:
         """`[k, 2]` runs of KV slots as runs of pool slots (split where blocks end)."""
@@ -190,19 +191,20 @@ class PoolMap:
             return runs
         bs = self.block_size
         first, last = runs[:, 0] // bs, (runs[:, 1] - 1) // bs
+        if np.array_equal(first, last):  # each run inside one block (decode steps)
+            return runs + ((self._pool_blocks(first, what) - first) * bs)[:, None]
         counts = last - first + 1
         which = np.repeat(np.arange(len(runs)), counts)
         ends = np.cumsum(counts)
         blocks = first[which] + np.arange(int(ends[-1])) - (ends - counts)[which]
         lo = np.maximum(runs[which, 0], blocks * bs)
         hi = np.minimum(runs[which, 1], (blocks + 1) * bs)
-        base = np.asarray(self.blocks(blocks, what), dtype=np.int64) * bs - blocks * bs
-        return np.stack([lo + base, hi + base], axis=1)
+        shift = (self._pool_blocks(blocks, what) - blocks) * bs
+        return np.stack([lo + shift, hi + shift], axis=1)
 
     def slots(self, slots: np.ndarray, what: str) -> np.ndarray:
-        bs = self.block_size
-        blocks = slots // bs
-        return np.asarray(self.blocks(blocks, what), dtype=np.int64) * bs + slots % bs
+        blocks = slots // self.block_size
+        return slots + (self._pool_blocks(blocks, what) - blocks) * self.block_size
 
 
 class ResidentView:
@@ -251,7 +253,8 @@ class PoolStep:
                                     f"request {getattr(new, 'req_id', '?')}")
             self.scheduled_new_reqs.append(new)
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is not None and getattr(cached, "new_block_ids", None):
+        if cached is not None and any(ids is not None
+                                      for ids in getattr(cached, "new_block_ids", None) or ()):
             cached = copy.copy(cached)
             cached.new_block_ids = [
                 None if groups is None else _groups(groups, pool_map, group_id,
