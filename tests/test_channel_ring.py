@@ -252,3 +252,26 @@ def test_a_handle_closes_while_its_reader_waits_on_the_ring() -> None:
         reader.join(15)
         assert not reader.is_alive()
         assert failures and "closed" in str(failures[0])
+
+
+def test_a_chunk_that_lands_in_the_ring_during_a_take_comes_before_the_file_after_it(
+        monkeypatch) -> None:
+    """A take looks at the ring, then at the id's files: a chunk published to the ring just
+    after that look, and the final chunk (a file) right behind it, must not swap places."""
+    with open_channel("shm") as producer, open_channel(producer.spec) as consumer:
+        producer.put("req-r", _rows(5, 0), start=0, final=False)
+        stream = consumer.stream("req-r", timeout_s=5)
+        _check(next(stream).rows[HIDDEN_KEY], 5, 0)
+        find, landed = _shm.ring_find, []
+
+        def publish_after_the_look(ring, name, expired_before, prefix_bytes):
+            found = find(ring, name, expired_before, prefix_bytes)
+            if not found and not landed:
+                landed.append(True)
+                producer.put("req-r", _rows(5, 1), start=1, final=False)  # the ring
+                producer.put("req-r", _rows(5, 2), start=2, final=True)  # a file
+            return found
+
+        monkeypatch.setattr(_shm, "ring_find", publish_after_the_look)
+        _check(next(stream).rows[HIDDEN_KEY], 5, 1)
+        _check(next(stream).rows[HIDDEN_KEY], 5, 2)

@@ -33,7 +33,9 @@ producer's expectation, a file) and fits a slot (`RING_SLOT_BYTES`) is published
 slot of the ring, which every handle maps shared: a copy and two atomic stores, no system call
 and no lock, so no reader can stall it. Its slot carries the id's name and a SEQ from the same
 sequence as the files, so a take, which looks in the ring first and then, for an older one,
-in the id's files, finds an id's entries in publish order wherever they are. A reader claims a
+in the id's files, finds an id's entries in publish order wherever they are (a take that finds
+the namespace's publish count moved between the two looks looks again: a chunk that reached
+the ring just after the first look is older than a file placed behind it). A reader claims a
 slot by compare-and-swap (exactly one reader takes it), copies it out and frees it; a full ring
 sends chunks to files. Crash consistency holds slot by slot: a slot is published whole or not
 at all, a sweep frees a slot whose writer died writing (its word names the producer's number,
@@ -283,6 +285,11 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
     while data.nbytes:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
+
+
+class _PublishedMeanwhile(Exception):
+    """A take's look at the files found the namespace published since its look at the ring:
+    it looks again."""
 
 
 def _refused(request_id: str, error: Exception) -> ValueError:
@@ -764,13 +771,15 @@ class ShmChannel(StageChannel):
         digest = self._digest(request_id)
         name, expired_before = digest.hex(), time.time() - self.ttl_s
         while True:
+            seen = _shm.ring_wait(self._ring, -1, 0)  # the publish count before the look
             in_ring = next(((seq, slot, word) for seq, slot, word, prefix in _shm.ring_find(
                 self._ring, digest, expired_before, PREFIX_BYTES)
                 if awaited.accepts(peek(prefix))), None)
-            # then the files, for one older than it (an id's files mark themselves: looked
-            # at after the ring, none published since is older than what the ring showed)
-            taken = self._take_file(request_id, name, expired_before, awaited,
-                                    below=in_ring[0] if in_ring else None)
+            try:  # then the files, for one older than it
+                taken = self._take_file(request_id, name, expired_before, awaited,
+                                        below=in_ring[0] if in_ring else None, seen=seen)
+            except _PublishedMeanwhile:
+                continue
             if taken is not None:
                 return taken
             if in_ring is None:
@@ -790,13 +799,19 @@ class ShmChannel(StageChannel):
             return torch.frombuffer(data, dtype=torch.uint8)
 
     def _take_file(self, request_id: str, name: str, expired_before: float, awaited: Awaited,
-                   *, below: int | None) -> torch.Tensor | None:
+                   *, below: int | None, seen: int) -> torch.Tensor | None:
         """The id's oldest entry file that `awaited` accepts, numbered below `below` (None:
-        any), taken and mapped: None where there is none."""
+        any), taken and mapped: None where there is none. Raises `_PublishedMeanwhile` where
+        the namespace published anything since its publish count read `seen`, before the
+        ring was looked at: a chunk that reached the ring after that look would be older than
+        the files after it (the publish count moves after a chunk is in the ring, and before
+        a file behind it is placed, which is under the lock held here)."""
         if not os.path.lexists(f"{self._root}/{name}"):  # the id has no files: no lock taken
             return None
         try:
             with self._locked():
+                if _shm.ring_wait(self._ring, -1, 0) != seen:
+                    raise _PublishedMeanwhile
                 taken = self._take_oldest(name, expired_before, awaited.accepts, below)
         except OSError as e:
             raise self._gone_or(e, f"cannot take an entry for request {request_id}") from e
