@@ -109,8 +109,11 @@ class PoolResidency:
         from prefix_cache.integration.gate import stage_pool_config
         self._omni_residency: BlockResidency | None = None
         self._omni_trimmed: dict[str, int] = {}  # hit tokens cut, this schedule
-        config = stage_pool_config(self.vllm_config, self.kv_cache_config,
-                                   device_type=self.vllm_config.device_config.device_type)
+        config = stage_pool_config(  # the runner's own test of a pooling model
+            self.vllm_config, self.kv_cache_config,
+            device_type=self.vllm_config.device_config.device_type,
+            is_pooling_model=getattr(self.vllm_config.model_config, "runner_type", None)
+            == "pooling")
         if config is None or not config.capped:
             return
         self._omni_residency = BlockResidency(config.num_blocks, config.pool_blocks)
