@@ -141,3 +141,19 @@ def test_a_capped_manager_refuses_a_step_without_the_schedulers_moves() -> None:
 def test_pool_blocks_outside_the_kv_cache_are_refused(pool_blocks: object) -> None:
     with pytest.raises(ValueError, match="pool_blocks must be an int in 2..num_blocks=12"):
         PrefixCacheConfig(num_blocks=12, block_size=4, pool_blocks=pool_blocks)
+
+
+def test_a_capped_pool_without_the_caches_scheduler_is_refused_naming_it() -> None:
+    from prefix_cache.integration.workers.finishes import ResidentScheduler, check_pool_scheduler
+
+    def config(scheduler_cls: type) -> SimpleNamespace:
+        return SimpleNamespace(
+            scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler_cls),
+            parallel_config=SimpleNamespace(distributed_executor_backend="mp"))
+
+    check_pool_scheduler(config(ResidentScheduler))
+    with pytest.raises(OmniPrefixCacheUnmatchError) as refused:
+        check_pool_scheduler(config(object))
+    assert "'mp' executor" in str(refused.value) and \
+        'scheduler_cls="prefix_cache.integration.workers.finishes.ResidentScheduler"' in \
+        str(refused.value)
