@@ -85,3 +85,40 @@ def test_same_stage_outputs_with_either_cache(runs: dict[str, dict[str, Any]]) -
         key = stage.prompt_key(prompt)
         assert ours[key].shape == (len(prompt) + max_tokens - 1, 128)
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The thinker stage followed by a talker stage (vllm-omni's Qwen2.5-Omni pipeline up to
+    its talker), the talker fed the thinker's hidden rows from position 0 as the thinker's
+    prefix cache materializes them."""
+    base = tmp_path_factory.mktemp("pipeline")
+    model = stage.write_model(base / "model", talker=True)
+    return {name: stage.run_stage(model, [SEEDS[:2], HITS[:2]], base / name,
+                                  this_cache=name == "this", talker_tokens=6)
+            for name in ("vllm-omni", "this")}
+
+
+def test_a_thinker_talker_pipeline_runs_the_same_with_either_cache(
+        pipeline_runs: dict[str, dict[str, Any]]) -> None:
+    """With a talker after it, the thinker stage hands the talker the same rows with this cache
+    as with vllm-omni's (every request's from position 0, a hit's 96 from the cache), and the
+    talker answers every request the same. Its first token is left out: under
+    `load_format: dummy` vllm-omni computes the talker's speaker and text-start embeddings from
+    the thinker's embedding before any weight is set (its `load_weights` recomputes them, which
+    a dummy load never calls), and that token varied between runs of vllm-omni's own cache here
+    (0, 5809, 1758). This random talker's tokens hardly depend on its input: the rows are the
+    check of what the cache hands over."""
+    theirs, ours = pipeline_runs["vllm-omni"], pipeline_runs["this"]
+    assert ours["cache"]["class"] == "VllmOmniPrefixCache"
+    assert [r["cached"] for r in ours["rounds"]] == [r["cached"] for r in theirs["rounds"]] \
+        == [[0, 0], [96, 96]]
+    assert [r["tokens"] for r in ours["rounds"]] == [r["tokens"] for r in theirs["rounds"]]
+    assert ours["cache"]["stats"]["hit_tokens"] == 2 * 96
+    our_rows, their_rows = rows_per_request(ours), rows_per_request(theirs)
+    assert our_rows.keys() == their_rows.keys() and len(our_rows) == 4
+    for key, rows in their_rows.items():
+        torch.testing.assert_close(our_rows[key], rows, rtol=0, atol=1e-4)
+    talker = [[tokens[1:] for tokens in r["talker_tokens"]] for r in ours["rounds"]]
+    assert talker == [[tokens[1:] for tokens in r["talker_tokens"]] for r in theirs["rounds"]]
+    assert [len(r) for r in talker] == [2, 2] and all(t for r in talker for t in r)

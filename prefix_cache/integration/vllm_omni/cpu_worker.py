@@ -27,3 +27,8 @@ class OmniCPUARWorker(OmniWorkerMixin, CPUWorker):
     def init_device(self) -> None:
         super().init_device()  # vLLM's CPU setup (threads, distributed), then its runner...
         self.model_runner = self.model_runner_cls(self.vllm_config, self.device)  # ...replaced
+
+    def determine_available_memory(self) -> int:
+        if not self._should_warm_up_model():  # eager, sized KV cache: vLLM runs no forward here
+            self.model_runner.profile_run()  # vllm-omni's models finish their setup in one
+        return super().determine_available_memory()
