@@ -50,3 +50,14 @@ def test_one_run_measures_m9_and_the_engine_threads_time_in_the_cache(tmp_path) 
         assert 0 < data["m9"]["step_s"][streaming]["median"] < 1
         assert 0 < data["m9"]["cache_engine_thread_s_per_step"][streaming]["median"] \
             < data["m9"]["step_s"][streaming]["median"]
+
+
+def test_a_run_on_pipeline_bench_s_small_model_names_its_stages(tmp_path) -> None:
+    """`--model small`: the M8 model's thinker (hidden 1024 on the CPU) and a talker of its
+    width, eager; every figure measured."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "m9.json"
+    assert stream_bench.main(["--runs", "1", "--model", "small", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "thinker hidden 1024 x 8 layers" in data["m9"]["workload"]
+    assert data["m9"]["step_s"]["on"]["median"] > 0 < data["m9"]["step_s"]["off"]["median"]

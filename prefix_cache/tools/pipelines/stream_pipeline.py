@@ -74,12 +74,13 @@ class StreamResult:
 
 def start_stage(model_dir: Path, channel: StageChannel, *, prefix_caching: bool,
                 stream: bool | int, prompt_embeds: bool = False,
-                shape: EngineShape = EngineShape()) -> Engine:
+                shape: EngineShape = EngineShape(), **engine_args: Any) -> Engine:
     """A vLLM engine whose worker publishes its requests' rows to `channel`: in chunks while
     they run when `stream` (True: every position; N: every N positions), else at their finish;
-    `prompt_embeds`: it takes rows as prompts (a talker)."""
+    `prompt_embeds`: it takes rows as prompts (a talker); `engine_args`: more of vLLM's."""
     return start_thinker(model_dir, channel, prefix_caching=prefix_caching, shape=shape,
-                         stage_options={"stream": stream}, enable_prompt_embeds=prompt_embeds)
+                         stage_options={"stream": stream}, enable_prompt_embeds=prompt_embeds,
+                         **engine_args)
 
 
 @dataclass
