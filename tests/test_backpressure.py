@@ -129,7 +129,11 @@ def test_a_consumer_that_lags_never_turns_the_stage_off_and_what_comes_after_is_
             run_step(driver, sim, sim.step(new=[(r, prompt, next(blocks), 0, 8)]), [])
             run_step(driver, sim, sim.step(finished=[r]), [FinishedRequest(r, r, 8)])
         delivered = {r: channel.get(r, timeout_s=10)[HIDDEN_KEY] for r in late}
+        stats = driver.stats()
         driver.close()
+    assert stats["delivery_full_wait_s"] >= 0.9  # its one full wait (1 s), in the figures
+    assert stats["delivery_rows"] == 8 * (len(delivered) + sum(
+        rows is not None for rows in outcomes.values()))
     assert any(rows is None for rows in outcomes.values())
     for r, rows in outcomes.items():
         assert rows is None or torch.equal(rows, token_rows(prompts[r], HIDDEN)), r

@@ -243,6 +243,7 @@ def test_a_streaming_steps_chunks_go_in_one_put_and_one_that_fails_fails_its_req
                            "positions 0..599 failed: OmniPrefixCacheChannelFullError"):
             channel.get("big", timeout_s=5)
     assert delivery.stats()["delivery_failed"] == 1
+    assert delivery.stats()["delivery_rows"] == 8  # a's and c's 4 each
 
 
 def test_a_steps_finished_requests_read_back_go_in_one_put_and_each_fails_alone() -> None:

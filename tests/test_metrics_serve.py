@@ -49,8 +49,8 @@ def test_served_metrics_show_the_caches_figures_after_a_hit(
         first = server.post("/v1/completions", {**GREEDY, "prompt": PREFIX + " w5"})
         second = server.post("/v1/completions", {**GREEDY, "prompt": PREFIX + " w7"})
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
-        for response in (first, second):
-            channel.get(served_channel_keys(response)[0], timeout_s=30)[HIDDEN_KEY]
+        rows = sum(channel.get(served_channel_keys(response)[0], timeout_s=30)[HIDDEN_KEY]
+                   .shape[0] for response in (first, second))
         deadline = time.monotonic() + 30
         while True:  # the worker writes its figures every second
             figures = scrape(server.port)
@@ -61,6 +61,8 @@ def test_served_metrics_show_the_caches_figures_after_a_hit(
     assert figures["omni_prefix_cache_hit_tokens_total"] == 64, figures
     assert figures["omni_prefix_cache_entries_delivered_total"] == 2
     assert figures["omni_prefix_cache_entries_failed_total"] == 0
+    assert figures["omni_prefix_cache_rows_delivered_total"] == rows
+    assert figures["omni_prefix_cache_channel_full_wait_seconds_total"] == 0
     assert figures["omni_prefix_cache_hit_tokens_trimmed_total"] == 0
     assert figures["omni_prefix_cache_evicted_blocks_total"] == 0
     assert figures['omni_prefix_cache_pool_bytes{key="__hidden_states__"}'] > 0

@@ -135,6 +135,8 @@ class StageChannel(ABC):
         #: whether this handle created its namespace (a spec naming none): its close frees it
         self.owns_namespace = owns_namespace
         self._full_since: float | None = None  # a put found no room, and none found room since
+        #: seconds this handle's puts have waited for room in a full namespace
+        self.room_wait_s = 0.0
         self._sweep_every_s = min(ttl_s, 60.0) / 4
         self._next_sweep = 0.0
         self._closed = False
@@ -405,8 +407,12 @@ class StageChannel(ABC):
             return reservation
 
         left = max(0.0, self._room_deadline() - time.monotonic())
-        return poll_until(room, left, lambda: self._full_error(request_id, nbytes),
-                          first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+        started = time.monotonic()
+        try:
+            return poll_until(room, left, lambda: self._full_error(request_id, nbytes),
+                              first_pause_s=_FIRST_POLL_S, max_pause_s=_MAX_POLL_S)
+        finally:
+            self.room_wait_s += time.monotonic() - started
 
     def _largest_entry_bytes(self) -> int:
         """The most bytes an entry that waits for room can ever find: the whole capacity,

@@ -204,20 +204,23 @@ class StageDelivery:
         self._published = 0
         self._chunks = 0
         self._failed = 0
+        self._rows_delivered = 0  # rows of every chunk and entry the sink took
         self._rows_cut = 0  # rows of steps whose tokens the scheduler discarded
         self._stopped: str | None = None  # why no rows are published any more
 
     def stats(self) -> dict[str, int]:
         """Requests and bytes held (waiting for their finish), requests published so far and
-        the chunks streamed before their final ones, requests whose entry failed (published as
-        failures), and rows cut from entries (fed by steps whose tokens the scheduler
-        discarded)."""
+        the chunks streamed before their final ones, the rows they carried, requests whose
+        entry failed (published as failures), rows cut from entries (fed by steps whose tokens
+        the scheduler discarded), and the seconds puts waited for room in a full sink."""
         with self._lock:
             held = sum(p.nbytes() for parts in self._parts.values() for p in parts)
             return {"delivery_requests_held": len(self._parts) + len(self._read_back),
                     "delivery_bytes_held": held,
                     "delivery_published": self._published, "delivery_chunks": self._chunks,
-                    "delivery_failed": self._failed, "delivery_rows_cut": self._rows_cut}
+                    "delivery_rows": self._rows_delivered, "delivery_failed": self._failed,
+                    "delivery_rows_cut": self._rows_cut,
+                    "delivery_full_wait_s": getattr(self._sink, "room_wait_s", 0.0)}
 
     @property
     def streaming(self) -> bool:
@@ -597,6 +600,10 @@ class StageDelivery:
             except Exception as exc:
                 failures += [exc] * (end - start)
             start = end
+        rows = sum(next(iter(chunk.rows.values())).shape[0] if chunk.rows else 0
+                   for (_, chunk), failure in zip(chunks, failures) if failure is None)
+        with self._lock:
+            self._rows_delivered += rows
         return failures
 
     def _fail(self, external_id: str, req_id: str, cause: str,

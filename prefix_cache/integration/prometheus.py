@@ -35,6 +35,10 @@ COUNTERS = {
                            "Requests whose rows went to the stage channel"),
     "delivery_failed": ("omni_prefix_cache_entries_failed",
                         "Requests whose channel entry failed"),
+    "delivery_rows": ("omni_prefix_cache_rows_delivered",
+                      "Rows (positions) the stage channel took, in entries and streamed chunks"),
+    "delivery_full_wait_s": ("omni_prefix_cache_channel_full_wait_seconds",
+                             "Seconds the stage's puts waited for room in a full channel"),
 }
 #: Stage figure -> (metric, help): gauges, as they stand.
 GAUGES = {
