@@ -27,7 +27,7 @@ py_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # CPU kernels (the last check imports them), a C compiler and Python.h for this project's C modules.
 
 stamp="$VENV/.omni-lock-$(cat ci/vllm-omni-torch.lock ci/vllm-omni.lock pyproject.toml setup.py \
-    prefix_cache/core/_core.c prefix_cache/channel/_shm.c ci/setup-vllm-omni.sh |
+    $(find prefix_cache -name '*.[ch]' | sort) ci/setup-vllm-omni.sh |
     sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 echo "setting up $VENV for vllm-omni 0.30.0 (a few minutes and about 6 GB on a new machine)"

@@ -93,12 +93,17 @@ def probe_imports(*imports: str, setup: str = "") -> dict[str, Any]:
 
 def gpu_worker_modules() -> list[str]:
     """Every module a GPU worker process may load of this package (all but the CPU and NPU
-    workers), and the vLLM GPU worker and runner modules it builds on."""
+    workers, vllm-omni's CPU worker among them, and the vllm-omni adapter, which needs
+    vllm_omni: tests/vllm_omni loads it), and the vLLM GPU worker and runner modules it builds
+    on."""
     import pkgutil
 
     import prefix_cache
     ours = [m.name for m in pkgutil.walk_packages(prefix_cache.__path__, "prefix_cache.")
-            if m.name not in ("prefix_cache.integration.workers.cpu", "prefix_cache.integration.workers.npu",
+            if m.name not in ("prefix_cache.integration.workers.cpu",
+                              "prefix_cache.integration.workers.npu",
+                              "prefix_cache.integration.vllm_omni.cpu_worker",
+                              "prefix_cache.integration.vllm_omni.adapter",
                               "prefix_cache.__main__")]
     return ["prefix_cache.vllm_runners:PrefixCacheGPUWorker", *ours,
             "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"]
