@@ -7,24 +7,24 @@ name alone gives a file's name.
 
 Crash consistency: no file of an entry is ever renamed but once, into place. Each entry is
 `NAME.SEQ`, SEQ a sequence number the namespace hands out in publish order (from the ring's
-header, below), and the id's oldest entry is the one with the lowest SEQ. A put reserves its bytes and creates a
-temp file under the namespace lock (a `flock` on `.lock`, shared by every process on the
-machine), writes it without the lock, and renames it to `NAME.SEQ` under the lock. A get, under
-the lock, opens the id's lowest entry it awaits (the first chunk of an entry, or the next of
-its entry: read from the file's prefix, `peek`; the others stay) and unlinks it (so exactly
-one reader takes it), then maps it: the tensors it returns are views of a mapping no one else
-can reach. A process killed
-anywhere thus leaves every other entry where it was, in order; there is no chain to repair. The
-empty file `NAME` marks an id that may have entries (a put creates it before its entry, a get
-removes it with the last one), so a get of an id without entries costs one `lstat`. A put's
-system calls, and a step's expectations', are made in C (`prefix_cache.channel._shm`) with the
-GIL released: one call for the puts the namespace has room for (`_shm.put_all`, under the
-namespace lock taken first: a streaming step's chunks take it once in all), three (reserve,
-write, publish) for a put that waits for room, one for a step's expectations; each system call
-made from Python would give the GIL up and wait to take it back (on an engine's output thread,
-from the engine thread). A pool's rows are held (`reading`) only while they are copied, never
-while a lock another process keeps is awaited: a consumer stopped while it holds the namespace
-lock stalls the puts, never the engine thread that moves rows out of the pool.
+header, below), and the id's oldest entry is the one with the lowest SEQ. A put reserves its
+bytes and creates a temp file under the namespace lock (a `flock` on `.lock`, shared by every
+process on the machine), writes it without the lock, and renames it to `NAME.SEQ` under the
+lock. A take of a file, under the lock, opens the id's lowest entry it awaits (the first chunk
+of an entry, or the next of its entry: read from the file's prefix, `peek`; the others stay)
+and unlinks it (so exactly one reader takes it), then maps it: the tensors it returns are views
+of a mapping no one else can reach. A process killed anywhere thus leaves every other entry
+where it was, in order; there is no chain to repair. The empty file `NAME` marks an id that
+may have entry files (a put creates it before its entry, a take removes it with the last one),
+so a take of an id without files costs one `lstat`. A put's system calls, and a step's
+expectations', are made in C (`prefix_cache.channel._shm`) with the GIL released: one call for
+the puts the namespace has room for (`_shm.put_all`, under the namespace lock taken first),
+three (reserve, write, publish) for a put that waits for room, one for a step's expectations;
+each system call made from Python would give the GIL up and wait to take it back (on an
+engine's output thread, from the engine thread). A pool's rows are held (`reading`) only while
+they are copied, never while a lock another process keeps is awaited: a consumer stopped while
+it holds the namespace lock stalls the puts, never the engine thread that moves rows out of
+the pool.
 
 The chunk ring (`.ring`, `prefix_cache.channel._shm`'s `_ring.c` has its protocol): a streaming
 step's chunks are one per request per step, and a file each cost a put and a take about ten
@@ -324,10 +324,10 @@ class ShmChannel(StageChannel):
             fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
             self._budget_fd, self._lock_fd = fds
             self._ring = self._map_ring()
-            self._ring_slots, slot_bytes = _RING_HEADER.unpack_from(self._ring)[1:]
-            self._ring_bytes = self._ring_slots * slot_bytes
+            self._ring_slots, self._slot_bytes = _RING_HEADER.unpack_from(self._ring)[1:]
+            self._ring_bytes = self._ring_slots * self._slot_bytes
             #: the largest entry a slot takes (none where the ring has no slots)
-            self._ring_payload = slot_bytes - _SLOT_HEADER_BYTES if self._ring_slots else -1
+            self._ring_payload = self._slot_bytes - _SLOT_HEADER_BYTES if self._ring_slots else -1
             self._lock_pid = os.getpid()  # the process `_lock_fd` was opened in
             self._thread_lock = threading.Lock()  # flock excludes processes, not its threads
             #: per id, the numbers of its entries a take's scan found after the one it took,
@@ -552,8 +552,7 @@ class ShmChannel(StageChannel):
         ring's slots in use."""
         with self._operation(), self._locked():
             in_files = self._read_budget().used
-        return in_files + len(_shm.ring_slots(self._ring)) * (self._ring_payload
-                                                               + _SLOT_HEADER_BYTES)
+        return in_files + len(_shm.ring_slots(self._ring)) * self._slot_bytes
 
     def _open_private(self, name: str, flags: int) -> int:
         """A descriptor of the namespace's file `name`, refused unless private to this user."""
