@@ -242,6 +242,11 @@ class _HeldFile:
         return cls(path, fd, os.getpid(), record)
 
     @functools.cached_property
+    def is_producer(self) -> bool:
+        """Whether it is a producer's lock file (else the owner's)."""
+        return self.path.name.startswith(_PRODUCER_PREFIX)
+
+    @functools.cached_property
     def expectation(self) -> bytes:
         """What an expectation this holder (a producer) records holds: its record and name; its
         publish ends only an expectation that still holds exactly this."""
@@ -480,8 +485,8 @@ class ShmChannel(StageChannel):
     @property
     def _producer(self) -> _HeldFile | None:
         """This process's producer lock file of the handle, if it registered one."""
-        return next((h for h in self._lock_files if h.pid == os.getpid()
-                     and h.path.name.startswith(_PRODUCER_PREFIX)), None)
+        pid = os.getpid()
+        return next((h for h in self._lock_files if h.pid == pid and h.is_producer), None)
 
     def _register_producer(self) -> None:
         if self._producer is not None:
