@@ -28,7 +28,6 @@ import textwrap
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,56 +39,17 @@ from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.reporting.harness import (REPORT_WIDTH, machine, source_commit, spread,
                                                   unwritable, write_json)
 from prefix_cache.tools.reporting.targets import PIPELINE_METRICS, MetricSpec, Target
-from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, Engine, EngineShape,
+from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, MODELS, Engine,
+                                                  EngineShape, StageModel,
                                                   cache_engine_thread_s, engine_core_pid,
-                                                  multiprocessing_mode, start_talker, start_thinker,
-                                                  vllm_trace_config, write_dummy_qwen2,
-                                                  write_random_qwen2)
+                                                  multiprocessing_mode, platform_stage_model,
+                                                  start_talker, start_thinker, vllm_trace_config)
 from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline, warm_up
 from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
 from prefix_cache.tools.profiling.profile_capture import profile_engine, torch_trace_path
 from prefix_cache.tools.profiling.step_trace import StepTrace, compare_table, read_trace, step_trace
 
 
-@dataclass(frozen=True)
-class StageModel:
-    """Stage 1's model (a Qwen2): random weights written by transformers, or (`dummy`) only its
-    config.json, vLLM making random weights at load (`load_format="dummy"`)."""
-
-    hidden_size: int
-    num_layers: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    dummy: bool = False
-
-    def write(self, path: Path, *, num_layers: int | None = None, seed: int = 0) -> Path:
-        """The model (with `num_layers` where given: stage 2 is 2 layers of stage 1's width)."""
-        shape = dict(hidden_size=self.hidden_size, num_layers=num_layers or self.num_layers,
-                     intermediate_size=self.intermediate_size, num_heads=self.num_heads,
-                     num_kv_heads=self.num_kv_heads)
-        return write_dummy_qwen2(path, **shape) if self.dummy else \
-            write_random_qwen2(path, seed=seed, **shape)
-
-    @property
-    def engine_args(self) -> dict[str, Any]:
-        return {"load_format": "dummy"} if self.dummy else {}
-
-    def describe(self, shape: EngineShape) -> str:
-        return (f"hidden {self.hidden_size} x {self.num_layers} layers, {shape.dtype}"
-                + (", dummy weights" if self.dummy else ""))
-
-
-#: Stage-1 models by name and vLLM platform. small: prefill-dominated on a CPU (about 100 M
-#: parameters; on a GPU hidden 2048, about 400 M, bf16); 7b: a 7B-class Qwen2 (about 5.9 B
-#: parameters, 12 GB in bf16), GPU only; tiny: CPU only, a forward of a few hundred µs, so a
-#: step is bound by the engine's own Python as a GPU decode step under CUDA graphs is (plain
-#: steps of about 1.6 ms on 2 cores). Stage 2 is 2 layers of stage 1's width.
-MODELS: dict[str, dict[str, StageModel]] = {
-    "small": {"cpu": StageModel(1024, 8, 2816, 16, 4), "cuda": StageModel(2048, 8, 5632, 16, 4)},
-    "7b": {"cuda": StageModel(4096, 32, 11008, 32, 8, dummy=True)},
-    "tiny": {"cpu": StageModel(64, 1, 128, 2, 1)},
-}
 M8_SHAPE = EngineShape(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
                        long_prefill_token_threshold=0, num_blocks=129)
 #: vLLM's own worker (no cache) per platform, for the step-time comparison.
@@ -115,13 +75,8 @@ def m8_workload(*, families: int = 2, per_family: int = 8, prefix: int = 192, su
 
 def m8_stage_one(model: str = "small") -> tuple[str, StageModel, EngineShape]:
     """This platform's name, its stage-1 model `model` and engine shape (bf16 on a GPU)."""
-    from vllm.platforms import current_platform
-    device = current_platform.device_type
-    if device not in MODELS[model]:
-        raise RuntimeError(f"no {model} model for vLLM platform {device!r} "
-                           f"({' and '.join(MODELS[model])} have one)")
-    shape = M8_SHAPE if device == "cpu" else dataclasses.replace(M8_SHAPE, dtype="bfloat16")
-    return device, MODELS[model][device], shape
+    device, stage_model, dtype = platform_stage_model(model)
+    return device, stage_model, dataclasses.replace(M8_SHAPE, dtype=dtype)
 
 
 def _cold(*engines: Engine | None) -> None:

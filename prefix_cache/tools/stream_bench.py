@@ -19,9 +19,9 @@ at a time, so the later two of each run hit the prefix cache. Figures:
   step on average: steadier than the steps' ratio, and without the other threads' share.
 
 The stages are random Qwen2 models of hidden 256 and 2 layers (`--model random`, float32), or
-`pipeline_bench`'s stage-1 models (`--model small`, or `7b` with dummy weights on a GPU; bf16
-there), the talker 2 layers of the thinker's width; `--cudagraphs` runs them with CUDA graphs
-(vLLM's full decode graphs) instead of eager.
+the stage-1 models `pipeline_bench` uses (`--model small`, or `7b` with dummy weights on a
+GPU; bf16 there; `pipelines.engines.MODELS`), the talker 2 layers of the thinker's width;
+`--cudagraphs` runs them with CUDA graphs (vLLM's full decode graphs) instead of eager.
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
 `stream: N`). `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
@@ -52,14 +52,13 @@ from prefix_cache.channel import StageChannel
 from prefix_cache.tools.reporting.bench_report import Metric, metric_json, report
 from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log
 from prefix_cache.tools.pipelines.engine_loop import EngineLoop
-from prefix_cache.tools.pipelines.engines import (Engine, EngineShape, cache_engine_thread_s,
-                                                  engine_core_pid)
+from prefix_cache.tools.pipelines.engines import (MODELS, Engine, EngineShape,
+                                                  cache_engine_thread_s, engine_core_pid)
 from prefix_cache.tools.reporting.harness import (machine, source_commit, spread, unwritable,
                                                   write_json)
 from prefix_cache.tools.pipelines.pipeline import ROWS_TIMEOUT_S, greedy_params
 from prefix_cache.tools.profiling.profile import ProfileSummary, format_table
 from prefix_cache.tools.profiling.profile_capture import find_py_spy, profile_engine
-from prefix_cache.tools.pipeline_bench import MODELS, m8_stage_one
 from prefix_cache.tools.stream_demo import StreamWorkload
 from prefix_cache.tools.pipelines.stream_pipeline import StreamRequest, run_stages
 from prefix_cache.tools.pipelines.streaming import RowStream
@@ -149,8 +148,8 @@ def _stages(model: str, cudagraphs: bool, tmp: Path) -> tuple[Path, Path, Engine
         return (engines.write_random_qwen2(tmp / "thinker", seed=0),
                 engines.write_random_qwen2(tmp / "talker", seed=1), EngineShape(), dict(graphs),
                 f"random Qwen2 (hidden 256, 2 layers) per stage, {how}")
-    _, stage_model, m8_shape = m8_stage_one(model)
-    shape = dataclasses.replace(EngineShape(), dtype=m8_shape.dtype)
+    _, stage_model, dtype = engines.platform_stage_model(model)
+    shape = EngineShape(dtype=dtype)
     return (stage_model.write(tmp / "thinker", seed=0),
             stage_model.write(tmp / "talker", num_layers=2, seed=1), shape,
             {**stage_model.engine_args, **graphs},

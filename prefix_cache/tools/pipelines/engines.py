@@ -116,6 +116,59 @@ PORTABLE_ENGINE_ARGS: dict[str, Any] = dict(
 #: Full CUDA graphs for decode steps, no torch.compile (what the offline build for the H200
 #: machine captures and replays; it needs `torch.ops._C.weak_ref_tensor`). Two engines with
 #: graphs do not share a process in vLLM 0.26: give each its own engine-core process.
+@dataclass(frozen=True)
+class StageModel:
+    """Stage 1's model (a Qwen2): random weights written by transformers, or (`dummy`) only its
+    config.json, vLLM making random weights at load (`load_format="dummy"`)."""
+
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    dummy: bool = False
+
+    def write(self, path: Path, *, num_layers: int | None = None, seed: int = 0) -> Path:
+        """The model (with `num_layers` where given: stage 2 is 2 layers of stage 1's width)."""
+        shape = dict(hidden_size=self.hidden_size, num_layers=num_layers or self.num_layers,
+                     intermediate_size=self.intermediate_size, num_heads=self.num_heads,
+                     num_kv_heads=self.num_kv_heads)
+        return write_dummy_qwen2(path, **shape) if self.dummy else \
+            write_random_qwen2(path, seed=seed, **shape)
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        return {"load_format": "dummy"} if self.dummy else {}
+
+    def describe(self, shape: EngineShape) -> str:
+        return (f"hidden {self.hidden_size} x {self.num_layers} layers, {shape.dtype}"
+                + (", dummy weights" if self.dummy else ""))
+
+
+#: Stage-1 models by name and vLLM platform. small: prefill-dominated on a CPU (about 100 M
+#: parameters; on a GPU hidden 2048, about 400 M, bf16); 7b: a 7B-class Qwen2 (about 5.9 B
+#: parameters, 12 GB in bf16), GPU only; tiny: CPU only, a forward of a few hundred µs, so a
+#: step is bound by the engine's own Python as a GPU decode step under CUDA graphs is (plain
+#: steps of about 1.6 ms on 2 cores). Stage 2 is 2 layers of stage 1's width.
+MODELS: dict[str, dict[str, StageModel]] = {
+    "small": {"cpu": StageModel(1024, 8, 2816, 16, 4), "cuda": StageModel(2048, 8, 5632, 16, 4)},
+    "7b": {"cuda": StageModel(4096, 32, 11008, 32, 8, dummy=True)},
+    "tiny": {"cpu": StageModel(64, 1, 128, 2, 1)},
+}
+
+
+def platform_stage_model(name: str) -> tuple[str, StageModel, str]:
+    """This machine's vLLM platform, its stage-1 model `name` and the dtype it runs in
+    (float32 on the CPU, bfloat16 on a GPU); a RuntimeError, naming the platforms that have
+    one, where it has none."""
+    from vllm.platforms import current_platform
+    device = current_platform.device_type
+    if device not in MODELS[name]:
+        raise RuntimeError(f"no {name} model for vLLM platform {device!r} "
+                           f"({' and '.join(MODELS[name])} have one)")
+    return device, MODELS[name][device], "float32" if device == "cpu" else "bfloat16"
+
+
 CUDA_GRAPH_ARGS: dict[str, Any] = dict(
     enforce_eager=False,
     compilation_config={"custom_ops": ["none"], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
