@@ -45,8 +45,8 @@ def test_a_finished_request_is_published_from_position_0_then_freed() -> None:
         delivery.finish(FinishedRequest("a-1234abcd", "a", prompt_len=5))
         assert delivery.stats() == {"delivery_requests_held": 0, "delivery_bytes_held": 0,
                                     "delivery_published": 1, "delivery_chunks": 0,
-                                    "delivery_failed": 0,
-                                    "delivery_rows_cut": 0}
+                                    "delivery_rows": 7, "delivery_failed": 0,
+                                    "delivery_rows_cut": 0, "delivery_full_wait_s": 0.0}
         entry = channel.get_entry("a", timeout_s=1)
     assert not entry.aborted
     assert entry.meta == {"prompt_len": 5, "num_rows": 7}
