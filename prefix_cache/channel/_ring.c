@@ -409,12 +409,22 @@ done:
     return result;
 }
 
-/* Slot `slot` of the borrowed ring, or NULL with an error set. */
+/* A slot call's arguments (ring, slot, word), parsed by `format`: the slot, its ring borrowed
+ * into `view` (the caller releases it), and its word in `word`; NULL with an error set and
+ * nothing borrowed. */
 static SlotHeader *
-checked_slot(RingHeader *ring, unsigned int slot)
+borrow_slot(PyObject *args, const char *format, Py_buffer *view, unsigned long long *word)
 {
+    PyObject *ring_obj;
+    unsigned int slot;
+    RingHeader *ring;
+    if (!PyArg_ParseTuple(args, format, &ring_obj, &slot, word) ||
+            borrow_ring(ring_obj, view, &ring) < 0) {
+        return NULL;
+    }
     if (slot >= ring->slot_count) {
         PyErr_Format(PyExc_IndexError, "slot %u of a ring of %u", slot, ring->slot_count);
+        PyBuffer_Release(view);
         return NULL;
     }
     return slot_at(ring, slot);
@@ -429,29 +439,19 @@ PyDoc_STRVAR(ring_claim_doc,
 static PyObject *
 ring_claim(PyObject *self, PyObject *args)
 {
-    PyObject *ring_obj;
-    unsigned int slot;
-    unsigned long long word;
-    if (!PyArg_ParseTuple(args, "OIK:ring_claim", &ring_obj, &slot, &word)) {
-        return NULL;
-    }
     Py_buffer view;
-    RingHeader *ring;
-    if (borrow_ring(ring_obj, &view, &ring) < 0) {
+    unsigned long long word;
+    SlotHeader *s = borrow_slot(args, "OIK:ring_claim", &view, &word);
+    if (s == NULL) {
         return NULL;
     }
-    SlotHeader *s = checked_slot(ring, slot);
-    PyObject *result = NULL;
-    if (s != NULL) {
-        uint64_t taken = make_word(0, GEN(word), TAKEN);
-        int won = STATE(word) == READY && swap_word(s, word, taken);
-        if (won) {
-            s->claimed_at = wall_now();
-        }
-        result = PyLong_FromLongLong(won ? (long long)taken : -1);
+    uint64_t taken = make_word(0, GEN(word), TAKEN);
+    int won = STATE(word) == READY && swap_word(s, word, taken);
+    if (won) {
+        s->claimed_at = wall_now();
     }
     PyBuffer_Release(&view);
-    return result;
+    return PyLong_FromLongLong(won ? (long long)taken : -1);
 }
 
 PyDoc_STRVAR(ring_copy_out_doc,
@@ -463,28 +463,20 @@ PyDoc_STRVAR(ring_copy_out_doc,
 static PyObject *
 ring_copy_out(PyObject *self, PyObject *args)
 {
-    PyObject *ring_obj;
-    unsigned int slot;
-    unsigned long long taken;
-    if (!PyArg_ParseTuple(args, "OIK:ring_copy_out", &ring_obj, &slot, &taken)) {
-        return NULL;
-    }
     Py_buffer view;
-    RingHeader *ring;
-    if (borrow_ring(ring_obj, &view, &ring) < 0) {
+    unsigned long long taken;
+    SlotHeader *s = borrow_slot(args, "OIK:ring_copy_out", &view, &taken);
+    if (s == NULL) {
         return NULL;
     }
-    SlotHeader *s = checked_slot(ring, slot);
-    PyObject *result = NULL;
-    if (s != NULL) {
-        size_t nbytes = s->nbytes < payload_bytes(ring) ? s->nbytes : payload_bytes(ring);
-        result = PyByteArray_FromStringAndSize((const char *)(s + 1), (Py_ssize_t)nbytes);
-        __atomic_thread_fence(__ATOMIC_ACQUIRE);
-        uint64_t freed = make_word(0, GEN(taken), FREE);
-        if (!swap_word(s, taken, freed) && load_word(s) != freed) {
-            Py_XDECREF(result);  /* written again since it was taken: not the entry's bytes */
-            result = Py_NewRef(Py_None);
-        }
+    const RingHeader *ring = view.buf;
+    size_t nbytes = s->nbytes < payload_bytes(ring) ? s->nbytes : payload_bytes(ring);
+    PyObject *result = PyByteArray_FromStringAndSize((const char *)(s + 1), (Py_ssize_t)nbytes);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t freed = make_word(0, GEN(taken), FREE);
+    if (!swap_word(s, taken, freed) && load_word(s) != freed) {
+        Py_XDECREF(result);  /* written again since it was taken: not the entry's bytes */
+        result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&view);
     return result;
@@ -532,22 +524,15 @@ PyDoc_STRVAR(ring_release_doc,
 static PyObject *
 ring_release(PyObject *self, PyObject *args)
 {
-    PyObject *ring_obj;
-    unsigned int slot;
-    unsigned long long word;
-    if (!PyArg_ParseTuple(args, "OIK:ring_release", &ring_obj, &slot, &word)) {
-        return NULL;
-    }
     Py_buffer view;
-    RingHeader *ring;
-    if (borrow_ring(ring_obj, &view, &ring) < 0) {
+    unsigned long long word;
+    SlotHeader *s = borrow_slot(args, "OIK:ring_release", &view, &word);
+    if (s == NULL) {
         return NULL;
     }
-    SlotHeader *s = checked_slot(ring, slot);
-    PyObject *result = s == NULL ? NULL : PyBool_FromLong(
-        STATE(word) != FREE && swap_word(s, word, make_word(0, GEN(word), FREE)));
+    int freed = STATE(word) != FREE && swap_word(s, word, make_word(0, GEN(word), FREE));
     PyBuffer_Release(&view);
-    return result;
+    return PyBool_FromLong(freed);
 }
 
 PyDoc_STRVAR(ring_wait_doc,
