@@ -19,6 +19,8 @@ Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
 - `mm`: `main` on a runner whose forward also emits a per-token multimodal key, which the
   model's attributes declare deferred (`deferred_prefix_cache_mm_keys`);
 - `graphs`: `main` with CUDA graphs captured for decode (no torch.compile);
+- `capped`: `main` without its 512-token prompt, on a host pool capped at 12 blocks of the KV
+  cache's 96 (`CAPPED_BUDGET`): blocks are evicted, hits cut to their resident prefix;
 - `tp2`: `main` over two GPUs (`tensor_parallel_size=2`), the engine core and each rank's worker
   in processes of their own (run it multiprocess); OUT holds every rank's stats;
 - `v2-main`, `v2-preempt`, `v2-preempt-abort`: those cases on Model Runner V2
@@ -27,6 +29,7 @@ Cases (a tiny random Qwen2, hidden 256, head size 64, bf16, 16-token blocks):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -47,6 +50,12 @@ MAIN_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=6
 PREEMPT_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                             long_prefill_token_threshold=32, num_blocks=14, max_model_len=192,
                             dtype="bfloat16")
+#: A pool must hold one request of max_model_len (its blocks stay while it runs): 8 blocks here.
+CAPPED_SHAPE = dataclasses.replace(MAIN_SHAPE, max_model_len=128)
+#: 13 blocks of bf16 rows of hidden 256 (12 usable beside block 0) of the KV cache's 97.
+CAPPED_BUDGET = 13 * 16 * 256 * 2
+#: The cache's scheduler, named where the engine core runs in a process of its own.
+RESIDENT_SCHEDULER = "prefix_cache.integration.workers.finishes.ResidentScheduler"
 MM_KEY = "codes.audio"
 STOP_TOKEN_IDS = tuple(range(0, 1024, 3))
 #: Two ranks, each a worker process (`mp`): the cache refuses such workers under asynchronous
@@ -121,13 +130,18 @@ def __getattr__(name: str) -> Any:  # the engine process imports the mm worker b
 
 def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: Path) -> None:
     from prefix_cache.channel import open_channel
-    shape, requests, args = MAIN_SHAPE, main_workload(), {}
+    shape, requests, args, options = MAIN_SHAPE, main_workload(), {}, {}
     v2, case = case.startswith("v2-"), case.removeprefix("v2-")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     if case == "preempt":
         shape, requests = PREEMPT_SHAPE, preempt_workload()
     elif case == "preempt-abort":
         shape, requests = PREEMPT_SHAPE, unrelated_decoding_requests()
+    elif case == "capped":
+        shape, options = CAPPED_SHAPE, {"host_budget_bytes": CAPPED_BUDGET}
+        requests = [r for r in requests if r.req_id != "long-aborted"]
+        if multiprocessing:
+            args["scheduler_cls"] = RESIDENT_SCHEDULER
     elif case == "mm":
         args["worker_cls"] = f"{__name__}.MMWorker"
     elif case == "graphs":
@@ -136,7 +150,8 @@ def run(case: str, caching: bool, multiprocessing: bool, model_dir: Path, out: P
         os.environ.update(TP2_ENV)
         args.update(TP2_ARGS)
     with multiprocessing_mode(multiprocessing), open_channel() as channel:
-        engine = start_thinker(model_dir, channel, prefix_caching=caching, shape=shape, **args)
+        engine = start_thinker(model_dir, channel, prefix_caching=caching, shape=shape,
+                               stage_options=options if caching else None, **args)
         try:
             core = getattr(engine.engine.engine_core, "engine_core", None)  # in-process only
             runner = None if core is None else \

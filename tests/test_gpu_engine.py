@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.vllm, pytest.mark.slow]
 
 from prefix_cache import HIDDEN_KEY  # noqa: E402
 from prefix_cache.devices.cuda.dma import DMA_MIN_BYTES_ENV  # noqa: E402
-from tests.gpu_engine_run import MM_KEY, main_workload  # noqa: E402
+from tests.gpu_engine_run import CAPPED_BUDGET, MM_KEY, main_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Rows of the same tokens computed in different batch compositions (chunking, preemption's
@@ -61,7 +61,7 @@ def run_on_and_off(case: str, multiprocessing: bool, model_dir: Path, tmp: Path
         if code != 0:
             pytest.fail(f"{case} with caching {caching} exited {code}:\n"
                         f"{log_path.read_text()[-4000:]}")
-        results[caching] = torch.load(out, weights_only=False)
+        results[caching] = {**torch.load(out, weights_only=False), "log": log_path.read_text()}
     if os.environ.get(DMA_MIN_BYTES_ENV) == "0":  # every save by the copy engine, as asked
         assert results["on"]["stats"].get("backend.dma_jobs", 0) > 0, results["on"]["stats"]
     return results["on"], results["off"]
@@ -131,6 +131,23 @@ def test_a_multimodal_key_declared_by_model_attributes_matches(
             continue
         hidden, codes = entry["outputs"][HIDDEN_KEY], entry["outputs"][MM_KEY]
         assert torch.equal(codes, hidden[:, :4] * 2), req_id  # hit rows included
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])
+def test_a_capped_host_pool_evicts_cuts_hits_and_keeps_every_row(
+        model_dir: Path, tmp_path: Path, multiprocessing: bool) -> None:
+    """A pinned host pool of 12 blocks' rows under a KV cache of 96: the pool is at the budget,
+    blocks are evicted, hits are cut to what stayed resident (the rest recomputed) and served
+    from what did, and every row matches the run without prefix caching."""
+    on, off = run_on_and_off("capped", multiprocessing, model_dir, tmp_path)
+    assert_entries_match(on, off)
+    stats = on["stats"]
+    assert sum(v for k, v in stats.items() if k.startswith("pool_bytes.")) == CAPPED_BUDGET
+    assert stats["pool_blocks"] == 12 and stats["resident_blocks"] <= 12
+    assert stats["evicted_blocks"] > 0 and stats["hit_tokens_trimmed"] > 0
+    assert hits(on) >= 1 and stats["hit_tokens"] > 0
+    assert "capped: rows of 12 of the 96 KV blocks" in on["log"]
+    assert "pinned" in on["log"].split("capped: rows of", 1)[1].splitlines()[0]
 
 
 def registers_weak_ref_tensor() -> bool:
