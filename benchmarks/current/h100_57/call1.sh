@@ -17,11 +17,13 @@ for section in "$@"; do
   case $section in
     engine)
       t 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
-        -k "capped or entries_match_with" --basetemp=$OUT/engine > $OUT/engine.log 2>&1
+        -k "capped or entries_match_with" --basetemp=/tmp/engine > $OUT/engine.log 2>&1
+      mkdir -p $OUT/engine-logs && find /tmp/engine -name '*.log' -exec cp {} $OUT/engine-logs/ \;
       tail -15 $OUT/engine.log ;;
     engine2)
       t 560 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
-        -k "not capped and not entries_match_with" --basetemp=$OUT/engine2 > $OUT/engine2.log 2>&1
+        -k "not capped and not entries_match_with" --basetemp=/tmp/engine2 > $OUT/engine2.log 2>&1
+      mkdir -p $OUT/engine2-logs && find /tmp/engine2 -name '*.log' -exec cp {} $OUT/engine2-logs/ \;
       tail -15 $OUT/engine2.log ;;
     start)
       t 240 python3 benchmarks/pool_start_cost.py --model 7b --cap-gib 2 \
