@@ -1,7 +1,7 @@
 """Where M10's capped stage 1 spends its time beside the uncapped one: the steps vLLM's scheduler
 made, the tokens and requests of each, and the cache's engine-thread time, per run.
 
-    PYTHONPATH=. python3 benchmarks/m10_steps.py [--model small|tiny|7b] [--runs 3]
+    PYTHONPATH=. python3 benchmarks/m10_steps.py [--model small|tiny|7b] [--runs 3] [--profile N]
 
 The engines of `pipeline_bench --only M10` (M8's workload and stage 1; capped at a quarter of
 the KV mirror, uncapped, caching off; the cache's scheduler named in all three), but in this
@@ -9,11 +9,16 @@ process, so that each scheduler step is seen: `schedule()` is wrapped to note it
 tokens, its requests, and how many requests it left waiting. Runs rotate between the engines
 as M10's do, each from a cold prefix cache. Prints, per engine, the median run's ms, steps,
 ms in `schedule()` and in the cache's engine-thread calls, and the tokens scheduled by step.
+`--profile N`: each cache engine's runs also under cProfile (the engine thread: this one), and
+the N functions of `prefix_cache` with the most time of their own, capped beside uncapped (the
+profiler's overhead inflates each call: compare the two, not the times with the table's).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import tempfile
@@ -54,10 +59,29 @@ class StepLog:
         scheduler.schedule = noted
 
 
+def own_time_table(profiles: dict[str, cProfile.Profile], top: int, runs: int) -> str:
+    """The `top` functions of `prefix_cache` by the capped engine's time of their own, µs a run
+    and calls a run for each engine."""
+    own: dict[str, dict[str, tuple[float, int]]] = {}
+    for label, profile in profiles.items():
+        for (path, line, name), (_, calls, tottime, _, _) in \
+                pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+            if "prefix_cache" in path:
+                where = f"{path.split('prefix_cache/', 1)[-1]}:{line}({name})"
+                own.setdefault(where, {})[label] = (tottime / runs, calls // runs)
+    ranked = sorted(own.items(), key=lambda item: -item[1].get("capped", (0.0, 0))[0])[:top]
+    return format_table(
+        ["function (cProfile, own time)", "capped µs/run", "calls", "uncapped µs/run", "calls"],
+        [[where, *(x for label in ("capped", "uncapped") for x in (
+            f"{by.get(label, (0.0, 0))[0] * 1e6:.0f}", by.get(label, (0.0, 0))[1]))]
+         for where, by in ranked])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     import torch
 
@@ -86,6 +110,7 @@ def main() -> int:
             runs: dict[str, list[tuple[float, list[tuple[int, int, int]], float, float]]] = {
                 label: [] for label in engines}
             order = list(engines)
+            profiles = {label: cProfile.Profile() for label in ("capped", "uncapped")}
             for i in range(args.runs):
                 print(f"[m10 steps] run {i + 1}/{args.runs} ...", file=terminal, flush=True)
                 for label in order[i % 3:] + order[:i % 3]:
@@ -93,7 +118,12 @@ def main() -> int:
                     _cold(engine)
                     before = cache_engine_thread_s(engine.stats()) if label != "off" else 0.0
                     log.steps, log.seconds = [], 0.0
+                    profile = profiles.get(label) if args.profile else None
+                    if profile is not None:
+                        profile.enable()
                     seconds = run_pipeline(engine, channel, requests).seconds
+                    if profile is not None:
+                        profile.disable()
                     cache_s = (cache_engine_thread_s(engine.stats()) - before
                                if label != "off" else 0.0)
                     runs[label].append((seconds, log.steps, cache_s, log.seconds))
@@ -117,6 +147,8 @@ def main() -> int:
     print("  median run ms: " + ", ".join(
         f"{label} {statistics.median(r[0] for r in done) * 1e3:.1f}"
         for label, done in runs.items()))
+    if args.profile:
+        print(own_time_table(profiles, args.profile, args.runs))
     print(f"vLLM's log: {log_path}")
     return 0
 

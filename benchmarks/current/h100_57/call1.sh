@@ -7,6 +7,7 @@
 #            START_ROUNDS=N rounds (default 1)
 #   m10      M10 on the GPU (M8's small model, pool capped at 25% of the mirror)
 #   m10-steps  M10's engines in this process: steps, schedule() and the cache's calls per run
+#            (M10_PROFILE=1: and the top 30 of the cache's functions under cProfile)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || tail $OUT/install.log
@@ -37,8 +38,9 @@ for section in "$@"; do
         --json $OUT/m10.json > $OUT/m10.log 2>&1
       tail -12 $OUT/m10.log ;;
     m10-steps)
-      t 240 python3 benchmarks/m10_steps.py --model small --runs 5 > $OUT/m10-steps.log 2>&1
-      tail -12 $OUT/m10-steps.log ;;
+      t 240 python3 benchmarks/m10_steps.py --model small --runs 5 ${M10_PROFILE:+--profile 30} \
+        > $OUT/m10-steps.log 2>&1
+      tail -${M10_PROFILE:+4}12 $OUT/m10-steps.log ;;
   esac
 done
 echo "total $SECONDS s"
