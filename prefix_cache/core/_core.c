@@ -685,6 +685,34 @@ done:
     return result;
 }
 
+/* value at every slot of the (checked) runs: whole blocks into `blocks`, the other slots into
+ * `slots`; `marks` (or NULL) per block: value where a slot entry was written, 0 where the
+ * block entry was. */
+static void
+fill_runs(const IntArray *runs, int64_t bs, int64_t *slots, int64_t *blocks, int64_t value,
+          int64_t *marks)
+{
+    const int64_t *r = int64s(runs);
+    for (Py_ssize_t i = 0; i < runs->buf.shape[0]; i++) {
+        RunParts p = run_parts(r[2 * i], r[2 * i + 1], bs);
+        for (int64_t b = p.block; b < p.block_end; b++) {
+            blocks[b] = value;
+            if (marks) {
+                marks[b] = 0;
+            }
+        }
+        for (int pass = 0; pass < 2; pass++) {
+            int64_t slot = pass ? p.tail : p.head, stop = pass ? p.end : p.head_end;
+            for (; slot < stop; slot++) {
+                slots[slot] = value;
+            }
+            if (marks && slot > (pass ? p.tail : p.head)) {
+                marks[(slot - 1) / bs] = value;
+            }
+        }
+    }
+}
+
 #define MAX_FILLS 2
 
 PyDoc_STRVAR(fill_tiers_doc,
@@ -738,32 +766,105 @@ fill_tiers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (check_runs(&a[0], a[2].len, "fill_tiers: runs") < 0) {
         goto done;
     }
-    const int64_t *r = int64s(&a[0]);
     for (Py_ssize_t t = 0; t < fills; t++) {
-        int64_t *slots = int64s(&a[2 + 2 * t]), *blocks = int64s(&a[3 + 2 * t]);
-        int64_t value = values[t], *marks = t == 0 && newest->held ? int64s(newest) : NULL;
-        for (Py_ssize_t i = 0; i < a[0].buf.shape[0]; i++) {
-            RunParts p = run_parts(r[2 * i], r[2 * i + 1], bs);
-            for (int64_t b = p.block; b < p.block_end; b++) {
-                blocks[b] = value;
-                if (marks) {
-                    marks[b] = 0;
-                }
-            }
-            for (int pass = 0; pass < 2; pass++) {
-                int64_t slot = pass ? p.tail : p.head, stop = pass ? p.end : p.head_end;
-                for (; slot < stop; slot++) {
-                    slots[slot] = value;
-                }
-                if (marks && slot > (pass ? p.tail : p.head)) {
-                    marks[(slot - 1) / bs] = value;
-                }
-            }
-        }
+        fill_runs(&a[0], bs, int64s(&a[2 + 2 * t]), int64s(&a[3 + 2 * t]), values[t],
+                  t == 0 && newest->held ? int64s(newest) : NULL);
     }
     result = Py_NewRef(Py_None);
 done:
     release(a, 2 + 2 * fills);
+    return result;
+}
+
+/* The tables a key's write fills, in claim_write's order. */
+#define WRITE_TABLES 4
+
+PyDoc_STRVAR(claim_write_doc,
+"claim_write(runs, block_size, newest, claim_slots, claim_blocks, claim, writes, producer)\n"
+"-> None\n\n"
+"A step's claim and its write's record in one call: fill_tiers(runs, block_size, newest,\n"
+"claim_slots, claim_blocks, claim), then, for each (version_slots, version_blocks,\n"
+"producer_slots, producer_blocks) of the sequence writes, fill_tiers(runs, block_size,\n"
+"None, version_slots, version_blocks, claim, producer_slots, producer_blocks, producer).\n"
+"Every table is checked before any is written: one that raises leaves them all unchanged.");
+
+static PyObject *
+claim_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{0, "claim_write: runs", 0, 2, 2, 1, 0},
+                                      {2, "claim_write: newest", 1, 1, 0, 1, 0},
+                                      {3, "claim_write: claim_slots", 1, 1, 0, 1, 0},
+                                      {4, "claim_write: claim_blocks", 1, 1, 0, 1, 0}};
+    static const ArraySpec table_spec = {0, "claim_write: a write's table", 1, 1, 0, 1, 0};
+    IntArray a[4], *tables = NULL;
+    Py_ssize_t num_tables = 0;  /* calloc'ed: those not borrowed yet hold nothing */
+    if (borrow_all("claim_write", args, nargs, 8, specs, 4, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL, *writes = NULL;
+    int64_t bs, claim, producer;
+    if (int_arg(args[1], &bs) < 0 || int_arg(args[5], &claim) < 0 ||
+            int_arg(args[7], &producer) < 0 ||
+            check_tiers("claim_write", bs, &a[2], &a[3]) < 0) {
+        goto done;
+    }
+    if (a[1].len != a[3].len) {
+        PyErr_Format(PyExc_ValueError, "claim_write: newest has %zd entries for %zd blocks",
+                     a[1].len, a[3].len);
+        goto done;
+    }
+    if (check_runs(&a[0], a[2].len, "claim_write: runs") < 0) {
+        goto done;
+    }
+    writes = PySequence_Tuple(args[6]);
+    if (writes == NULL) {
+        goto done;
+    }
+    Py_ssize_t num_writes = PyTuple_GET_SIZE(writes);
+    tables = PyMem_Calloc(num_writes ? num_writes * WRITE_TABLES : 1, sizeof(IntArray));
+    if (tables == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    num_tables = num_writes * WRITE_TABLES;
+    for (Py_ssize_t w = 0; w < num_writes; w++) {
+        PyObject *write = PyTuple_GET_ITEM(writes, w);
+        if (!PyTuple_Check(write) || PyTuple_GET_SIZE(write) != WRITE_TABLES) {
+            PyErr_Format(PyExc_TypeError, "claim_write: write %zd must be a tuple of %d tables, "
+                         "got %.80s", w, WRITE_TABLES, Py_TYPE(write)->tp_name);
+            goto done;
+        }
+        IntArray *w_tables = &tables[w * WRITE_TABLES];
+        for (int t = 0; t < WRITE_TABLES; t++) {
+            if (borrow(PyTuple_GET_ITEM(write, t), &table_spec, &w_tables[t]) < 0) {
+                goto done;
+            }
+        }
+        if (check_tiers("claim_write", bs, &w_tables[0], &w_tables[1]) < 0 ||
+                check_tiers("claim_write", bs, &w_tables[2], &w_tables[3]) < 0) {
+            goto done;
+        }
+        if (w_tables[0].len != a[2].len || w_tables[2].len != a[2].len) {
+            PyErr_Format(PyExc_ValueError, "claim_write: write %zd's tables of %zd and %zd "
+                         "slots for a pool of %zd", w, w_tables[0].len, w_tables[2].len,
+                         a[2].len);
+            goto done;
+        }
+    }
+    fill_runs(&a[0], bs, int64s(&a[2]), int64s(&a[3]), claim, int64s(&a[1]));
+    for (Py_ssize_t w = 0; w < num_writes; w++) {
+        IntArray *w_tables = &tables[w * WRITE_TABLES];
+        fill_runs(&a[0], bs, int64s(&w_tables[0]), int64s(&w_tables[1]), claim, NULL);
+        fill_runs(&a[0], bs, int64s(&w_tables[2]), int64s(&w_tables[3]), producer, NULL);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (tables != NULL) {
+        release(tables, num_tables);
+        PyMem_Free(tables);
+    }
+    Py_XDECREF(writes);
+    release(a, 4);
     return result;
 }
 
@@ -1138,7 +1239,8 @@ gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef core_methods[] = {
     METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
-    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
+    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
+    METHOD(add_pins),
     METHOD(row_states),
     METHOD(copy_rows), METHOD(gather_rows),
     {NULL, NULL, 0, NULL},
