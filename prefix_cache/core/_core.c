@@ -273,6 +273,73 @@ PyDoc_STRVAR(request_runs_doc,
 "none). Found a block at a time. Raises when a row or a block falls outside the table, or\n"
 "runs has too few rows.");
 
+/* Add the runs of `req`'s next `count` positions, from computed[index_of[req]] on (see
+ * request_runs), to `out`. */
+static int
+add_request_runs(PyObject *req, int64_t count, PyObject *index_of, const IntArray *computed,
+                 const IntArray *table, int64_t unit, RunsOut *out)
+{
+    int64_t row;
+    if (mapping_int(index_of, req, "batch row", &row) < 0) {
+        return -1;
+    }
+    Py_ssize_t num_rows = table->buf.shape[0], width = table->buf.shape[1];
+    if (row < 0 || row >= num_rows || row >= computed->len) {
+        PyErr_Format(PyExc_IndexError, "request %R: batch row %lld outside the table's %zd "
+                     "rows", req, (long long)row, num_rows);
+        return -1;
+    }
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "request %R: %lld scheduled tokens", req,
+                     (long long)count);
+        return -1;
+    }
+    int64_t first = get_at(computed, row);
+    if (first < 0 || count > INT64_MAX - first) {
+        PyErr_Format(PyExc_ValueError, "request %R: %lld computed and %lld scheduled tokens "
+                     "are not positions", req, (long long)first, (long long)count);
+        return -1;
+    }
+    int64_t last = first + count - 1;
+    if (count && last / unit >= width) {
+        PyErr_Format(PyExc_IndexError, "request %R: positions %lld..%lld need blocks past "
+                     "the table's %zd per request", req, (long long)first, (long long)last,
+                     width);
+        return -1;
+    }
+    /* block by block: the first may start mid-block, every later one at its offset 0 */
+    int64_t offset = count ? first % unit : 0, left = count;
+    for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
+        int64_t run = unit - offset < left ? unit - offset : left;
+        int64_t id = get_at(table, row * width + block);
+        if (id < 0 || id > (INT64_MAX - (offset + run)) / unit) {  /* slot + run fits */
+            PyErr_Format(PyExc_ValueError, "request %R: block id %lld at block %lld is not "
+                         "a block of %lld slots", req, (long long)id, (long long)block,
+                         (long long)unit);
+            return -1;
+        }
+        int64_t slot = id * unit + offset;
+        if (add_run(out, slot, slot + run) < 0) {
+            return -1;
+        }
+        left -= run;
+    }
+    return 0;
+}
+
+static int
+positive_unit(const char *fn, PyObject *obj, int64_t *unit)
+{
+    if (int_arg(obj, unit) < 0) {
+        return -1;
+    }
+    if (*unit <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: unit %lld must be positive", fn, (long long)*unit);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -283,15 +350,9 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (borrow_all("request_runs", args, nargs, 7, specs, 3, a) < 0) {
         return NULL;
     }
-    const IntArray *computed = &a[0], *table = &a[1];
     PyObject *result = NULL, *req_ids = NULL;
     int64_t unit;
-    if (int_arg(args[5], &unit) < 0) {
-        goto done;
-    }
-    if (unit <= 0) {
-        PyErr_Format(PyExc_ValueError, "request_runs: unit %lld must be positive",
-                     (long long)unit);
+    if (positive_unit("request_runs", args[5], &unit) < 0) {
         goto done;
     }
     req_ids = PySequence_Tuple(args[0]);  /* see row_ends */
@@ -299,59 +360,218 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     RunsOut out = {int64s(&a[2]), 0, a[2].buf.shape[0], 0, -1};
-    Py_ssize_t num_rows = table->buf.shape[0], width = table->buf.shape[1];
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(req_ids); i++) {
         PyObject *req = PyTuple_GET_ITEM(req_ids, i);
-        int64_t count, row;
+        int64_t count;
         if (mapping_int(args[1], req, "scheduled tokens", &count) < 0 ||
-                mapping_int(args[2], req, "batch row", &row) < 0) {
+                add_request_runs(req, count, args[2], &a[0], &a[1], unit, &out) < 0) {
             goto done;
-        }
-        if (row < 0 || row >= num_rows || row >= computed->len) {
-            PyErr_Format(PyExc_IndexError, "request %R: batch row %lld outside the table's %zd "
-                         "rows", req, (long long)row, num_rows);
-            goto done;
-        }
-        if (count < 0) {
-            PyErr_Format(PyExc_ValueError, "request %R: %lld scheduled tokens", req,
-                         (long long)count);
-            goto done;
-        }
-        int64_t first = get_at(computed, row);
-        if (first < 0 || count > INT64_MAX - first) {
-            PyErr_Format(PyExc_ValueError, "request %R: %lld computed and %lld scheduled tokens "
-                         "are not positions", req, (long long)first, (long long)count);
-            goto done;
-        }
-        int64_t last = first + count - 1;
-        if (count && last / unit >= width) {
-            PyErr_Format(PyExc_IndexError, "request %R: positions %lld..%lld need blocks past "
-                         "the table's %zd per request", req, (long long)first, (long long)last,
-                         width);
-            goto done;
-        }
-        /* block by block: the first may start mid-block, every later one at its offset 0 */
-        int64_t offset = count ? first % unit : 0, left = count;
-        for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
-            int64_t run = unit - offset < left ? unit - offset : left;
-            int64_t id = get_at(table, row * width + block);
-            if (id < 0 || id > (INT64_MAX - (offset + run)) / unit) {  /* slot + run fits */
-                PyErr_Format(PyExc_ValueError, "request %R: block id %lld at block %lld is not "
-                             "a block of %lld slots", req, (long long)id, (long long)block,
-                             (long long)unit);
-                goto done;
-            }
-            int64_t slot = id * unit + offset;
-            if (add_run(&out, slot, slot + run) < 0) {
-                goto done;
-            }
-            left -= run;
         }
     }
     result = Py_BuildValue("nLL", out.k, (long long)out.low, (long long)out.high);
 done:
     Py_XDECREF(req_ids);
     release(a, 3);
+    return result;
+}
+
+/* scheduled[req] as a count, or `missing` (1) where it has none (a KeyError, cleared). */
+static int
+scheduled_count(PyObject *scheduled, PyObject *req, int64_t *count, int *missing)
+{
+    *missing = 0;
+    if (mapping_int(scheduled, req, "scheduled tokens", count) == 0) {
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+        return -1;
+    }
+    PyErr_Clear();
+    *missing = 1;
+    return 0;
+}
+
+/* `order`: the batch's requests without its None entries, all of them where they are exactly
+ * the scheduled ones, else those scheduled for more than 0 tokens; `counts[i]` each one's. */
+static int
+scheduled_order(PyObject *batch, PyObject *scheduled, PyObject *order, int64_t *counts)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(batch), present = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        present += PyTuple_GET_ITEM(batch, i) != Py_None;
+    }
+    Py_ssize_t num_scheduled = PyObject_Length(scheduled);
+    if (num_scheduled < 0) {
+        return -1;
+    }
+    int exact = present == num_scheduled, missing;
+    for (int pass = exact ? 0 : 1; pass < 2; pass++) {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *req = PyTuple_GET_ITEM(batch, i);
+            if (req == Py_None) {
+                continue;
+            }
+            if (scheduled_count(scheduled, req, &counts[k], &missing) < 0) {
+                return -1;
+            }
+            if (pass == 0 && missing) {
+                break;  /* not exactly the scheduled requests: those scheduled tokens */
+            }
+            if (pass == 1 && (missing || counts[k] <= 0)) {
+                continue;
+            }
+            if (PyList_Append(order, req) < 0) {
+                return -1;
+            }
+            k++;
+        }
+        if (pass == 0 && k == present) {
+            return 0;
+        }
+        if (pass == 0 && PyList_SetSlice(order, 0, PyList_GET_SIZE(order), NULL) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Whether the scheduled requests left out of the step's `k` are not exactly those scheduled
+ * for no tokens. */
+static int
+rows_left_out(PyObject *scheduled, Py_ssize_t k, int *refused)
+{
+    Py_ssize_t left_out = PyObject_Length(scheduled);
+    if (left_out < 0) {
+        return -1;
+    }
+    left_out -= k;
+    if (left_out == 0) {
+        return 0;
+    }
+    PyObject *values = PyMapping_Values(scheduled);
+    if (values == NULL) {
+        return -1;
+    }
+    Py_ssize_t idle = 0;
+    int64_t count;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
+        if (int_arg(PyList_GET_ITEM(values, i), &count) < 0) {
+            Py_DECREF(values);
+            return -1;
+        }
+        idle += count <= 0;
+    }
+    Py_DECREF(values);
+    *refused = left_out != idle;
+    return 0;
+}
+
+PyDoc_STRVAR(step_layout_doc,
+"step_layout(batch, scheduled, index_of, computed, table, unit, empty, num_rows)\n"
+"-> (order, ends, total, smallest, runs, min, max)\n\n"
+"A step's rows and slots in one call. order: the batch's requests (its None entries left\n"
+"out) in batch order, all of them where they are exactly the scheduled requests, else those\n"
+"scheduled for more than 0 tokens; ends: their row ends as row_ends makes them, total and\n"
+"smallest too; runs: their slots as request_runs finds them, [k, 2], and their min and max\n"
+"slot; runs None (min and max 0 and -1) where total is not num_rows, a request of order is\n"
+"scheduled for no tokens, or the scheduled requests order leaves out are not those\n"
+"scheduled for none (the step is refused for its rows). ends and runs are made by\n"
+"empty(shape), an int64 numpy.empty.");
+
+static PyObject *
+step_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{3, "step_layout: computed", 0, 1, 0, 0, 0},
+                                      {4, "step_layout: table", 0, 2, 0, 0, 0}};
+    static const ArraySpec ends_spec = {0, "step_layout: ends", 1, 1, 0, 1, 0};
+    static const ArraySpec runs_spec = {0, "step_layout: runs", 1, 2, 2, 1, 0};
+    IntArray a[2], made[2] = {{.held = 0}, {.held = 0}};
+    if (borrow_all("step_layout", args, nargs, 8, specs, 2, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL, *batch = NULL, *order = NULL, *ends = NULL, *runs = NULL;
+    PyObject *cut = NULL;
+    int64_t *counts = NULL, unit, num_rows;
+    if (positive_unit("step_layout", args[5], &unit) < 0 || int_arg(args[7], &num_rows) < 0) {
+        goto done;
+    }
+    batch = PySequence_Tuple(args[0]);  /* see row_ends */
+    order = PyList_New(0);
+    if (batch == NULL || order == NULL) {
+        goto done;
+    }
+    counts = PyMem_Malloc((PyTuple_GET_SIZE(batch) + 1) * sizeof(int64_t));
+    if (counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (scheduled_order(batch, args[1], order, counts) < 0) {
+        goto done;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(order);
+    int64_t total = 0, smallest = INT64_MAX;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (counts[i] < 0 || total > INT64_MAX - counts[i]) {
+            PyErr_Format(counts[i] < 0 ? PyExc_ValueError : PyExc_OverflowError,
+                         "step_layout: request %R: %lld scheduled tokens%s",
+                         PyList_GET_ITEM(order, i), (long long)counts[i],
+                         counts[i] < 0 ? "" : " overflow the step's total");
+            goto done;
+        }
+        total += counts[i];
+        smallest = counts[i] < smallest ? counts[i] : smallest;
+    }
+    ends = PyObject_CallFunction(args[6], "(n)", k);
+    if (ends == NULL || borrow(ends, &ends_spec, &made[0]) < 0) {
+        goto done;
+    }
+    if (made[0].len != k) {
+        PyErr_Format(PyExc_ValueError, "step_layout: empty(%zd) made %zd ends", k, made[0].len);
+        goto done;
+    }
+    int64_t end = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64s(&made[0])[i] = end += counts[i];
+    }
+    int refused = total != num_rows || (k && smallest <= 0);
+    if (!refused && rows_left_out(args[1], k, &refused) < 0) {
+        goto done;
+    }
+    if (refused) {
+        result = Py_BuildValue("OOLLOii", order, ends, (long long)total,
+                               (long long)(k ? smallest : 0), Py_None, 0, -1);
+        goto done;
+    }
+    /* a request's positions span at most count // unit + 2 blocks */
+    runs = PyObject_CallFunction(args[6], "((Ln))", (long long)(total / unit) + 2 * k,
+                                 (Py_ssize_t)2);
+    if (runs == NULL || borrow(runs, &runs_spec, &made[1]) < 0) {
+        goto done;
+    }
+    RunsOut out = {int64s(&made[1]), 0, made[1].buf.shape[0], 0, -1};
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (add_request_runs(PyList_GET_ITEM(order, i), counts[i], args[2], &a[0], &a[1], unit,
+                             &out) < 0) {
+            goto done;
+        }
+    }
+    cut = PySequence_GetSlice(runs, 0, out.k);
+    if (cut == NULL) {
+        goto done;
+    }
+    result = Py_BuildValue("OOLLOLL", order, ends, (long long)total,
+                           (long long)(k ? smallest : 0), cut, (long long)out.low,
+                           (long long)out.high);
+done:
+    release(made, 2);
+    PyMem_Free(counts);
+    Py_XDECREF(cut);
+    Py_XDECREF(runs);
+    Py_XDECREF(ends);
+    Py_XDECREF(order);
+    Py_XDECREF(batch);
+    release(a, 2);
     return result;
 }
 
@@ -1238,7 +1458,7 @@ gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
-    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
+    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
     METHOD(add_pins),
     METHOD(row_states),
