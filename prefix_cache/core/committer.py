@@ -109,7 +109,6 @@ class Committer:
         """Land a task whose copies completed: run their host half, mark it WRITTEN; FAILED
         with `error` (its copies failed or never completed) or with what fails here."""
         try:
-            task.transition(TaskState.COPYING)
             if error is not None:
                 raise error
             if task.launch_error is not None:  # its issued copies are done: now it may fail
@@ -117,11 +116,15 @@ class Committer:
             for transfer in task.transfers:  # what the copies found wrong (slots out of range)
                 if transfer.verify is not None:
                     transfer.verify()
-            task.transition(TaskState.HOST_READY)
-            for transfer in task.transfers:
-                if transfer.finish is not None:
-                    transfer.finish()
-            task.transition(TaskState.WRITTEN)
+            if task.host_half:
+                task.transition(TaskState.COPYING)
+                task.transition(TaskState.HOST_READY)
+                for transfer in task.transfers:
+                    if transfer.finish is not None:
+                        transfer.finish()
+                task.transition(TaskState.WRITTEN)
+            else:
+                task.settle()
         except BaseException as exc:  # a failed write fails its task only
             task.fail(exc)
         finally:
