@@ -52,8 +52,9 @@ class WriteTask:
     """One write into the pool: a step's immediate keys, or one request's deferred keys.
 
     Invariant: `state` moves one step along PENDING → QUEUED → COPYING →
-    HOST_READY → WRITTEN, or to FAILED from any non-terminal state; `landed`
-    is set exactly when the state becomes terminal.
+    HOST_READY → WRITTEN (QUEUED → WRITTEN in one, `settle`, where its landing
+    has no host half), or to FAILED from any non-terminal state; `landed` is
+    set exactly when the state becomes terminal.
     """
 
     task_id: int
