@@ -20,8 +20,9 @@ _DEFAULT_STAGING_CAPACITY = 8192
 #: Where a step's writes are issued: on the caller's (compute) stream right after the
 #: forward, reading its rows in place; or on the cache's copy stream, after a private copy.
 WRITE_STREAMS = ("compute", "copy")
-#: How the engine thread's step bookkeeping runs: "c", the step's claims, layout and write
-#: landing in a few C calls (the default); "python", the reference the tests compare it with.
+#: How the engine thread's step bookkeeping runs: "c" (the default), the step's claim with
+#: its write record, and its layout, each in one C call; "python", the same work in Python
+#: calls, the reference the tests compare the C path with.
 STEP_PATHS = ("c", "python")
 #: Environment variable naming the default `PrefixCacheConfig.step_path` (a benchmark's switch).
 STEP_PATH_ENV = "OMNI_PREFIX_CACHE_STEP_PATH"

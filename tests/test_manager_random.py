@@ -14,6 +14,10 @@ read zeros: computed positions of a step that omits the key, and hit positions
 whose slot's last write omitted it (SPEC §4 rules 5 and 6). The reference keeps,
 per slot, which mm keys its last write held.
 
+The same workloads also run under both step paths (`PrefixCacheConfig.step_path`), seen
+through a runner's view (`RunnerView`): the C path must leave the pool's tables after every
+step, its rows and the stats bit for bit as the Python reference leaves them.
+
 More examples: PREFIX_CACHE_HYPOTHESIS_EXAMPLES=2000 pytest tests/test_manager_random.py
 """
 
