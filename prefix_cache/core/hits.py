@@ -76,6 +76,18 @@ def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], b
     return (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
 
 
+def blocks_written(runs: np.ndarray, blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Mask of `blocks` that some slot of `runs` (`[k, 2]` runs `[lo, hi)` of slots) falls in:
+    a block is written iff a run starting before its end ends past its start."""
+    if not len(runs) or not len(blocks):
+        return np.zeros(len(blocks), dtype=bool)
+    order = np.argsort(runs[:, 0], kind="stable")
+    reach = np.maximum.accumulate(runs[order, 1])  # the furthest end of the runs up to each
+    starts = blocks * block_size
+    last = np.searchsorted(runs[order, 0], starts + block_size) - 1  # last run starting before
+    return (last >= 0) & (reach[np.maximum(last, 0)] > starts)
+
+
 def check_hits(pool: PrefixBlockPool, lock: threading.Lock, hits: StepHits, layout: StepLayout,
                outputs: StepOutputs) -> None:
     """A hit on hidden rows nobody wrote, or on rows of any key a failed write lost (and this

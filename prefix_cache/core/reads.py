@@ -360,6 +360,16 @@ class ReadPlanner:
     def cancel(self, read: RowRead) -> None:
         read.cancel(self.release)
 
+    def drop(self, read: RowRead) -> None:
+        """Let go of a read nobody will consume, at once: a planned one is cancelled; one that
+        another thread is gathering goes on into its own tensor, which nobody reads, but holds
+        its rows no more, so no writer waits for it (what it copies of rows overwritten
+        meanwhile is never handed out). Not for a read held for a writer (`hold`): its rows are
+        read in place, so it is only cancelled."""
+        read.cancel(self.release)
+        if read.held is None:
+            self.release(read)
+
     def release(self, read: RowRead) -> None:
         """A resolved or cancelled read no longer holds its rows."""
         with self._lock:

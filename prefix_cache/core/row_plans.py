@@ -162,4 +162,7 @@ class RowPlans:
             rows = plan_request_rows(self._pool, self._planner, self._deferred, self._lock,
                                      planned, "the prefix hit")
         step.handed_over = frozenset(rows)
+        for req_id in rows:  # gathers the step's start began: the step reads them no more
+            for read in step.gathered.pop(req_id, {}).values():
+                self._planner.drop(read)
         return rows
