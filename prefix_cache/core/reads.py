@@ -120,6 +120,27 @@ class RowRead:
         else:
             self._end(ReadState.DONE, release)
 
+    def gather_parts(self, pool: PrefixBlockPool, timeout_s: float,
+                     release: Callable[[RowRead], None],
+                     parts: Sequence[tuple[int, int, torch.Tensor]]) -> bool:
+        """Gather the rows `lo..hi - 1` of a read of rows all present (a step's own) straight
+        into each part's tensor, with no tensor of the read's; False, nothing gathered, where
+        another thread claimed the read first (its `out` then holds every row). Raises if the
+        rows cannot be had; they are released either way."""
+        if not self._claim():
+            return False
+        try:
+            for task in self.producers:
+                task.wait(timeout_s)
+            slots = self.slots
+            for lo, hi, target in parts:
+                pool.gather(self.key, slots[lo:hi], target)
+        except BaseException as exc:
+            self._end(ReadState.FAILED, release, exc)
+            self._raise_if_failed()
+        self._end(ReadState.DONE, release)
+        return True
+
     def hold(self, pool: PrefixBlockPool, shape: tuple[int, ...], timeout_s: float,
              release: Callable[[RowRead], None]) -> PoolRows | None:
         """Claim the read and wait for its producers, leaving its rows in the pool for a writer
@@ -353,6 +374,17 @@ class ReadPlanner:
 
     def resolve(self, read: RowRead) -> None:
         read.resolve(self._pool, self.outputs, self._timeout_s, self.release)
+
+    def resolve_parts(self, read: RowRead, parts: Sequence[tuple[int, int, torch.Tensor]]
+                      ) -> None:
+        """`read`'s rows `lo..hi - 1` into each part's tensor: gathered there from the pool
+        where this thread claims the read, else copied out of the tensor of the thread that
+        resolved it (a writer's copy-on-write)."""
+        if read.gather_parts(self._pool, self._timeout_s, self.release, parts):
+            return
+        self.resolve(read)
+        for lo, hi, target in parts:
+            target.copy_(read.out[lo:hi])
 
     def hold(self, read: RowRead, shape: tuple[int, ...]) -> PoolRows | None:
         return read.hold(self._pool, shape, self._timeout_s, self.release)

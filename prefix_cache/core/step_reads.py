@@ -43,8 +43,9 @@ class StageCacheOutputs(NamedTuple):
 
 class StepRows(NamedTuple):
     """A saved step's rows on the host, each tensor the caller's: per key, `[rows, *feat]` in
-    the step's row order (request `order[i]` has rows `ends[i-1]:ends[i]`); per request with
-    a prefix hit, its rows from position 0 per key (its hit rows, then its step rows)."""
+    the step's row order (request `order[i]` has rows `ends[i-1]:ends[i]`: every request of
+    the step, or, for `materialize`, those without a prefix hit); per request with a prefix
+    hit, its rows from position 0 per key (its hit rows, then its step rows)."""
 
     order: list[str]
     ends: list[int]
@@ -223,30 +224,43 @@ class StepReads:
                     reads[hits.req_ids[i]][key] = read
         return reads
 
-    def assemble(self, record: StepRecord, req_ids: Sequence[str],
-                 needs_full_hidden_states: bool) -> StepRows:
+    def assemble(self, record: StepRecord, req_ids: Sequence[str], needs_full_hidden_states: bool,
+                 whole_step: bool = True) -> StepRows:
         """The step's rows of every key it emits, and each of `req_ids`' hits' rows from
         position 0 (hit rows, then the step's); the hidden states only if the next stage
-        needs them. Other requests' hit reads are cancelled."""
+        needs them. Other requests' hit reads are dropped. Unless the `whole_step`'s rows are
+        asked for, a hit's step rows are gathered straight into its hit tensor, and the step's
+        rows are only the others' (`StepRows.order`)."""
         wanted = set(req_ids)
+        served: dict[str, dict[str, RowRead]] = {}
         for req_id, per_key in record.hit_reads.items():
-            if req_id not in wanted:
+            if req_id in wanted:
+                served[req_id] = per_key
+            else:
                 for read in per_key.values():
                     self._reads.drop(read)
-        flat = self._step_rows(record)
+        for per_key in served.values():  # gathered from the step's start: normally done
+            for read in per_key.values():
+                self._reads.resolve(read)
+        layout = record.layout
+        if whole_step or not served or record.host_rows:
+            order, ends, flat = layout.order, layout.ends.tolist(), self._step_rows(record)
+            filled: Iterable[str] = ()
+        else:
+            order, ends, flat = self._rows_around_hits(record, served)
+            filled = flat.keys()  # the hits' own rows of these keys are in place
         leftover = map_tensors(record.leftover, lambda copy: copy.result(
             self._timeout_s, f"step {record.step_id} leftover"))
         hit_rows: dict[str, dict[str, torch.Tensor]] = {}
         hit_bytes = 0
-        for req_id, per_key in record.hit_reads.items():  # a read per key it has rows of
-            if req_id not in wanted:
-                continue
-            start, end = record.layout.rows(req_id)
+        for req_id, per_key in served.items():  # a read per key it has rows of
+            start, end = layout.rows(req_id)
             rows = hit_rows[req_id] = {}
             for key, read in per_key.items():
-                self._reads.resolve(read)
                 h = len(read.slots)
-                if key in flat:
+                if key in filled:
+                    pass
+                elif key in flat:
                     read.out[h:].copy_(flat[key][start:end])
                 else:  # a key this step does not emit: no rows of its own
                     read.out[h:].zero_()
@@ -260,8 +274,41 @@ class StepReads:
             shaped.pop(HIDDEN_KEY, None)
             for per_key in hits.values():
                 per_key.pop(HIDDEN_KEY, None)
-        return StepRows(record.layout.order, record.layout.ends.tolist(), shaped, hits,
-                        leftover)
+        return StepRows(order, ends, shaped, hits, leftover)
+
+    def _rows_around_hits(self, record: StepRecord, served: Mapping[str, Mapping[str, RowRead]]
+                          ) -> tuple[list[str], list[int], dict[str, torch.Tensor]]:
+        """The step's own rows of each key read from the pool (all the keys it emits: it has
+        no deferred ones): the served hits' straight into their hit tensors, after the hit
+        rows (one copy, not two); the other requests', in step order, into a tensor of their
+        own (`StepRows`' order, row ends and rows)."""
+        layout = record.layout
+        order: list[str] = []
+        ends: list[int] = []
+        runs: list[list[int]] = []  # the others' row ranges in the step, merged where adjacent
+        for req_id, (start, end) in layout.items():
+            if req_id in served:
+                continue
+            order.append(req_id)
+            ends.append((ends[-1] if ends else 0) + end - start)
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end])
+        rows: dict[str, torch.Tensor] = {}
+        for key, read in record.step_reads.items():
+            own = self._reads.outputs.empty((ends[-1] if ends else 0, read.out_shape[1]),
+                                            read.dtype)
+            parts, at = [], 0
+            for lo, hi in runs:
+                parts.append((lo, hi, own[at:at + hi - lo]))
+                at += hi - lo
+            for req_id, per_key in served.items():
+                hit = per_key[key]  # a hit reads every key its step emits
+                parts.append((*layout.rows(req_id), hit.out[len(hit.slots):]))
+            self._reads.resolve_parts(read, parts)
+            rows[key] = own
+        return order, ends, rows
 
     def _shaped(self, record: StepRecord, key: str, rows: torch.Tensor) -> torch.Tensor:
         """`[rows, features]` viewed as `[rows, *feat]`, the key's feature shape (as it is where

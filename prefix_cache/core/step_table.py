@@ -137,13 +137,14 @@ class StepTable:
         self.pending = None
         return step_id
 
-    def read(self, step_id: int, req_ids: list[str], needs_full_hidden_states: bool
-             ) -> StepRows:
+    def read(self, step_id: int, req_ids: list[str], needs_full_hidden_states: bool,
+             whole_step: bool) -> StepRows:
         """Saved step `step_id`'s rows of `req_ids` (hit rows, then the step's), the step
-        consumed."""
+        consumed; `whole_step`: the step's rows of its hits too (`StepReads.assemble`)."""
         record = self._take(step_id, req_ids)
         try:
-            return self._step_reads.assemble(record, req_ids, needs_full_hidden_states)
+            return self._step_reads.assemble(record, req_ids, needs_full_hidden_states,
+                                             whole_step)
         finally:
             self._step_reads.release(record)
 
