@@ -133,8 +133,8 @@ class RowRead:
             for task in self.producers:
                 task.wait(timeout_s)
             slots = self.slots
-            for lo, hi, target in parts:
-                pool.gather(self.key, slots[lo:hi], target)
+            pool.gather_parts(self.key, np.concatenate([slots[lo:hi] for lo, hi, _ in parts]),
+                              [target for _, _, target in parts])
         except BaseException as exc:
             self._end(ReadState.FAILED, release, exc)
             self._raise_if_failed()
