@@ -25,12 +25,13 @@ from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import StepHits, blocks_written
 from prefix_cache.core.host_copies import HostCopy
+from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.outputs import map_tensors
 from prefix_cache.core.reads import ReadPlanner, RowRead
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
-from prefix_cache.core.tasks import WriteTask
+from prefix_cache.core.tasks import TaskState, WriteTask
 
 
 class StageCacheOutputs(NamedTuple):
@@ -130,7 +131,11 @@ class StepReads:
                    for req_id in hits.req_ids]
         with self._lock:
             reads = self._plan_hit_reads(hits, planned, {}, {})
-        self._start(reads)
+        try:
+            self._start(reads)
+        except BaseException:
+            self.drop_gathers(reads)
+            raise
         return reads
 
     def keep_gathers(self, gathered: dict[str, dict[str, RowRead]], layout: StepLayout,
@@ -196,9 +201,11 @@ class StepReads:
         are gathered on the prefetch thread (random blocks; the step's own rows are gathered by
         their consumer, off the engine thread either way)."""
         hit_reads = [read for per_key in reads.values() for read in per_key.values()]
-        if hit_reads:
-            self._deferred.flush_tasks([t for read in hit_reads for t in read.producers])
-            self._reads.prefetch(hit_reads)
+        if open_writes := [task for read in hit_reads for task in read.producers
+                           if task.state is TaskState.PENDING]:
+            with keeping_tensors():  # their launch makes tensors the cache keeps
+                self._deferred.flush_tasks(open_writes)
+        self._reads.prefetch(hit_reads)
 
     def _plan_hit_reads(self, hits: StepHits, planned: Sequence[tuple[str, int]],
                         emitted: Mapping[str, Any],
