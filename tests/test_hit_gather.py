@@ -211,3 +211,29 @@ def test_a_request_finished_before_its_step_is_materialized_still_gets_its_own_r
         assert torch.equal(manager.materialize(later, ["f"]).hidden_states["f"],
                            token_rows(f, 2))
         assert nothing_pinned(manager)
+
+
+def test_blocks_under_a_gather_are_not_written_again_until_it_is_done(backend, gathered_early):
+    """The one wait on a gather outside materialize: a request finished before its step was
+    materialized, and the next step writes its blocks again (vLLM gave them to a new tenant; a
+    capped pool's eviction is the same write). The write waits for the gather under way
+    (bounded, as a copy-on-write), so the gather never reads rows being overwritten."""
+    manager, d = make(backend, num_blocks=8)
+    with manager, ThreadPoolExecutor(1) as engine_thread:
+        gate = GatherGate(manager, hold=True)
+        hit_step(manager, d, backend.device)
+        step_id = save(manager, d, backend.device)
+        assert gate.entered.wait(WAIT_S)
+        d.advance()
+        f = list(range(200, 212))
+        manager.new_step_starts(d.step(new=[("f", f, [1, 2, 3], 0, 12)], finished=["a", "b"]))
+        saving = engine_thread.submit(save, manager, d, backend.device)  # f writes b's blocks
+        with pytest.raises(FutureTimeout):
+            saving.result(timeout=0.2)
+        gate.released.set()
+        later = saving.result(timeout=WAIT_S)
+        assert torch.equal(manager.materialize(step_id, ["b"]).hidden_states["b"],
+                           token_rows(B, 2))
+        assert torch.equal(manager.materialize(later, ["f"]).hidden_states["f"],
+                           token_rows(f, 2))
+        assert nothing_pinned(manager)

@@ -125,8 +125,11 @@ class StepReads:
         slots hold another tenant's rows, or none, until then). `keep_gathers` drops such
         reads before the step claims its slots, and `plan` reads those hits after the claim.
         A capped pool's moves are applied before the step is seen (`PoolStep`), so these read
-        the pool blocks the step's hits hold; a pool block changes owner only where its KV
-        block's tenant would, and its new owner's first write resolves a pinned read first."""
+        the pool blocks the step's hits hold, and one is evicted only once no request holds
+        its KV block. So a block under a gather is written again only where its request
+        finished and a later step gave the block a new tenant before this step was
+        materialized; that write resolves the pinned read first (copy-on-write: it waits for a
+        gather under way, bounded), so no gather ever reads rows being overwritten."""
         planned = [(f"request {req_id}'s prefix hit", num_scheduled_tokens.get(req_id, 0))
                    for req_id in hits.req_ids]
         with self._lock:
