@@ -150,7 +150,7 @@ class PrefixBlockPool:
     # ------------------------------------------------------------------ read pins
 
     def pin(self, slots: np.ndarray) -> None:
-        """A read of `slots` (distinct, int64) is unresolved."""
+        """Reads of `slots` (int64) are unresolved: one per listing of a slot."""
         _core.add_pins(slots, self.block_size, self._read_pins, self._block_pins, 1)
 
     def unpin(self, slots: np.ndarray) -> None:

@@ -347,7 +347,7 @@ class ReadPlanner:
             span = int(producers.max()) + 1
             for pair in np.unique(hit_of_row * span + producers).tolist():
                 producer_ids[pair // span].add(pair % span)
-        reads = []
+        reads, pinned = [], []
         for (what, more_rows), lo, hi, ids in zip(planned, bounds[:-1].tolist(),
                                                   bounds[1:].tolist(), producer_ids):
             slots = hits.slots[lo:hi]
@@ -362,8 +362,12 @@ class ReadPlanner:
                     f"{int(slots[lost_here][0])}) were lost to a failed write"))
             else:
                 read.producers = self._tasks.live(ids)
-                self._pin(read)
+                pinned.append(read)
             reads.append(read)
+        if pinned:  # their slots pinned in one pass (a slot two hits share counts twice)
+            self._pool.pin(hits.slots if len(pinned) == len(reads)
+                           else np.concatenate([read.slots for read in pinned]))
+            self._pinned.update(pinned)
         return reads
 
     def prefetch(self, reads: Iterable[RowRead]) -> None:
@@ -456,8 +460,3 @@ class ReadPlanner:
         claims = self._pool.claims_at(slots)
         held = np.unique(claims[claims >= self._oldest_held_claim()]).tolist()
         return [read for claim in held for read in self._by_claim.get(claim, ())]
-
-    def _pin(self, read: RowRead) -> RowRead:
-        self._pool.pin(read.slots)
-        self._pinned.add(read)
-        return read

@@ -144,10 +144,11 @@ class StepReads:
     def keep_gathers(self, gathered: dict[str, dict[str, RowRead]], layout: StepLayout,
                      served: StepHits) -> dict[str, dict[str, RowRead]]:
         """Of the reads `gather_hits` planned at the step's start, those that read what the
-        step's hits are served (`served`: the hits the step reads): each with room for its
-        request's rows in the step, on no block the step writes (see `gather_hits`; such a
-        read may have gathered already, its rows unpinned). The others are dropped (`plan`
-        reads their hits after the step's claim). Before the step claims its slots."""
+        step's hits are served (`served`: the hits the step reads): those on no block the step
+        writes (see `gather_hits`; such a read may have gathered already, its rows unpinned).
+        The others are dropped (`plan` reads their hits after the step's claim). Each has room
+        for its request's rows in the step: the step's layout has its scheduled tokens' rows.
+        Before the step claims its slots."""
         if not gathered:
             return {}
         index = {req_id: i for i, req_id in enumerate(served.req_ids)}
@@ -160,12 +161,9 @@ class StepReads:
         kept = {}
         for req_id, per_key in gathered.items():
             i = index.get(req_id)
-            if per_key and i is not None and not rewritten[i]:
-                start, end = layout.rows(req_id)
-                if all(read.out_shape[0] == len(read.slots) + end - start
-                       for read in per_key.values()):
-                    kept[req_id] = per_key
-                    continue
+            if i is not None and not rewritten[i]:
+                kept[req_id] = per_key
+                continue
             for read in per_key.values():
                 self._reads.drop(read)
         return kept
