@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from prefix_cache import OmniPrefixCacheError, OmniPrefixCacheManager, PrefixCacheConfig
+from prefix_cache import (OmniPrefixCacheError, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError,
+                          PrefixCacheConfig)
 from prefix_cache.core import reads
+from prefix_cache.core.hits import StepHits, blocks_written, hit_slots
+from prefix_cache.core.runs import slot_runs
 from tests.sim import StepDriver, token_rows
 
 BS = 4
@@ -237,3 +240,26 @@ def test_blocks_under_a_gather_are_not_written_again_until_it_is_done(backend, g
         assert torch.equal(manager.materialize(later, ["f"]).hidden_states["f"],
                            token_rows(f, 2))
         assert nothing_pinned(manager)
+
+
+def test_a_steps_hit_slots_in_one_pass_equal_each_hits_own_and_refuse_by_name() -> None:
+    hits = [("x", 8, (3, 1, 9)), ("y", 4, (2,)), ("z", 12, (5, 6, 7, 8))]
+    joined = StepHits.of_blocks(hits, BS, 16)
+    assert joined.req_ids == ("x", "y", "z") and joined.tokens == (8, 4, 12)
+    for i, (req_id, h, blocks) in enumerate(hits):
+        assert np.array_equal(joined.slots_of(i), hit_slots(req_id, h, blocks, BS, 16))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="request y: prefix hit of 6 tokens"):
+        StepHits.of_blocks([hits[0], ("y", 6, (2, 4))], BS, 16)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"request z: hit block ids \[5, 16\]"):
+        StepHits.of_blocks([hits[0], ("z", 8, (5, 16))], BS, 16)
+
+
+def test_blocks_written_marks_exactly_the_blocks_a_run_touches() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        slots = np.unique(rng.integers(0, 64 * BS, rng.integers(0, 40)))
+        runs = slot_runs(slots)[0] if len(slots) else np.zeros((0, 2), dtype=np.int64)
+        runs = runs[rng.permutation(len(runs))]  # a step's runs come in batch order
+        blocks = rng.integers(0, 64, 20)
+        expected = np.isin(blocks, slots // BS)
+        assert np.array_equal(blocks_written(runs, blocks, BS), expected)
