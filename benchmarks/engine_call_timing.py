@@ -9,7 +9,8 @@ Each function below is wrapped in a `perf_counter_ns` timer, counted on the engi
 (the main thread) only; printed are the calls and their median µs. A function a tree lacks
 (`row_producers` before `row_states`, `row_states` before it) is skipped, so two trees can be
 compared side by side. The wrappers add about a microsecond a call, and a wrapped call's time
-includes its wrapped callees'.
+includes its wrapped callees'. `OMNI_PREFIX_CACHE_STEP_PATH=python` times the Python reference
+of the step's bookkeeping (`PrefixCacheConfig.step_path`) in a tree that has the C path.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from prefix_cache.core import block_pool, chunk_reads, committer, hits, launcher, layout, reads
 from prefix_cache.core import outputs, row_plans, staging, step_reads, step_table, tasks, writes
-from prefix_cache.integration import stage_outputs
+from prefix_cache.integration import group_view, stage_outputs
 from prefix_cache.manager import OmniPrefixCacheManager
 
 #: (owner, attribute) of each function timed, by the name printed: the streaming step's
@@ -51,10 +52,12 @@ M2_TIMED: dict[str, tuple[Any, str]] = {
     "OutputChecker.step_outputs": (outputs.OutputChecker, "step_outputs"),
     "StepWriter.device_slots": (writes.StepWriter, "device_slots"),
     "StepLayout.of_step": (layout.StepLayout, "of_step"),
+    "FullAttentionGroupView.step_layout": (group_view.FullAttentionGroupView, "step_layout"),
     "hits.check_hits": (step_table, "check_hits"),  # as the step table calls it
     "StagingPool.claim": (staging.StagingPool, "claim"),
     "StepWriter.save": (writes.StepWriter, "save"),
     "ReadPlanner.resolve_conflicts": (reads.ReadPlanner, "resolve_conflicts"),
+    "PrefixBlockPool.claim_write": (block_pool.PrefixBlockPool, "claim_write"),
     "PrefixBlockPool.claim": (block_pool.PrefixBlockPool, "claim"),
     "PrefixBlockPool.record_write": (block_pool.PrefixBlockPool, "record_write"),
     "TaskTable.new": (tasks.TaskTable, "new"),

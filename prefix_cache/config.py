@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from prefix_cache.devices import backend_classes, parse_device
@@ -20,6 +20,12 @@ _DEFAULT_STAGING_CAPACITY = 8192
 #: Where a step's writes are issued: on the caller's (compute) stream right after the
 #: forward, reading its rows in place; or on the cache's copy stream, after a private copy.
 WRITE_STREAMS = ("compute", "copy")
+#: How the engine thread's step bookkeeping runs: "c" (the default), the step's claim with
+#: its write record, and its layout, each in one C call; "python", the same work in Python
+#: calls, the reference the tests compare the C path with.
+STEP_PATHS = ("c", "python")
+#: Environment variable naming the default `PrefixCacheConfig.step_path` (a benchmark's switch).
+STEP_PATH_ENV = "OMNI_PREFIX_CACHE_STEP_PATH"
 
 #: Host bytes every slot costs whatever the model: its claim, read pins, and the hidden key's
 #: version and producer; a pool the host cannot even index is refused up front.
@@ -68,6 +74,9 @@ class PrefixCacheConfig:
     #: one per KV block, the mirror); fewer than `num_blocks` caps the pool, and its scheduler
     #: side then decides which KV blocks' rows it holds (`prefix_cache.core.residency`)
     pool_blocks: int | None = None
+    #: one of STEP_PATHS (default: $OMNI_PREFIX_CACHE_STEP_PATH, else "c"); both keep the same
+    #: pool, stats and rows, step for step
+    step_path: str = field(default_factory=lambda: os.environ.get(STEP_PATH_ENV) or "c")
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens"):
@@ -93,6 +102,9 @@ class PrefixCacheConfig:
                 or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"PrefixCacheConfig.staging_claim_timeout_s must be a finite "
                              f"positive number of seconds, got {timeout!r}")
+        if self.step_path not in STEP_PATHS:
+            raise ValueError(f"PrefixCacheConfig.step_path must be one of {STEP_PATHS}, got "
+                             f"{self.step_path!r} (${STEP_PATH_ENV} sets its default)")
         if self.write_stream not in WRITE_STREAMS:
             raise ValueError(f"PrefixCacheConfig.write_stream must be one of {WRITE_STREAMS}, "
                              f"got {self.write_stream!r}")

@@ -91,7 +91,8 @@ class OmniPrefixCacheManager:
         self.policy = ModelCachePolicy()
         self.pool = PrefixBlockPool(config.num_blocks, config.block_size, self.backend,
                                     budget_bytes=config.host_budget(
-                                        devices_on_host(self.backend.name)))
+                                        devices_on_host(self.backend.name)),
+                                    step_path=config.step_path)
         self.staging = StagingPool(config.staging_depth, config.staging_capacity_tokens,
                                    self.backend)
         self._stats = CacheStats()

@@ -308,3 +308,43 @@ def test_a_lookup_that_mutates_the_request_list_cannot_pull_it_from_under_the_lo
                                  np.zeros(2, dtype=np.int64),
                                  np.array([[1, 2], [3, 4]], dtype=np.int64), 4, runs)
     assert runs_slots(runs[:k]).tolist() == [4, 5, 12, 13]
+
+
+def test_claim_write_fills_what_claim_then_record_write_fill() -> None:
+    """One call: the claim's tiers (and `newest`), then each write's version and producer
+    tiers, as the Python reference's three fill_tiers calls leave them."""
+    rng = np.random.default_rng(5)
+    block_size, num_blocks = 4, 8
+    c_tables = [np.zeros(n, np.int64) for n in (num_blocks, num_blocks * block_size, num_blocks)
+                + (num_blocks * block_size, num_blocks) * 4]
+    py_tables = [t.copy() for t in c_tables]
+    for claim in range(1, 40):
+        slots = np.unique(rng.integers(0, num_blocks * block_size, rng.integers(1, 20)))
+        runs, producer = slot_runs(slots)[0], 100 + claim
+        newest, slots_c, blocks_c, *writes = c_tables
+        _core.claim_write(runs, block_size, newest, slots_c, blocks_c, claim,
+                          [tuple(writes[:4]), tuple(writes[4:])], producer)
+        newest, slots_c, blocks_c, *writes = py_tables
+        _core.fill_tiers(runs, block_size, newest, slots_c, blocks_c, claim)
+        for w in (writes[:4], writes[4:]):
+            _core.fill_tiers(runs, block_size, None, w[0], w[1], claim, w[2], w[3], producer)
+        assert all((c == p).all() for c, p in zip(c_tables, py_tables)), f"claim {claim}"
+    _core.claim_write(runs, block_size, c_tables[0], c_tables[1], c_tables[2], 40, [], 0)
+    _core.fill_tiers(runs, block_size, py_tables[0], py_tables[1], py_tables[2], 40)
+    assert all((c == p).all() for c, p in zip(c_tables, py_tables))
+
+
+def test_claim_write_refuses_a_bad_table_before_any_write() -> None:
+    newest, slots, blocks = np.zeros(4, np.int64), np.zeros(16, np.int64), np.zeros(4, np.int64)
+    good = tuple(np.zeros(n, np.int64) for n in (16, 4, 16, 4))
+    runs = np.array([[1, 9]])
+    bad_writes = ([good, good[:3]], [good, (*good[:3], np.zeros(3, np.int64))],
+                  [good, (good[0][:8], good[1][:2], good[2], good[3])],
+                  [good, (*good[:3], np.zeros(4, np.int32))], [good, list(good)])
+    for writes, error in zip(bad_writes, (TypeError, ValueError, ValueError, TypeError,
+                                          TypeError)):
+        with pytest.raises(error):
+            _core.claim_write(runs, 4, newest, slots, blocks, 3, writes, 7)
+    with pytest.raises(IndexError, match="not a range within 0..15"):
+        _core.claim_write(np.array([[9, 17]]), 4, newest, slots, blocks, 3, [good], 7)
+    assert not any(t.any() for t in (newest, slots, blocks, *good))

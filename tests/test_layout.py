@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
-from prefix_cache import OmniPrefixCacheUnmatchError
+from prefix_cache import OmniPrefixCacheUnmatchError, devices
 from prefix_cache.core.layout import StepLayout
+from prefix_cache.core.residency import PoolMap, ResidentView
+from prefix_cache.integration.group_view import FullAttentionGroupView
 from prefix_cache.core.runs import slot_runs
 from tests.sim import StepDriver
 
@@ -86,3 +92,53 @@ def test_a_view_with_runs_gives_the_same_layout_and_the_same_refusals() -> None:
         StepLayout.of_step(_RunsView(driver), scheduled, 10, BS, 16)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="rows but the batch"):
         StepLayout.of_step(_RunsView(driver), scheduled, 9, BS, 64)
+
+
+class _RunnerBatch:
+    """A runner's persistent batch as FullAttentionGroupView reads it: rows of block ids, the
+    computed tokens per row, and free rows (None) between requests."""
+
+    def __init__(self, rng: random.Random, blocks_per_req: int, num_blocks: int) -> None:
+        rows = rng.randint(0, 7)
+        self.req_ids = [None if rng.random() < 0.2 else f"r{i}" for i in range(rows)]
+        rng.shuffle(self.req_ids)
+        self.req_id_to_index = {r: i for i, r in enumerate(self.req_ids) if r is not None}
+        self.num_computed_tokens_cpu = np.array(
+            [rng.randint(0, (blocks_per_req - 1) * BS) for _ in range(rows)], dtype=np.int32)
+        ids = np.array([rng.sample(range(1, num_blocks), blocks_per_req) for _ in range(rows)],
+                       dtype=np.int32).reshape(rows, blocks_per_req)
+        self.block_table = [SimpleNamespace(block_size=BS, get_numpy_array=lambda: ids)]
+
+
+def _layout_or_refusal(view, scheduled, num_rows, *, c_path):
+    try:
+        layout = StepLayout.of_step(view, scheduled, num_rows, BS, 64 * BS, c_path=c_path)
+    except OmniPrefixCacheUnmatchError as exc:
+        return str(exc).split(":")[0]  # the refusal's call; their details may word it apart
+    return layout.order, layout.ends.tolist(), layout.runs.tolist(), layout.slots.tolist()
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["mirror", "capped"])
+def test_the_c_layout_is_the_reference_layout(capped: bool) -> None:
+    """FullAttentionGroupView's one-call layout (`step_layout`, the C step path) against its
+    rows then its slots (the Python reference), over random batches: free rows, requests
+    scheduled for 0 tokens or not at all, scheduled requests the batch lacks, wrong row counts;
+    through a capped pool's ResidentView too."""
+    rng = random.Random(7)
+    for _ in range(400):
+        batch = _RunnerBatch(rng, blocks_per_req=4, num_blocks=64)
+        view = FullAttentionGroupView(batch, BS, backend=devices.get_backend("cpu"))
+        if capped:
+            pool_map = PoolMap(64, 64, BS)
+            kv = np.arange(1, 64, dtype=np.int64)
+            pool = np.array(rng.sample(range(1, 64), 63), dtype=np.int64)
+            pool_map.apply(SimpleNamespace(kv_blocks=kv, pool_blocks=pool))
+            view = ResidentView(view, pool_map)
+        present = [r for r in batch.req_ids if r is not None]
+        scheduled = {r: rng.choice([0, 1, 1, 2, 3, 5]) for r in present if rng.random() < 0.9}
+        if rng.random() < 0.2:
+            scheduled["gone"] = rng.randint(0, 2)
+        rows = sum(scheduled.get(r, 0) for r in present) + (rng.random() < 0.1)
+        assert (_layout_or_refusal(view, scheduled, rows, c_path=True)
+                == _layout_or_refusal(view, scheduled, rows, c_path=False)), (batch.req_ids,
+                                                                              scheduled, rows)

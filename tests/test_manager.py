@@ -648,6 +648,14 @@ def test_task_states_move_one_step_at_a_time():
     assert task.landed.is_set()
     with pytest.raises(OmniPrefixCacheUnmatchError, match="WRITTEN -> FAILED"):
         task.transition(TaskState.FAILED)
+    settled = WriteTask(9, "step 4")
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="PENDING -> WRITTEN of write task 9"):
+        settled.settle()
+    settled.transition(TaskState.QUEUED)
+    settled.settle()  # a landing with no host half: QUEUED to WRITTEN in one step
+    assert settled.state is TaskState.WRITTEN and settled.landed.is_set()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="WRITTEN -> WRITTEN"):
+        settled.settle()
     failing = WriteTask(8, "request r deferred write 1")
     failing.transition(TaskState.QUEUED)
     assert failing.fail(RuntimeError("dma"))

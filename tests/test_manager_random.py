@@ -14,6 +14,10 @@ read zeros: computed positions of a step that omits the key, and hit positions
 whose slot's last write omitted it (SPEC §4 rules 5 and 6). The reference keeps,
 per slot, which mm keys its last write held.
 
+The same workloads also run under both step paths (`PrefixCacheConfig.step_path`), seen
+through a runner's view (`RunnerView`): the C path must leave the pool's tables after every
+step, its rows and the stats bit for bit as the Python reference leaves them.
+
 More examples: PREFIX_CACHE_HYPOTHESIS_EXAMPLES=2000 pytest tests/test_manager_random.py
 """
 
@@ -25,9 +29,10 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,7 +44,8 @@ from prefix_cache import devices  # noqa: E402
 from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,  # noqa: E402
                           PrefixCacheConfig, StageCacheOutputs)
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheInputError  # noqa: E402
-from prefix_cache.config import WRITE_STREAMS  # noqa: E402
+from prefix_cache.config import STEP_PATHS, WRITE_STREAMS  # noqa: E402
+from prefix_cache.integration.group_view import FullAttentionGroupView  # noqa: E402
 from tests.faults import COMMITTER_POINTS, ENGINE_POINTS, FaultyBackend, InjectedFault  # noqa
 from tests.sim import token_rows  # noqa: E402
 
@@ -670,8 +676,81 @@ class FaultTolerantCalls:
         return call()
 
 
-def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
-    """Drive the manager through `w` the way a runner does, checking every materialized step."""
+class SchedulerBatch:
+    """MiniScheduler's step as a runner's persistent batch, as FullAttentionGroupView reads it:
+    the batch's rows, each request's computed tokens and its row of block ids."""
+
+    def __init__(self, sched: MiniScheduler) -> None:
+        self._sched = sched
+
+    @property
+    def req_ids(self) -> list[str | None]:
+        return [*self._sched.batch, None]  # a free row, as a runner's batch may have
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self._sched.batch)}
+
+    @property
+    def num_computed_tokens_cpu(self) -> np.ndarray:
+        return np.array([self._sched.requests[r].computed for r in self._sched.batch] + [0],
+                        dtype=np.int32)
+
+    @property
+    def block_table(self) -> list[SimpleNamespace]:
+        rows = [self._sched.requests[r].blocks for r in self._sched.batch] + [[]]
+        ids = np.zeros((len(rows), max(map(len, rows))), dtype=np.int32)
+        for i, blocks in enumerate(rows):
+            ids[i, :len(blocks)] = blocks
+        return [SimpleNamespace(block_size=self._sched.block_size, get_numpy_array=lambda: ids)]
+
+
+class RunnerView:
+    """The view a runner's cache has (FullAttentionGroupView's layout: its slots as runs, and
+    on the C step path in one call) over MiniScheduler's batch."""
+
+    def __init__(self, sched: MiniScheduler, backend: devices.DeviceBackend) -> None:
+        self._view = FullAttentionGroupView(SchedulerBatch(sched), sched.block_size,
+                                            backend=backend)
+        self.batch_req_ids = self._view.batch_req_ids
+        self.step_slots_cpu = self._view.step_slots_cpu
+        self.step_slot_runs = self._view.step_slot_runs
+        self.step_layout = self._view.step_layout
+
+
+def pool_tables(manager: OmniPrefixCacheManager) -> dict[str, object]:
+    """The pool's bookkeeping, copied: every table a step's claims and writes fill."""
+    pool = manager.pool
+    tables: dict[str, object] = {
+        "next_claim": pool._next_claim, "claim.slots": pool._claim.slots.copy(),
+        "claim.blocks": pool._claim.blocks.copy(),
+        "newest_slot_claim": pool._newest_slot_claim.copy(),
+        "allocated_at": pool._allocated_at.copy(), "read_pins": pool._read_pins.copy()}
+    for name, key in pool.keys.items():
+        for table, array in zip(("version.slots", "version.blocks", "producer.slots",
+                                 "producer.blocks"), key.write_tables):
+            tables[f"{name}.{table}"] = array.copy()
+    return tables
+
+
+def pool_contents(manager: OmniPrefixCacheManager) -> dict[str, object]:
+    """The pool's present rows of every key (the others were never written: their bytes are
+    the allocation's), and the stats but the times, once the writes landed."""
+    stats = wait_for_writes(manager)
+    contents: dict[str, object] = {
+        f"stats.{k}": v for k, v in stats.items() if not k.startswith("time_s")}
+    slots = np.arange(manager.pool.num_slots, dtype=np.int64)
+    for name, key in manager.pool.keys.items():
+        present = manager.pool.present(name, slots)
+        contents[f"{name}.rows"] = key.flat.cpu()[torch.from_numpy(present)].clone()
+    return contents
+
+
+def run_workload(backend: devices.DeviceBackend, w: Workload, *, step_path: str = "c",
+                 runner_view: bool = False) -> list[dict[str, object]]:
+    """Drive the manager through `w` the way a runner does, checking every materialized step;
+    the pool's tables after each step (`pool_tables`), then its contents (`pool_contents`).
+    `runner_view`: the manager sees the steps through `RunnerView`, not the scheduler's own."""
     faulty = FaultyBackend(backend) if w.fault is not None else None
     backend = faulty or backend
     calls = FaultTolerantCalls(faulty is not None)
@@ -679,7 +758,7 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
     config = PrefixCacheConfig(w.num_blocks, w.block_size, staging_depth=w.staging_depth,
                                staging_capacity_tokens=w.token_budget,
                                staging_claim_timeout_s=5.0, gpu_budget_bytes=w.gpu_budget_bytes,
-                               write_stream=w.write_stream)
+                               write_stream=w.write_stream, step_path=step_path)
     policy = ModelCachePolicy(needs_full_hidden_states=w.hidden,
                               deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()),
                               per_request_keys={PER_REQUEST_KEY})
@@ -687,7 +766,9 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
     arrivals = iter(w.arrivals)
     late: SavedStep | None = None  # saved last step, consumed during this one
     saved_tokens = 0
-    with OmniPrefixCacheManager(config, sched, backend=backend) as manager:
+    states: list[dict[str, object]] = []
+    view = RunnerView(sched, backend) if runner_view else sched
+    with OmniPrefixCacheManager(config, view, backend=backend) as manager:
         manager.register_policy(policy)
 
         def consume(step: SavedStep | None) -> None:
@@ -750,6 +831,8 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
             if late is None:
                 consume(step)
             sched.finish_step()
+            states.append(pool_tables(manager))
+        states.append(pool_contents(manager))
         stats = wait_for_writes(manager)
         if stats.get("copy_on_write_reads"):
             event("a planned read kept its rows while a new tenant took its slots")
@@ -761,13 +844,14 @@ def run_workload(backend: devices.DeviceBackend, w: Workload) -> None:
                 None, None, num_tokens_unpadded=0, num_tokens_padded=0)))
             assert calls.errors, f"an injected {w.fault[0]} fault went unreported"
             assert (stats["tasks_in_flight"], stats["deferred_device_bytes"]) == (0, 0)
-            return  # lost steps make the hit counts differ from the sim's; rows were checked
+            return states  # lost steps make the hit counts differ from the sim's; rows checked
         assert stats["steps_unconsumed"] == 0
         assert (stats["tasks_in_flight"], stats["deferred_device_bytes"]) == (0, 0), \
             "writes still held after every request retired"
         counted = {k: stats.get(k, 0) for k in ("hit_tokens", "hit_requests", "miss_tokens")}
         assert counted == {"hit_tokens": sum(sched.granted_hits),
                            "hit_requests": len(sched.granted_hits), "miss_tokens": saved_tokens}
+    return states
 
 
 #: Rare for the generator, so pinned: r1 computes 9 tokens, its deferred write open; r0
@@ -807,3 +891,51 @@ def test_random_schedules_match_the_reference_model(backend: devices.DeviceBacke
     if workload.deferred and workload.gpu_budget_bytes < 1 << 20:
         event("deferred key under a small device budget")
     run_workload(devices.get_backend(backend.name), workload)
+
+
+def assert_same_states(got: list[dict[str, object]], want: list[dict[str, object]]) -> None:
+    """Step for step, the same tables, bit for bit, then the same rows and stats."""
+    assert len(got) == len(want), f"{len(got)} steps against {len(want)}"
+    for step, (mine, theirs) in enumerate(zip(got, want)):
+        assert mine.keys() == theirs.keys(), f"step {step}: {sorted(mine)} != {sorted(theirs)}"
+        for name, value in theirs.items():
+            if isinstance(value, torch.Tensor):
+                same = torch.equal(mine[name].view(torch.uint8), value.view(torch.uint8))
+            elif hasattr(value, "shape"):
+                same = (mine[name] == value).all()
+            else:
+                same = mine[name] == value
+            assert same, f"step {step}: {name} differs: {mine[name]} against {value}"
+
+
+def step_paths_agree(backend: devices.DeviceBackend, workload: Workload, *,
+                     runner_view: bool = True) -> None:
+    """`workload` under each step path: the C path keeps what the Python reference keeps."""
+    states = {path: run_workload(devices.get_backend(backend.name), workload, step_path=path,
+                                 runner_view=runner_view)
+              for path in STEP_PATHS}
+    for path in STEP_PATHS[:-1]:
+        assert_same_states(states[path], states["python"])
+
+
+@settings(settings.get_profile("prefix-cache-random"), phases=[Phase.explicit])
+@given(workload=workloads())
+@example(workload=PREEMPTED_WITH_OPEN_DEFERRED_WRITE)
+@example(workload=HIT_BY_A_STEP_THAT_OMITS_A_KEY)
+def test_step_paths_agree_on_pinned_schedules(backend: devices.DeviceBackend,
+                                              workload: Workload) -> None:
+    step_paths_agree(backend, workload, runner_view=False)
+    step_paths_agree(backend, workload)
+
+
+@settings(settings.get_profile("prefix-cache-random"),
+          max_examples=max(1, settings.get_profile("prefix-cache-random").max_examples // 4))
+@pytest.mark.slow
+@given(workload=workloads().map(lambda w: replace(w, fault=None)))
+def test_step_paths_agree_on_random_schedules(backend: devices.DeviceBackend,
+                                              workload: Workload) -> None:
+    """The same random schedule under the C step path and the Python reference: the pool's
+    tables after every step, its rows and the stats equal bit for bit (and each run's
+    materialized rows match the reference model). Without faults: when the committer's
+    thread lands a failed write, and which call reports it, is the threads' timing."""
+    step_paths_agree(backend, workload)

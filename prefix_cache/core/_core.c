@@ -273,6 +273,73 @@ PyDoc_STRVAR(request_runs_doc,
 "none). Found a block at a time. Raises when a row or a block falls outside the table, or\n"
 "runs has too few rows.");
 
+/* Add the runs of `req`'s next `count` positions, from computed[index_of[req]] on (see
+ * request_runs), to `out`. */
+static int
+add_request_runs(PyObject *req, int64_t count, PyObject *index_of, const IntArray *computed,
+                 const IntArray *table, int64_t unit, RunsOut *out)
+{
+    int64_t row;
+    if (mapping_int(index_of, req, "batch row", &row) < 0) {
+        return -1;
+    }
+    Py_ssize_t num_rows = table->buf.shape[0], width = table->buf.shape[1];
+    if (row < 0 || row >= num_rows || row >= computed->len) {
+        PyErr_Format(PyExc_IndexError, "request %R: batch row %lld outside the table's %zd "
+                     "rows", req, (long long)row, num_rows);
+        return -1;
+    }
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "request %R: %lld scheduled tokens", req,
+                     (long long)count);
+        return -1;
+    }
+    int64_t first = get_at(computed, row);
+    if (first < 0 || count > INT64_MAX - first) {
+        PyErr_Format(PyExc_ValueError, "request %R: %lld computed and %lld scheduled tokens "
+                     "are not positions", req, (long long)first, (long long)count);
+        return -1;
+    }
+    int64_t last = first + count - 1;
+    if (count && last / unit >= width) {
+        PyErr_Format(PyExc_IndexError, "request %R: positions %lld..%lld need blocks past "
+                     "the table's %zd per request", req, (long long)first, (long long)last,
+                     width);
+        return -1;
+    }
+    /* block by block: the first may start mid-block, every later one at its offset 0 */
+    int64_t offset = count ? first % unit : 0, left = count;
+    for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
+        int64_t run = unit - offset < left ? unit - offset : left;
+        int64_t id = get_at(table, row * width + block);
+        if (id < 0 || id > (INT64_MAX - (offset + run)) / unit) {  /* slot + run fits */
+            PyErr_Format(PyExc_ValueError, "request %R: block id %lld at block %lld is not "
+                         "a block of %lld slots", req, (long long)id, (long long)block,
+                         (long long)unit);
+            return -1;
+        }
+        int64_t slot = id * unit + offset;
+        if (add_run(out, slot, slot + run) < 0) {
+            return -1;
+        }
+        left -= run;
+    }
+    return 0;
+}
+
+static int
+positive_unit(const char *fn, PyObject *obj, int64_t *unit)
+{
+    if (int_arg(obj, unit) < 0) {
+        return -1;
+    }
+    if (*unit <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: unit %lld must be positive", fn, (long long)*unit);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -283,15 +350,9 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (borrow_all("request_runs", args, nargs, 7, specs, 3, a) < 0) {
         return NULL;
     }
-    const IntArray *computed = &a[0], *table = &a[1];
     PyObject *result = NULL, *req_ids = NULL;
     int64_t unit;
-    if (int_arg(args[5], &unit) < 0) {
-        goto done;
-    }
-    if (unit <= 0) {
-        PyErr_Format(PyExc_ValueError, "request_runs: unit %lld must be positive",
-                     (long long)unit);
+    if (positive_unit("request_runs", args[5], &unit) < 0) {
         goto done;
     }
     req_ids = PySequence_Tuple(args[0]);  /* see row_ends */
@@ -299,59 +360,218 @@ request_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     RunsOut out = {int64s(&a[2]), 0, a[2].buf.shape[0], 0, -1};
-    Py_ssize_t num_rows = table->buf.shape[0], width = table->buf.shape[1];
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(req_ids); i++) {
         PyObject *req = PyTuple_GET_ITEM(req_ids, i);
-        int64_t count, row;
+        int64_t count;
         if (mapping_int(args[1], req, "scheduled tokens", &count) < 0 ||
-                mapping_int(args[2], req, "batch row", &row) < 0) {
+                add_request_runs(req, count, args[2], &a[0], &a[1], unit, &out) < 0) {
             goto done;
-        }
-        if (row < 0 || row >= num_rows || row >= computed->len) {
-            PyErr_Format(PyExc_IndexError, "request %R: batch row %lld outside the table's %zd "
-                         "rows", req, (long long)row, num_rows);
-            goto done;
-        }
-        if (count < 0) {
-            PyErr_Format(PyExc_ValueError, "request %R: %lld scheduled tokens", req,
-                         (long long)count);
-            goto done;
-        }
-        int64_t first = get_at(computed, row);
-        if (first < 0 || count > INT64_MAX - first) {
-            PyErr_Format(PyExc_ValueError, "request %R: %lld computed and %lld scheduled tokens "
-                         "are not positions", req, (long long)first, (long long)count);
-            goto done;
-        }
-        int64_t last = first + count - 1;
-        if (count && last / unit >= width) {
-            PyErr_Format(PyExc_IndexError, "request %R: positions %lld..%lld need blocks past "
-                         "the table's %zd per request", req, (long long)first, (long long)last,
-                         width);
-            goto done;
-        }
-        /* block by block: the first may start mid-block, every later one at its offset 0 */
-        int64_t offset = count ? first % unit : 0, left = count;
-        for (int64_t block = count ? first / unit : 0; left > 0; block++, offset = 0) {
-            int64_t run = unit - offset < left ? unit - offset : left;
-            int64_t id = get_at(table, row * width + block);
-            if (id < 0 || id > (INT64_MAX - (offset + run)) / unit) {  /* slot + run fits */
-                PyErr_Format(PyExc_ValueError, "request %R: block id %lld at block %lld is not "
-                             "a block of %lld slots", req, (long long)id, (long long)block,
-                             (long long)unit);
-                goto done;
-            }
-            int64_t slot = id * unit + offset;
-            if (add_run(&out, slot, slot + run) < 0) {
-                goto done;
-            }
-            left -= run;
         }
     }
     result = Py_BuildValue("nLL", out.k, (long long)out.low, (long long)out.high);
 done:
     Py_XDECREF(req_ids);
     release(a, 3);
+    return result;
+}
+
+/* scheduled[req] as a count, or `missing` (1) where it has none (a KeyError, cleared). */
+static int
+scheduled_count(PyObject *scheduled, PyObject *req, int64_t *count, int *missing)
+{
+    *missing = 0;
+    if (mapping_int(scheduled, req, "scheduled tokens", count) == 0) {
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+        return -1;
+    }
+    PyErr_Clear();
+    *missing = 1;
+    return 0;
+}
+
+/* `order`: the batch's requests without its None entries, all of them where they are exactly
+ * the scheduled ones, else those scheduled for more than 0 tokens; `counts[i]` each one's. */
+static int
+scheduled_order(PyObject *batch, PyObject *scheduled, PyObject *order, int64_t *counts)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(batch), present = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        present += PyTuple_GET_ITEM(batch, i) != Py_None;
+    }
+    Py_ssize_t num_scheduled = PyObject_Length(scheduled);
+    if (num_scheduled < 0) {
+        return -1;
+    }
+    int exact = present == num_scheduled, missing;
+    for (int pass = exact ? 0 : 1; pass < 2; pass++) {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *req = PyTuple_GET_ITEM(batch, i);
+            if (req == Py_None) {
+                continue;
+            }
+            if (scheduled_count(scheduled, req, &counts[k], &missing) < 0) {
+                return -1;
+            }
+            if (pass == 0 && missing) {
+                break;  /* not exactly the scheduled requests: those scheduled tokens */
+            }
+            if (pass == 1 && (missing || counts[k] <= 0)) {
+                continue;
+            }
+            if (PyList_Append(order, req) < 0) {
+                return -1;
+            }
+            k++;
+        }
+        if (pass == 0 && k == present) {
+            return 0;
+        }
+        if (pass == 0 && PyList_SetSlice(order, 0, PyList_GET_SIZE(order), NULL) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Whether the scheduled requests left out of the step's `k` are not exactly those scheduled
+ * for no tokens. */
+static int
+rows_left_out(PyObject *scheduled, Py_ssize_t k, int *refused)
+{
+    Py_ssize_t left_out = PyObject_Length(scheduled);
+    if (left_out < 0) {
+        return -1;
+    }
+    left_out -= k;
+    if (left_out == 0) {
+        return 0;
+    }
+    PyObject *values = PyMapping_Values(scheduled);
+    if (values == NULL) {
+        return -1;
+    }
+    Py_ssize_t idle = 0;
+    int64_t count;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
+        if (int_arg(PyList_GET_ITEM(values, i), &count) < 0) {
+            Py_DECREF(values);
+            return -1;
+        }
+        idle += count <= 0;
+    }
+    Py_DECREF(values);
+    *refused = left_out != idle;
+    return 0;
+}
+
+PyDoc_STRVAR(step_layout_doc,
+"step_layout(batch, scheduled, index_of, computed, table, unit, empty, num_rows)\n"
+"-> (order, ends, total, smallest, runs, min, max)\n\n"
+"A step's rows and slots in one call. order: the batch's requests (its None entries left\n"
+"out) in batch order, all of them where they are exactly the scheduled requests, else those\n"
+"scheduled for more than 0 tokens; ends: their row ends as row_ends makes them, total and\n"
+"smallest too; runs: their slots as request_runs finds them, [k, 2], and their min and max\n"
+"slot; runs None (min and max 0 and -1) where total is not num_rows, a request of order is\n"
+"scheduled for no tokens, or the scheduled requests order leaves out are not those\n"
+"scheduled for none (the step is refused for its rows). ends and runs are made by\n"
+"empty(shape), an int64 numpy.empty.");
+
+static PyObject *
+step_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{3, "step_layout: computed", 0, 1, 0, 0, 0},
+                                      {4, "step_layout: table", 0, 2, 0, 0, 0}};
+    static const ArraySpec ends_spec = {0, "step_layout: ends", 1, 1, 0, 1, 0};
+    static const ArraySpec runs_spec = {0, "step_layout: runs", 1, 2, 2, 1, 0};
+    IntArray a[2], made[2] = {{.held = 0}, {.held = 0}};
+    if (borrow_all("step_layout", args, nargs, 8, specs, 2, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL, *batch = NULL, *order = NULL, *ends = NULL, *runs = NULL;
+    PyObject *cut = NULL;
+    int64_t *counts = NULL, unit, num_rows;
+    if (positive_unit("step_layout", args[5], &unit) < 0 || int_arg(args[7], &num_rows) < 0) {
+        goto done;
+    }
+    batch = PySequence_Tuple(args[0]);  /* see row_ends */
+    order = PyList_New(0);
+    if (batch == NULL || order == NULL) {
+        goto done;
+    }
+    counts = PyMem_Malloc((PyTuple_GET_SIZE(batch) + 1) * sizeof(int64_t));
+    if (counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (scheduled_order(batch, args[1], order, counts) < 0) {
+        goto done;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(order);
+    int64_t total = 0, smallest = INT64_MAX;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (counts[i] < 0 || total > INT64_MAX - counts[i]) {
+            PyErr_Format(counts[i] < 0 ? PyExc_ValueError : PyExc_OverflowError,
+                         "step_layout: request %R: %lld scheduled tokens%s",
+                         PyList_GET_ITEM(order, i), (long long)counts[i],
+                         counts[i] < 0 ? "" : " overflow the step's total");
+            goto done;
+        }
+        total += counts[i];
+        smallest = counts[i] < smallest ? counts[i] : smallest;
+    }
+    ends = PyObject_CallFunction(args[6], "(n)", k);
+    if (ends == NULL || borrow(ends, &ends_spec, &made[0]) < 0) {
+        goto done;
+    }
+    if (made[0].len != k) {
+        PyErr_Format(PyExc_ValueError, "step_layout: empty(%zd) made %zd ends", k, made[0].len);
+        goto done;
+    }
+    int64_t end = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64s(&made[0])[i] = end += counts[i];
+    }
+    int refused = total != num_rows || (k && smallest <= 0);
+    if (!refused && rows_left_out(args[1], k, &refused) < 0) {
+        goto done;
+    }
+    if (refused) {
+        result = Py_BuildValue("OOLLOii", order, ends, (long long)total,
+                               (long long)(k ? smallest : 0), Py_None, 0, -1);
+        goto done;
+    }
+    /* a request's positions span at most count // unit + 2 blocks */
+    runs = PyObject_CallFunction(args[6], "((Ln))", (long long)(total / unit) + 2 * k,
+                                 (Py_ssize_t)2);
+    if (runs == NULL || borrow(runs, &runs_spec, &made[1]) < 0) {
+        goto done;
+    }
+    RunsOut out = {int64s(&made[1]), 0, made[1].buf.shape[0], 0, -1};
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (add_request_runs(PyList_GET_ITEM(order, i), counts[i], args[2], &a[0], &a[1], unit,
+                             &out) < 0) {
+            goto done;
+        }
+    }
+    cut = PySequence_GetSlice(runs, 0, out.k);
+    if (cut == NULL) {
+        goto done;
+    }
+    result = Py_BuildValue("OOLLOLL", order, ends, (long long)total,
+                           (long long)(k ? smallest : 0), cut, (long long)out.low,
+                           (long long)out.high);
+done:
+    release(made, 2);
+    PyMem_Free(counts);
+    Py_XDECREF(cut);
+    Py_XDECREF(runs);
+    Py_XDECREF(ends);
+    Py_XDECREF(order);
+    Py_XDECREF(batch);
+    release(a, 2);
     return result;
 }
 
@@ -685,6 +905,34 @@ done:
     return result;
 }
 
+/* value at every slot of the (checked) runs: whole blocks into `blocks`, the other slots into
+ * `slots`; `marks` (or NULL) per block: value where a slot entry was written, 0 where the
+ * block entry was. */
+static void
+fill_runs(const IntArray *runs, int64_t bs, int64_t *slots, int64_t *blocks, int64_t value,
+          int64_t *marks)
+{
+    const int64_t *r = int64s(runs);
+    for (Py_ssize_t i = 0; i < runs->buf.shape[0]; i++) {
+        RunParts p = run_parts(r[2 * i], r[2 * i + 1], bs);
+        for (int64_t b = p.block; b < p.block_end; b++) {
+            blocks[b] = value;
+            if (marks) {
+                marks[b] = 0;
+            }
+        }
+        for (int pass = 0; pass < 2; pass++) {
+            int64_t slot = pass ? p.tail : p.head, stop = pass ? p.end : p.head_end;
+            for (; slot < stop; slot++) {
+                slots[slot] = value;
+            }
+            if (marks && slot > (pass ? p.tail : p.head)) {
+                marks[(slot - 1) / bs] = value;
+            }
+        }
+    }
+}
+
 #define MAX_FILLS 2
 
 PyDoc_STRVAR(fill_tiers_doc,
@@ -738,32 +986,105 @@ fill_tiers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (check_runs(&a[0], a[2].len, "fill_tiers: runs") < 0) {
         goto done;
     }
-    const int64_t *r = int64s(&a[0]);
     for (Py_ssize_t t = 0; t < fills; t++) {
-        int64_t *slots = int64s(&a[2 + 2 * t]), *blocks = int64s(&a[3 + 2 * t]);
-        int64_t value = values[t], *marks = t == 0 && newest->held ? int64s(newest) : NULL;
-        for (Py_ssize_t i = 0; i < a[0].buf.shape[0]; i++) {
-            RunParts p = run_parts(r[2 * i], r[2 * i + 1], bs);
-            for (int64_t b = p.block; b < p.block_end; b++) {
-                blocks[b] = value;
-                if (marks) {
-                    marks[b] = 0;
-                }
-            }
-            for (int pass = 0; pass < 2; pass++) {
-                int64_t slot = pass ? p.tail : p.head, stop = pass ? p.end : p.head_end;
-                for (; slot < stop; slot++) {
-                    slots[slot] = value;
-                }
-                if (marks && slot > (pass ? p.tail : p.head)) {
-                    marks[(slot - 1) / bs] = value;
-                }
-            }
-        }
+        fill_runs(&a[0], bs, int64s(&a[2 + 2 * t]), int64s(&a[3 + 2 * t]), values[t],
+                  t == 0 && newest->held ? int64s(newest) : NULL);
     }
     result = Py_NewRef(Py_None);
 done:
     release(a, 2 + 2 * fills);
+    return result;
+}
+
+/* The tables a key's write fills, in claim_write's order. */
+#define WRITE_TABLES 4
+
+PyDoc_STRVAR(claim_write_doc,
+"claim_write(runs, block_size, newest, claim_slots, claim_blocks, claim, writes, producer)\n"
+"-> None\n\n"
+"A step's claim and its write's record in one call: fill_tiers(runs, block_size, newest,\n"
+"claim_slots, claim_blocks, claim), then, for each (version_slots, version_blocks,\n"
+"producer_slots, producer_blocks) of the sequence writes, fill_tiers(runs, block_size,\n"
+"None, version_slots, version_blocks, claim, producer_slots, producer_blocks, producer).\n"
+"Every table is checked before any is written: one that raises leaves them all unchanged.");
+
+static PyObject *
+claim_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const ArraySpec specs[] = {{0, "claim_write: runs", 0, 2, 2, 1, 0},
+                                      {2, "claim_write: newest", 1, 1, 0, 1, 0},
+                                      {3, "claim_write: claim_slots", 1, 1, 0, 1, 0},
+                                      {4, "claim_write: claim_blocks", 1, 1, 0, 1, 0}};
+    static const ArraySpec table_spec = {0, "claim_write: a write's table", 1, 1, 0, 1, 0};
+    IntArray a[4], *tables = NULL;
+    Py_ssize_t num_tables = 0;  /* calloc'ed: those not borrowed yet hold nothing */
+    if (borrow_all("claim_write", args, nargs, 8, specs, 4, a) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL, *writes = NULL;
+    int64_t bs, claim, producer;
+    if (int_arg(args[1], &bs) < 0 || int_arg(args[5], &claim) < 0 ||
+            int_arg(args[7], &producer) < 0 ||
+            check_tiers("claim_write", bs, &a[2], &a[3]) < 0) {
+        goto done;
+    }
+    if (a[1].len != a[3].len) {
+        PyErr_Format(PyExc_ValueError, "claim_write: newest has %zd entries for %zd blocks",
+                     a[1].len, a[3].len);
+        goto done;
+    }
+    if (check_runs(&a[0], a[2].len, "claim_write: runs") < 0) {
+        goto done;
+    }
+    writes = PySequence_Tuple(args[6]);
+    if (writes == NULL) {
+        goto done;
+    }
+    Py_ssize_t num_writes = PyTuple_GET_SIZE(writes);
+    tables = PyMem_Calloc(num_writes ? num_writes * WRITE_TABLES : 1, sizeof(IntArray));
+    if (tables == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    num_tables = num_writes * WRITE_TABLES;
+    for (Py_ssize_t w = 0; w < num_writes; w++) {
+        PyObject *write = PyTuple_GET_ITEM(writes, w);
+        if (!PyTuple_Check(write) || PyTuple_GET_SIZE(write) != WRITE_TABLES) {
+            PyErr_Format(PyExc_TypeError, "claim_write: write %zd must be a tuple of %d tables, "
+                         "got %.80s", w, WRITE_TABLES, Py_TYPE(write)->tp_name);
+            goto done;
+        }
+        IntArray *w_tables = &tables[w * WRITE_TABLES];
+        for (int t = 0; t < WRITE_TABLES; t++) {
+            if (borrow(PyTuple_GET_ITEM(write, t), &table_spec, &w_tables[t]) < 0) {
+                goto done;
+            }
+        }
+        if (check_tiers("claim_write", bs, &w_tables[0], &w_tables[1]) < 0 ||
+                check_tiers("claim_write", bs, &w_tables[2], &w_tables[3]) < 0) {
+            goto done;
+        }
+        if (w_tables[0].len != a[2].len || w_tables[2].len != a[2].len) {
+            PyErr_Format(PyExc_ValueError, "claim_write: write %zd's tables of %zd and %zd "
+                         "slots for a pool of %zd", w, w_tables[0].len, w_tables[2].len,
+                         a[2].len);
+            goto done;
+        }
+    }
+    fill_runs(&a[0], bs, int64s(&a[2]), int64s(&a[3]), claim, int64s(&a[1]));
+    for (Py_ssize_t w = 0; w < num_writes; w++) {
+        IntArray *w_tables = &tables[w * WRITE_TABLES];
+        fill_runs(&a[0], bs, int64s(&w_tables[0]), int64s(&w_tables[1]), claim, NULL);
+        fill_runs(&a[0], bs, int64s(&w_tables[2]), int64s(&w_tables[3]), producer, NULL);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (tables != NULL) {
+        release(tables, num_tables);
+        PyMem_Free(tables);
+    }
+    Py_XDECREF(writes);
+    release(a, 4);
     return result;
 }
 
@@ -1265,8 +1586,9 @@ done:
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
-    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(slot_runs),
-    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(add_pins),
+    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
+    METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
+    METHOD(add_pins),
     METHOD(row_states),
     METHOD(copy_rows), METHOD(gather_rows), METHOD(gather_parts),
     {NULL, NULL, 0, NULL},

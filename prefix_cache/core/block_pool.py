@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,6 +56,12 @@ class PoolKey:
     row_width: int      # and a torch attribute read costs it microseconds after a forward
     version: Tiers   # slot claim the rows were written under (0: none; negated: lost)
     producer: Tiers  # write task that lands those rows, beside each version entry
+    #: the four tables a write of the key fills, in `_core.claim_write`'s order
+    write_tables: tuple[np.ndarray, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.write_tables = (self.version.slots, self.version.blocks, self.producer.slots,
+                             self.producer.blocks)
 
     @property
     def flat(self) -> torch.Tensor:
@@ -80,7 +86,7 @@ class PrefixBlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, backend: DeviceBackend, *,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, step_path: str = "c") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
@@ -88,6 +94,8 @@ class PrefixBlockPool:
         #: what every key's storage may take together (None: unbounded), checked before each
         #: key's storage is allocated
         self.budget_bytes = budget_bytes
+        #: `claim_write` in one C call ("c") or as `claim` then `record_write` ("python")
+        self._c_claims = step_path == "c"
         self._next_claim = 1  # what `claim` returns next
         #: per block, the first claim its latest allocation by vLLM can carry (`mark_allocated`;
         #: 0: never seen allocated)
@@ -119,6 +127,19 @@ class PrefixBlockPool:
             key = self.keys[name]
             _core.fill_tiers(runs, self.block_size, None, key.version.slots, key.version.blocks,
                              claim, key.producer.slots, key.producer.blocks, producer)
+
+    def claim_write(self, runs: np.ndarray, keys: Iterable[str], producer: int) -> int:
+        """`claim(runs)`, then `record_write(keys, runs, claim, producer)` (no keys: the claim
+        alone): a step's whole bookkeeping in the pool, in one C call on the C step path."""
+        if not self._c_claims:
+            claim = self.claim(runs)
+            self.record_write(keys, runs, claim, producer)
+            return claim
+        claim, self._next_claim = self._next_claim, self._next_claim + 1
+        _core.claim_write(runs, self.block_size, self._newest_slot_claim, self._claim.slots,
+                          self._claim.blocks, claim,
+                          [self.keys[name].write_tables for name in keys], producer)
+        return claim
 
     def mark_allocated(self, blocks: np.ndarray) -> None:
         """vLLM gave `blocks` to new tenants, whose rows no claim made so far holds."""

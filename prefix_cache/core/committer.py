@@ -52,7 +52,10 @@ class Committer:
         self._on_landed = on_landed
         self._bind_thread = bind_thread
         self._queue: deque[WriteTask] = deque()
-        self._cond = threading.Condition()  # the queue, the token and the thread's wake-ups
+        #: the queue and the token; `_cond` (over it) the thread's wake-ups. A step's calls
+        #: take the lock itself: a Condition's `with` costs two Python-level calls more
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._landing = False
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="omni-prefix-cache-committer",
@@ -64,8 +67,11 @@ class Committer:
         task.lander = self.wait
         task.launched_at = time.monotonic()
         # whether landing it moves bytes on the host (a staged write's scatter)
-        task.host_half = any(t.finish is not None for t in task.transfers)
-        with self._cond:
+        for transfer in task.transfers:
+            if transfer.finish is not None:
+                task.host_half = True
+                break
+        with self._mutex:
             self._queue.append(task)
             if task.host_half:
                 self._cond.notify()
@@ -77,7 +83,7 @@ class Committer:
         """
         if not self._queue:
             return
-        with self._cond:
+        with self._mutex:
             if self._landing:
                 return  # another thread is landing: it lands in order, this one need not
             ready = self._take_ready(host_halves)
@@ -90,9 +96,10 @@ class Committer:
                 self.land(task, error)
                 landed += 1
         finally:
-            with self._cond:
+            with self._mutex:
                 # a landing that raised (its hooks) leaves the tasks after it queued, in order
-                self._queue.extendleft(reversed([task for task, _ in ready[landed + 1:]]))
+                if landed + 1 < len(ready):
+                    self._queue.extendleft(reversed([task for task, _ in ready[landed + 1:]]))
                 self._landing = False
 
     def wait(self, task: WriteTask, timeout_s: float) -> None:
@@ -109,7 +116,6 @@ class Committer:
         """Land a task whose copies completed: run their host half, mark it WRITTEN; FAILED
         with `error` (its copies failed or never completed) or with what fails here."""
         try:
-            task.transition(TaskState.COPYING)
             if error is not None:
                 raise error
             if task.launch_error is not None:  # its issued copies are done: now it may fail
@@ -117,11 +123,15 @@ class Committer:
             for transfer in task.transfers:  # what the copies found wrong (slots out of range)
                 if transfer.verify is not None:
                     transfer.verify()
-            task.transition(TaskState.HOST_READY)
-            for transfer in task.transfers:
-                if transfer.finish is not None:
-                    transfer.finish()
-            task.transition(TaskState.WRITTEN)
+            if task.host_half:
+                task.transition(TaskState.COPYING)
+                task.transition(TaskState.HOST_READY)
+                for transfer in task.transfers:
+                    if transfer.finish is not None:
+                        transfer.finish()
+                task.transition(TaskState.WRITTEN)
+            else:
+                task.settle()
         except BaseException as exc:  # a failed write fails its task only
             task.fail(exc)
         finally:
@@ -147,9 +157,12 @@ class Committer:
             task = self._queue[0]
             if task.host_half and not host_halves:
                 break
-            error = None
+            error, done = None, True
             try:
-                done = all(t.event is None or t.event.query() for t in task.transfers)
+                for transfer in task.transfers:
+                    if transfer.event is not None and not transfer.event.query():
+                        done = False
+                        break
             except Exception as exc:  # a driver error: the copy failed
                 done, error = True, exc
             if not done:

@@ -59,10 +59,12 @@ class WriteLauncher:
             task.report_failure = report_failure
         task.transfers = issued
         task.transition(TaskState.QUEUED)
-        if all(t.complete_at_launch for t in issued):
-            self.committer.land(task)  # nothing in flight: land it on this thread
-        else:
-            self.committer.submit(task)
+        for transfer in issued:
+            if transfer.event is not None or transfer.finish is not None:
+                self.committer.submit(task)
+                break
+        else:  # every copy complete at launch: nothing in flight, land it on this thread
+            self.committer.land(task)
         if task.launch_error is not None:
             raise task.launch_error
 

@@ -1,6 +1,7 @@
 """Where a step's rows sit: each scheduled request's row range in batch order, and each row's slot.
 
-Built on the engine thread in a few C calls whatever the batch size. A view
+Built on the engine thread in a few C calls whatever the batch size (one, on the C step
+path, where the view offers `step_layout`: `FullAttentionGroupView` does). A view
 that gives its slots as runs (`step_slot_runs`, as FullAttentionGroupView does)
 keeps the layout O(requests + blocks): the per-row slots and the per-request
 lookup table are only built when someone asks for them (hits, deferred keys, a
@@ -22,7 +23,10 @@ from prefix_cache.core.runs import runs_slots, slot_runs
 
 class GroupView(Protocol):
     """Row order and slots of a step's outputs (see FullAttentionGroupView). A view may also
-    offer `step_slot_runs(req_ids, num_scheduled_tokens)`: the same slots as `[k, 2]` runs."""
+    offer `step_slot_runs(req_ids, num_scheduled_tokens)`: the same slots as `[k, 2]` runs;
+    and `step_layout(num_scheduled_tokens, num_rows)`: the step's order, row ends, tokens'
+    total and smallest count, and those runs with their min and max slot, in one call (the
+    C path; see FullAttentionGroupView.step_layout)."""
 
     def batch_req_ids(self) -> Sequence[str]: ...
 
@@ -55,25 +59,28 @@ class StepLayout:
 
     @classmethod
     def of_step(cls, view: GroupView, scheduled: Mapping[str, int], num_rows: int,
-                block_size: int, num_slots: int) -> StepLayout:
-        """The layout of a step's `num_rows` rows, checked against the scheduler's counts."""
-        order, ends, total, smallest = _scheduled_rows(list(view.batch_req_ids()), scheduled)
-        left_out = len(scheduled) - len(order)  # only requests scheduled for 0 tokens may be
-        if total != num_rows or smallest <= 0 < len(order) or (
-                left_out and left_out != sum(1 for c in scheduled.values() if c <= 0)):
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: {num_rows} rows but the batch {order} schedules {total} tokens "
-                f"for {len(order)} of {len(scheduled)} scheduled requests")
-        runs_of = getattr(view, "step_slot_runs", None)
-        if runs_of is not None:
-            slots = None
-            runs = runs_of(order, scheduled)
-            given, low, high = _core.run_stats(runs)
+                block_size: int, num_slots: int, *, c_path: bool = True) -> StepLayout:
+        """The layout of a step's `num_rows` rows, checked against the scheduler's counts;
+        `c_path`: in one call where the view offers `step_layout` (its slots are then the
+        scheduled tokens' own), else its rows, then its slots, as the reference makes them."""
+        layout_of = getattr(view, "step_layout", None) if c_path else None
+        if layout_of is not None:
+            order, ends, total, smallest, runs, low, high = layout_of(scheduled, num_rows)
+            _check_rows(order, scheduled, num_rows, total, smallest)  # refuses runs None
+            slots, given = None, total
         else:
-            slots = np.ascontiguousarray(view.step_slots_cpu(order, scheduled).numpy(),
-                                         dtype=np.int64)
-            runs, low, high = slot_runs(slots)
-            given = len(slots)
+            order, ends, total, smallest = _scheduled_rows(list(view.batch_req_ids()), scheduled)
+            _check_rows(order, scheduled, num_rows, total, smallest)
+            runs_of = getattr(view, "step_slot_runs", None)
+            if runs_of is not None:
+                slots = None
+                runs = runs_of(order, scheduled)
+                given, low, high = _core.run_stats(runs)
+            else:
+                slots = np.ascontiguousarray(view.step_slots_cpu(order, scheduled).numpy(),
+                                             dtype=np.int64)
+                runs, low, high = slot_runs(slots)
+                given = len(slots)
         if given != num_rows:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: the view gave {given} slots for {num_rows} rows")
@@ -106,6 +113,17 @@ class StepLayout:
         if self._index is None:
             self._index = {r: i for i, r in enumerate(self.order)}
         return self._index
+
+
+def _check_rows(order: list[str], scheduled: Mapping[str, int], num_rows: int, total: int,
+                smallest: int) -> None:
+    """Refuse a step whose rows are not its batch's scheduled tokens."""
+    left_out = len(scheduled) - len(order)  # only requests scheduled for 0 tokens may be
+    if total != num_rows or smallest <= 0 < len(order) or (
+            left_out and left_out != sum(1 for c in scheduled.values() if c <= 0)):
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: {num_rows} rows but the batch {order} schedules {total} tokens "
+            f"for {len(order)} of {len(scheduled)} scheduled requests")
 
 
 def _scheduled_rows(batch: list[str], scheduled: Mapping[str, int]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefix_cache.core import _core
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
 
 #: The scheduler output's attribute that carries a capped pool's `PoolMoves`.
@@ -216,6 +217,8 @@ class ResidentView:
         self._map = pool_map
         if callable(getattr(view, "step_slot_runs", None)):
             self.step_slot_runs = self._step_slot_runs
+        if callable(getattr(view, "step_layout", None)):
+            self.step_layout = self._step_layout
         if callable(getattr(view, "request_positions_runs", None)):
             self.request_positions_runs = self._request_positions_runs
 
@@ -232,6 +235,15 @@ class ResidentView:
                         num_scheduled_tokens: Mapping[str, int]) -> np.ndarray:
         return self._map.runs(self.inner.step_slot_runs(req_ids, num_scheduled_tokens),
                               "the step's slots")
+
+    def _step_layout(self, num_scheduled_tokens: Mapping[str, int], num_rows: int
+                     ) -> tuple[list[str], np.ndarray, int, int, np.ndarray | None, int, int]:
+        order, ends, total, smallest, runs, low, high = self.inner.step_layout(
+            num_scheduled_tokens, num_rows)
+        if runs is not None:
+            runs = self._map.runs(runs, "the step's slots")
+            _, low, high = _core.run_stats(runs)
+        return order, ends, total, smallest, runs, low, high
 
     def _request_positions_runs(self, req_id: str, num_positions: int,
                                 start: int = 0) -> np.ndarray | None:

@@ -35,7 +35,10 @@ class StagingPool:
         self._holders: list[set[Holder]] = [set() for _ in range(depth)]
         self._buffers: dict[tuple[int, str], HostBuffer] = {}
         self.arenas = [SlotArena(backend) for _ in range(depth)]  # each slot's host copies
-        self._cond = threading.Condition()
+        #: the holders; `_cond` (over it) wakes waiting claimers. Each call takes the lock
+        #: itself: a Condition's `with` costs two Python-level calls more
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._claimers_waiting = 0  # a release wakes them; with none, it notifies nobody
         self.waits = 0
         self.wait_time_s = 0.0
@@ -44,7 +47,7 @@ class StagingPool:
         """A free slot, held by `("step", step_id)`; waits at most `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         start = None
-        with self._cond:
+        with self._mutex:
             while True:
                 for slot, holders in enumerate(self._holders):
                     if not holders:
@@ -70,14 +73,14 @@ class StagingPool:
 
     def hold(self, slot: int, holder: Holder) -> None:
         """Add a holder to a slot the caller already holds (a write passing through it)."""
-        with self._cond:
+        with self._mutex:
             if not self._holders[slot]:
                 raise RuntimeError(f"staging slot {slot} is free: {holder} cannot join it")
             self._holders[slot].add(holder)
 
     def release(self, slot: int, holder: Holder) -> None:
         """Drop `holder`'s hold; a holder that holds nothing there changes nothing."""
-        with self._cond:
+        with self._mutex:
             self._holders[slot].discard(holder)
             if self._claimers_waiting and not self._holders[slot]:
                 self._cond.notify_all()

@@ -63,6 +63,7 @@ class StepTable:
         self._checker = checker
         self._writer = writer
         self._step_reads = step_reads
+        self._c_path = config.step_path == "c"
         self._step_ids = itertools.count(1)
         self._records: dict[int, StepRecord] = {}
         self.pending: PendingStep | None = None
@@ -109,7 +110,8 @@ class StepTable:
         pending = self.pending
         device_slots = self._writer.device_slots(slot_mapping, n)
         layout = StepLayout.of_step(self._view, pending.num_scheduled_tokens, n,
-                                    self._config.block_size, self._pool.num_slots)
+                                    self._config.block_size, self._pool.num_slots,
+                                    c_path=self._c_path)
         try:
             check_hits(self._pool, self._lock, pending.hits, layout, outputs)
         except OmniPrefixCacheUnmatchError:

@@ -52,8 +52,9 @@ class WriteTask:
     """One write into the pool: a step's immediate keys, or one request's deferred keys.
 
     Invariant: `state` moves one step along PENDING → QUEUED → COPYING →
-    HOST_READY → WRITTEN, or to FAILED from any non-terminal state; `landed`
-    is set exactly when the state becomes terminal.
+    HOST_READY → WRITTEN (QUEUED → WRITTEN in one, `settle`, where its landing
+    has no host half), or to FAILED from any non-terminal state; `landed` is
+    set exactly when the state becomes terminal.
     """
 
     task_id: int
@@ -88,6 +89,18 @@ class WriteTask:
             self.state = new
         if new in _TERMINAL:
             self.landed.set()
+
+    def settle(self) -> None:
+        """Move from QUEUED through COPYING and HOST_READY to WRITTEN at once: a landing whose
+        copies completed and passed their checks, with no host half to run in between (no
+        other thread tells those states apart); raises as `transition` does otherwise."""
+        with self._lock:
+            if self.state is not TaskState.QUEUED:
+                raise OmniPrefixCacheUnmatchError(
+                    f"illegal transition {self.state.value} -> {TaskState.WRITTEN.value} of "
+                    f"{self.describe()}")
+            self.state = TaskState.WRITTEN
+        self.landed.set()
 
     def fail(self, error: BaseException) -> bool:
         """Mark FAILED with `error`; False if the task had already landed."""

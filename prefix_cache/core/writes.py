@@ -130,11 +130,16 @@ class StepWriter:
         self._reads.resolve_conflicts(layout.runs)
         task = None
         with self._lock:
-            claim = self._pool.claim(layout.runs)
             if immediate and n:
                 staged = self._backend.needs_staging  # the write passes through the slot's pages
                 task = self._tasks.new(f"step {step_id}", staging_slot=slot if staged else None)
-                self._pool.record_write(immediate, layout.runs, claim, task.task_id)
+            try:
+                claim = self._pool.claim_write(layout.runs, immediate if task else (),
+                                               task.task_id if task else 0)
+            except BaseException:
+                if task is not None:
+                    self._tasks.forget(task)
+                raise
         if task is not None:
             if task.staging_slot is not None:
                 self._staging.hold(slot, ("write", task.task_id))

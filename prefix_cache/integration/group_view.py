@@ -9,6 +9,7 @@ be mirrored.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,25 @@ class FullAttentionGroupView:
                                  self._block_ids(table), int(table.block_size),
                                  "the runner's batch")
 
+    def step_layout(self, num_scheduled_tokens: Mapping[str, int], num_rows: int
+                    ) -> tuple[list[str], np.ndarray, int, int, np.ndarray | None, int, int]:
+        """The step's row order and slots in one C call (`_core.step_layout`): the batch's
+        scheduled requests, their row ends, their tokens' total and smallest count, and
+        `step_slot_runs` of them with the runs' min and max slot (None where the step's
+        `num_rows` rows are not its scheduled tokens: the step is refused for its rows)."""
+        if not self._checked:
+            self.check()
+        table = self._table()
+        try:
+            return _core.step_layout(self.input_batch.req_ids, num_scheduled_tokens,
+                                     self.input_batch.req_id_to_index,
+                                     np.asarray(self.input_batch.num_computed_tokens_cpu),
+                                     self._block_ids(table), int(table.block_size), _int64s,
+                                     num_rows)
+        except (IndexError, KeyError) as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"the runner's batch does not hold the scheduled positions: {exc}") from None
+
     def request_positions_runs(self, req_id: str, num_positions: int,
                                start: int = 0) -> np.ndarray | None:
         """The slots of `req_id`'s positions `[start, num_positions)` as runs, from its row of
@@ -111,6 +131,10 @@ class FullAttentionGroupView:
     def _block_ids(table: Any) -> np.ndarray:
         return table.get_numpy_array() if hasattr(table, "get_numpy_array") \
             else table.get_cpu_tensor().numpy()
+
+
+#: `_core.step_layout`'s arrays
+_int64s = functools.partial(np.empty, dtype=np.int64)
 
 
 def positions_slot_runs(req_id: str, start: int, end: int, block_ids: np.ndarray, unit: int,
