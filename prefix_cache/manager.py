@@ -193,14 +193,15 @@ class OmniPrefixCacheManager:
         """Full-prompt outputs of `req_ids` for a saved step: hit rows, then this step's rows."""
         with self._stats.timed("materialize"):
             req_ids = self._req_id_list("materialize", step_id, req_ids)
-            return self._read(step_id, req_ids).per_request(
+            return self._read(step_id, req_ids, whole_step=False).per_request(
                 req_ids, self.policy.needs_full_hidden_states)
 
     def materialize_step(self, step_id: int, req_ids: Iterable[str]) -> StepRows:
         """`materialize` in the step's row order: the step's rows per key, and each of
         `req_ids`' hits' rows from position 0, without a tensor per request."""
         with self._stats.timed("materialize"):
-            return self._read(step_id, self._req_id_list("materialize_step", step_id, req_ids))
+            return self._read(step_id, self._req_id_list("materialize_step", step_id, req_ids),
+                              whole_step=True)
 
     @staticmethod
     def _req_id_list(call: str, step_id: int, req_ids: Iterable[str]) -> list[str]:
@@ -210,10 +211,12 @@ class OmniPrefixCacheManager:
                 f"got {req_ids!r}")
         return list(req_ids)
 
-    def _read(self, step_id: int, req_ids: list[str]) -> StepRows:
-        """The saved step's rows of `req_ids`, the step consumed (exactly once)."""
+    def _read(self, step_id: int, req_ids: list[str], *, whole_step: bool) -> StepRows:
+        """The saved step's rows of `req_ids`, the step consumed (exactly once); `whole_step`:
+        with its hits' step rows in the step's rows too."""
         self._check_usable("materialize" if req_ids else "discard_step")
-        return self._steps.read(step_id, req_ids, self.policy.needs_full_hidden_states)
+        return self._steps.read(step_id, req_ids, self.policy.needs_full_hidden_states,
+                                whole_step)
 
     def plan_request_rows(self, requests: Mapping[str, int | None],
                           starts: Mapping[str, int] | None = None) -> dict[str, RequestRows]:

@@ -520,3 +520,37 @@ def test_gather_rows_refuses_mismatched_or_shared_buffers() -> None:
     with pytest.raises(TypeError, match="gather_rows: dst: expected a C-contiguous writable"):
         _core.gather_rows(pool, slots, np.zeros((4, 2), dtype=np.uint8).T)
     assert np.array_equal(pool, np.arange(32, dtype=np.uint8).reshape(8, 4))
+
+
+def test_gather_parts_fills_each_dst_with_its_slots_in_order() -> None:
+    """A step's rows of several requests, each into a tensor of its own (a hit's, after its
+    hit rows), in one call: the same rows as one gather_rows, split over the copy threads."""
+    pool, slots = _split_gather_case(4)
+    sizes = [0, 1, 700, 2048, 1, 1951]  # 4701 rows, a part of no rows included
+    dsts = [np.zeros((n, pool.shape[1]), dtype=np.uint8) for n in sizes]
+    _core.gather_parts(pool, slots, dsts, 8)
+    assert np.array_equal(np.concatenate(dsts), pool[slots])
+    small = [np.zeros((1, pool.shape[1]), dtype=np.uint8) for _ in range(3)]
+    _core.gather_parts(pool, slots[:3], small)  # under the no-GIL size, on the caller alone
+    assert np.array_equal(np.concatenate(small), pool[slots[:3]])
+
+
+def test_gather_parts_refuses_before_copying_anything() -> None:
+    pool = np.arange(64, dtype=np.uint8).reshape(16, 4)
+    slots = np.array([3, 4, 5], dtype=np.int64)
+    first, second = np.zeros((2, 4), dtype=np.uint8), np.zeros((1, 4), dtype=np.uint8)
+    with pytest.raises(ValueError, match="3 slots for 2 rows"):
+        _core.gather_parts(pool, slots, [first])
+    with pytest.raises(ValueError, match=r"dsts\[1\] has 2 rows of 4 bytes, after 2 of the 3"):
+        _core.gather_parts(pool, slots, [first, np.zeros((2, 4), dtype=np.uint8)])
+    with pytest.raises(ValueError, match=r"dsts\[0\] has 3 rows of 8 bytes"):
+        _core.gather_parts(pool, slots, [np.zeros((3, 8), dtype=np.uint8)])
+    with pytest.raises(IndexError, match="slot 16 .index 2."):
+        _core.gather_parts(pool, np.array([3, 4, 16], dtype=np.int64), [first, second])
+    with pytest.raises(ValueError, match=r"src and dsts\[0\] share memory"):
+        _core.gather_parts(pool, slots[:2], [pool[:2]])
+    with pytest.raises(TypeError, match=r"dsts\[1\]"):
+        _core.gather_parts(pool, slots, [first, np.zeros((1, 4), dtype=np.float32)])
+    assert not first.any() and not second.any()
+    _core.gather_parts(pool, slots, [first, second])
+    assert np.array_equal(np.concatenate([first, second]), pool[slots])

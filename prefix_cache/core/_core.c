@@ -1301,9 +1301,47 @@ grow_copy_pool_locked(int want)
     }
 }
 
-/* Rows [0, n) copied in up to `threads` contiguous shares of at least SPLIT_BYTES each: the
- * caller copies the first and takes any left over, the kept copy threads the others. Returns
- * once every share is copied. Call without the GIL. */
+/* Run `count` parts, the caller's thread and the kept copy threads taking them as they go (up to
+ * `threads` - 1 copy threads started for them): the caller copies the first and takes any left
+ * over. Returns once every part is copied. Call without the GIL. */
+static void
+copy_parts(const CopyPart *parts, int count, int threads)
+{
+    if (count <= 1 || threads <= 1) {
+        goto alone;
+    }
+    pthread_mutex_lock(&copy_pool.lock);  /* never held across a copy: a short wait at most */
+    if (copy_pool.busy) {
+        pthread_mutex_unlock(&copy_pool.lock);
+        goto alone;
+    }
+    grow_copy_pool_locked(threads - 1);
+    copy_pool.busy = 1;
+    copy_pool.parts = parts;
+    copy_pool.count = count;
+    copy_pool.next = 1;  /* part 0 is the caller's */
+    copy_pool.left = count - 1;
+    pthread_cond_broadcast(&copy_pool.posted);
+    pthread_mutex_unlock(&copy_pool.lock);
+    copy_part(&parts[0]);
+    pthread_mutex_lock(&copy_pool.lock);
+    run_parts_locked();  /* the parts no thread took yet (none could start, or all are slow) */
+    while (copy_pool.left > 0) {
+        pthread_cond_wait(&copy_pool.finished, &copy_pool.lock);
+    }
+    copy_pool.busy = 0;
+    copy_pool.parts = NULL;
+    copy_pool.count = copy_pool.next = 0;
+    pthread_mutex_unlock(&copy_pool.lock);
+    return;
+alone:
+    for (int i = 0; i < count; i++) {
+        copy_part(&parts[i]);
+    }
+}
+
+/* Rows [0, n) copied in up to `threads` contiguous shares of at least SPLIT_BYTES each
+ * (`copy_parts`). Call without the GIL. */
 static void
 copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, Direction dir,
            int threads)
@@ -1315,37 +1353,7 @@ copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, D
     for (int i = 0; i < count; i++) {
         part[i] = (CopyPart){rows, pool, s, n * i / count, n * (i + 1) / count, row, dir};
     }
-    if (count == 1) {
-        goto alone;
-    }
-    pthread_mutex_lock(&copy_pool.lock);  /* never held across a copy: a short wait at most */
-    if (copy_pool.busy) {
-        pthread_mutex_unlock(&copy_pool.lock);
-        goto alone;
-    }
-    grow_copy_pool_locked(count - 1);
-    copy_pool.busy = 1;
-    copy_pool.parts = part;
-    copy_pool.count = count;
-    copy_pool.next = 1;  /* part 0 is the caller's */
-    copy_pool.left = count - 1;
-    pthread_cond_broadcast(&copy_pool.posted);
-    pthread_mutex_unlock(&copy_pool.lock);
-    copy_part(&part[0]);
-    pthread_mutex_lock(&copy_pool.lock);
-    run_parts_locked();  /* the shares no thread took yet (none could start, or all are slow) */
-    while (copy_pool.left > 0) {
-        pthread_cond_wait(&copy_pool.finished, &copy_pool.lock);
-    }
-    copy_pool.busy = 0;
-    copy_pool.parts = NULL;
-    copy_pool.count = copy_pool.next = 0;
-    pthread_mutex_unlock(&copy_pool.lock);
-    return;
-alone:
-    for (int i = 0; i < count; i++) {
-        copy_part(&part[i]);
-    }
+    copy_parts(part, count, count);
 }
 
 /* copy_rows and gather_rows: borrow (src, slots, dst), check every slot and that the arrays
@@ -1455,6 +1463,126 @@ gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return slot_copy("gather_rows", args, nargs, FROM_SLOTS);
 }
 
+/* Whether the byte ranges of two borrowed buffers overlap. */
+static int
+overlaps(const Py_buffer *a, const Py_buffer *b)
+{
+    uintptr_t a_lo = (uintptr_t)a->buf, b_lo = (uintptr_t)b->buf;
+    return a->len > 0 && b->len > 0 && a_lo < b_lo + (uintptr_t)b->len &&
+           b_lo < a_lo + (uintptr_t)a->len;
+}
+
+PyDoc_STRVAR(gather_parts_doc,
+"gather_parts(src, slots, dsts, threads=1) -> None\n\n"
+"gather_rows into several tensors at once: dsts is a sequence of writable C-contiguous uint8\n"
+"[n_j, W] arrays whose rows take the n int64 slots in order (dsts[0] the first n_0 of them, and\n"
+"so on; the n_j add up to n). Each dst is a part the caller's thread and the module's copy\n"
+"threads take as they go (up to `threads` of them, at most 16, each given 2 MiB of rows at\n"
+"least), with the GIL released (64 KiB or more in all). Raises before copying anything, every\n"
+"dst unchanged: IndexError naming the first slot outside 0..num_slots-1; ValueError if the row\n"
+"counts or widths differ or a dst shares memory with src; TypeError for a dst of another form.");
+
+static PyObject *
+gather_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char fn[] = "gather_parts";
+    static const ArraySpec slot_spec = {1, "gather_parts: slots", 0, 1, 0, 1, 0};
+    if (nargs != 3 && nargs != 4) {
+        return PyErr_Format(PyExc_TypeError, "%s takes 3 or 4 arguments, got %zd", fn, nargs);
+    }
+    long threads = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
+    if (threads == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (threads < 1) {
+        return PyErr_Format(PyExc_ValueError, "%s: threads must be at least 1, got %ld", fn,
+                            threads);
+    }
+    PyObject *seq = PySequence_Fast(args[2], "gather_parts: dsts must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count > INT_MAX) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "%s: %zd dsts, at most %d", fn, count, INT_MAX);
+    }
+    ByteRows src, *dst = PyMem_Calloc(count ? count : 1, sizeof(ByteRows));
+    CopyPart *parts = PyMem_Calloc(count ? count : 1, sizeof(CopyPart));
+    IntArray slots;
+    slots.held = src.held = 0;
+    Py_ssize_t borrowed = 0;  /* dsts looked at; each one borrowed is marked held */
+    PyObject *result = NULL;
+    if (dst == NULL || parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (borrow_rows(fn, args[0], "src", 0, &src) < 0 || borrow(args[1], &slot_spec, &slots) < 0) {
+        goto done;
+    }
+    const int64_t *s = int64s(&slots);
+    Py_ssize_t at = 0, width = src.width;
+    for (; borrowed < count; borrowed++) {
+        char name[32];
+        snprintf(name, sizeof name, "dsts[%zd]", borrowed);
+        ByteRows *d = &dst[borrowed];
+        if (borrow_rows(fn, PySequence_Fast_GET_ITEM(seq, borrowed), name, 1, d) < 0) {
+            goto done;
+        }
+        if (d->width != width || d->rows > slots.len - at) {
+            PyErr_Format(PyExc_ValueError, "%s: %s has %zd rows of %zd bytes, after %zd of the "
+                         "%zd slots, of rows of %zd bytes", fn, name, d->rows, d->width, at,
+                         slots.len, width);
+            goto done;
+        }
+        if (overlaps(&src.buf, &d->buf)) {
+            PyErr_Format(PyExc_ValueError, "%s: src and %s share memory; copy the rows first",
+                         fn, name);
+            goto done;
+        }
+        parts[borrowed] = (CopyPart){(char *)d->buf.buf, (char *)src.buf.buf, s + at, 0, d->rows,
+                                     (size_t)width, FROM_SLOTS};
+        at += d->rows;
+    }
+    if (at != slots.len) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd slots for %zd rows of dsts", fn, slots.len, at);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < at; i++) {
+        if (s[i] < 0 || s[i] >= src.rows) {
+            PyErr_Format(PyExc_IndexError, "%s: slot %lld (index %zd) is outside 0..%zd", fn,
+                         (long long)s[i], i, src.rows - 1);
+            goto done;
+        }
+    }
+    size_t total = (size_t)at * (size_t)width;
+    long most = (long)(total / SPLIT_BYTES);
+    int want = (int)(threads < most ? threads : most);
+    want = want < 1 ? 1 : want > MAX_COPY_THREADS ? MAX_COPY_THREADS : want;
+    if (total >= COPY_ROWS_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_parts(parts, (int)count, want);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_parts(parts, (int)count, 1);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t j = 0; dst != NULL && j < count; j++) {
+        if (dst[j].held) {
+            PyBuffer_Release(&dst[j].buf);
+        }
+    }
+    if (src.held) {
+        PyBuffer_Release(&src.buf);
+    }
+    release(&slots, 1);
+    PyMem_Free(dst);
+    PyMem_Free(parts);
+    Py_DECREF(seq);
+    return result;
+}
+
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
@@ -1462,7 +1590,7 @@ static PyMethodDef core_methods[] = {
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
     METHOD(add_pins),
     METHOD(row_states),
-    METHOD(copy_rows), METHOD(gather_rows),
+    METHOD(copy_rows), METHOD(gather_rows), METHOD(gather_parts),
     {NULL, NULL, 0, NULL},
 };
 

@@ -51,7 +51,7 @@ def _group_blocks(block_ids: Any, group_id: int, req_id: str) -> tuple[int, ...]
         raise OmniPrefixCacheUnmatchError(
             f"request {req_id}: block_ids has {len(groups)} KV-cache group(s), "
             f"the cache mirrors group {group_id}")
-    return tuple(int(b) for b in groups[group_id])
+    return tuple(map(int, groups[group_id]))
 
 
 def _resumed(cached: Any) -> frozenset[str]:

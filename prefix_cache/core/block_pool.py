@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,7 +171,7 @@ class PrefixBlockPool:
     # ------------------------------------------------------------------ read pins
 
     def pin(self, slots: np.ndarray) -> None:
-        """A read of `slots` (distinct, int64) is unresolved."""
+        """Reads of `slots` (int64) are unresolved: one per listing of a slot."""
         _core.add_pins(slots, self.block_size, self._read_pins, self._block_pins, 1)
 
     def unpin(self, slots: np.ndarray) -> None:
@@ -261,6 +261,19 @@ class PrefixBlockPool:
                             f"{out.stride()}")
         _core.gather_rows(storage.byte_rows, np.ascontiguousarray(slots, dtype=np.int64),
                           byte_rows(out), GATHER_THREADS)
+
+    def gather_parts(self, name: str, slots: np.ndarray, outs: Sequence[torch.Tensor]) -> None:
+        """`gather` into several tensors at once: `outs[0]` takes the rows of the first
+        `len(outs[0])` of `slots`, and so on; each tensor a part the copy threads take as they
+        go (`_core.gather_parts`)."""
+        storage = self.keys[name].storage
+        for out in outs:
+            if out.dtype != storage.tensor.dtype or not out.is_contiguous():
+                raise TypeError(f"gather of {name!r}: every out must be a contiguous "
+                                f"{storage.tensor.dtype} tensor, got {out.dtype} of strides "
+                                f"{out.stride()}")
+        _core.gather_parts(storage.byte_rows, np.ascontiguousarray(slots, dtype=np.int64),
+                           [byte_rows(out) for out in outs], GATHER_THREADS)
 
     def copy_block(self, src_block: int, dst_block: int) -> None:
         """Mirror vLLM's copy of block `src_block` into `dst_block`, a new tenant of `dst_block`."""

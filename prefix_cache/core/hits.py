@@ -39,6 +39,26 @@ class StepHits:
                    else np.empty(0, dtype=np.int64),
                    np.cumsum([0, *(len(slots) for _, _, slots in hits)]))
 
+    @classmethod
+    def of_blocks(cls, hits: Sequence[tuple[str, int, Sequence[int]]], block_size: int,
+                  num_blocks: int) -> StepHits:
+        """From `(request, hit tokens h, its block ids)` per hit: the slots of its positions
+        `[0, h)`, checked as `hit_slots` checks them (its refusal, naming the request), all
+        in one pass."""
+        bs = block_size
+        blocks: list[int] = []
+        for req_id, h, block_ids in hits:
+            if h % bs or len(block_ids) < h // bs:
+                hit_slots(req_id, h, block_ids, bs, num_blocks)  # raises
+            blocks.extend(block_ids[: h // bs])
+        ids = np.asarray(blocks, dtype=np.int64)
+        if len(ids) and (ids.min() <= 0 or ids.max() >= num_blocks):
+            for req_id, h, block_ids in hits:  # the first request with a block outside
+                hit_slots(req_id, h, block_ids, bs, num_blocks)
+        tokens = tuple(h for _, h, _ in hits)
+        return cls(tuple(req_id for req_id, _, _ in hits), tokens,
+                   (ids[:, None] * bs + np.arange(bs)).ravel(), np.cumsum([0, *tokens]))
+
     def __len__(self) -> int:
         return len(self.req_ids)
 
@@ -74,6 +94,18 @@ def hit_slots(req_id: str, num_computed_tokens: int, block_ids: Sequence[int], b
         raise OmniPrefixCacheUnmatchError(
             f"request {req_id}: hit block ids {blocks} outside 1..{num_blocks - 1}")
     return (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
+
+
+def blocks_written(runs: np.ndarray, blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Mask of `blocks` that some slot of `runs` (`[k, 2]` runs `[lo, hi)` of slots) falls in:
+    a block is written iff a run starting before its end ends past its start."""
+    if not len(runs) or not len(blocks):
+        return np.zeros(len(blocks), dtype=bool)
+    order = np.argsort(runs[:, 0], kind="stable")
+    reach = np.maximum.accumulate(runs[order, 1])  # the furthest end of the runs up to each
+    starts = blocks * block_size
+    last = np.searchsorted(runs[order, 0], starts + block_size) - 1  # last run starting before
+    return (last >= 0) & (reach[np.maximum(last, 0)] > starts)
 
 
 def check_hits(pool: PrefixBlockPool, lock: threading.Lock, hits: StepHits, layout: StepLayout,

@@ -120,6 +120,27 @@ class RowRead:
         else:
             self._end(ReadState.DONE, release)
 
+    def gather_parts(self, pool: PrefixBlockPool, timeout_s: float,
+                     release: Callable[[RowRead], None],
+                     parts: Sequence[tuple[int, int, torch.Tensor]]) -> bool:
+        """Gather the rows `lo..hi - 1` of a read of rows all present (a step's own) straight
+        into each part's tensor, with no tensor of the read's; False, nothing gathered, where
+        another thread claimed the read first (its `out` then holds every row). Raises if the
+        rows cannot be had; they are released either way."""
+        if not self._claim():
+            return False
+        try:
+            for task in self.producers:
+                task.wait(timeout_s)
+            slots = self.slots
+            pool.gather_parts(self.key, np.concatenate([slots[lo:hi] for lo, hi, _ in parts]),
+                              [target for _, _, target in parts])
+        except BaseException as exc:
+            self._end(ReadState.FAILED, release, exc)
+            self._raise_if_failed()
+        self._end(ReadState.DONE, release)
+        return True
+
     def hold(self, pool: PrefixBlockPool, shape: tuple[int, ...], timeout_s: float,
              release: Callable[[RowRead], None]) -> PoolRows | None:
         """Claim the read and wait for its producers, leaving its rows in the pool for a writer
@@ -326,7 +347,7 @@ class ReadPlanner:
             span = int(producers.max()) + 1
             for pair in np.unique(hit_of_row * span + producers).tolist():
                 producer_ids[pair // span].add(pair % span)
-        reads = []
+        reads, pinned = [], []
         for (what, more_rows), lo, hi, ids in zip(planned, bounds[:-1].tolist(),
                                                   bounds[1:].tolist(), producer_ids):
             slots = hits.slots[lo:hi]
@@ -341,8 +362,12 @@ class ReadPlanner:
                     f"{int(slots[lost_here][0])}) were lost to a failed write"))
             else:
                 read.producers = self._tasks.live(ids)
-                self._pin(read)
+                pinned.append(read)
             reads.append(read)
+        if pinned:  # their slots pinned in one pass (a slot two hits share counts twice)
+            self._pool.pin(hits.slots if len(pinned) == len(reads)
+                           else np.concatenate([read.slots for read in pinned]))
+            self._pinned.update(pinned)
         return reads
 
     def prefetch(self, reads: Iterable[RowRead]) -> None:
@@ -354,11 +379,32 @@ class ReadPlanner:
     def resolve(self, read: RowRead) -> None:
         read.resolve(self._pool, self.outputs, self._timeout_s, self.release)
 
+    def resolve_parts(self, read: RowRead, parts: Sequence[tuple[int, int, torch.Tensor]]
+                      ) -> None:
+        """`read`'s rows `lo..hi - 1` into each part's tensor: gathered there from the pool
+        where this thread claims the read, else copied out of the tensor of the thread that
+        resolved it (a writer's copy-on-write)."""
+        if read.gather_parts(self._pool, self._timeout_s, self.release, parts):
+            return
+        self.resolve(read)
+        for lo, hi, target in parts:
+            target.copy_(read.out[lo:hi])
+
     def hold(self, read: RowRead, shape: tuple[int, ...]) -> PoolRows | None:
         return read.hold(self._pool, shape, self._timeout_s, self.release)
 
     def cancel(self, read: RowRead) -> None:
         read.cancel(self.release)
+
+    def drop(self, read: RowRead) -> None:
+        """Let go of a read nobody will consume, at once: a planned one is cancelled; one that
+        another thread is gathering goes on into its own tensor, which nobody reads, but holds
+        its rows no more, so no writer waits for it (what it copies of rows overwritten
+        meanwhile is never handed out). Not for a read held for a writer (`hold`): its rows are
+        read in place, so it is only cancelled."""
+        read.cancel(self.release)
+        if read.held is None:
+            self.release(read)
 
     def release(self, read: RowRead) -> None:
         """A resolved or cancelled read no longer holds its rows."""
@@ -414,8 +460,3 @@ class ReadPlanner:
         claims = self._pool.claims_at(slots)
         held = np.unique(claims[claims >= self._oldest_held_claim()]).tolist()
         return [read for claim in held for read in self._by_claim.get(claim, ())]
-
-    def _pin(self, read: RowRead) -> RowRead:
-        self._pool.pin(read.slots)
-        self._pinned.add(read)
-        return read

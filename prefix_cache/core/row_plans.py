@@ -24,7 +24,7 @@ from prefix_cache.core.adapter import StepEvents, allocated_blocks
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.chunk_reads import ChunkRows, plan_chunk_rows
 from prefix_cache.core.deferred import DeferredWriter
-from prefix_cache.core.hits import NO_HITS, StepHits, hit_slots
+from prefix_cache.core.hits import NO_HITS, StepHits
 from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.layout import GroupView
 from prefix_cache.core.reads import ReadPlanner
@@ -82,16 +82,15 @@ class RowPlans:
         """The starting step's prefix hits (their slots checked), its requests' progress then
         advanced by it."""
         restarts = events.started + events.resumed_starts
-        hits = [(new.req_id, new.num_computed_tokens, hit_slots(
-                    new.req_id, new.num_computed_tokens, new.block_ids, self._block_size,
-                    self._num_blocks))
-                for new in restarts
+        hits = [(new.req_id, new.num_computed_tokens, new.block_ids) for new in restarts
                 # a miss; or a live request whose rows up to h were handed over
                 if new.num_computed_tokens > self._progress.get(new.req_id, 0)]
+        step_hits = StepHits.of_blocks(hits, self._block_size, self._num_blocks) if hits \
+            else NO_HITS
         for new in restarts:
             self._progress[new.req_id] = new.num_computed_tokens
         _core.add_counts(self._progress, events.num_scheduled_tokens)
-        return StepHits.join(hits) if hits else NO_HITS
+        return step_hits
 
     def request_rows(self, requests: Mapping[str, int | None],
                      starts: Mapping[str, int]) -> dict[str, RequestRows]:
@@ -162,4 +161,7 @@ class RowPlans:
             rows = plan_request_rows(self._pool, self._planner, self._deferred, self._lock,
                                      planned, "the prefix hit")
         step.handed_over = frozenset(rows)
+        for req_id in rows:  # gathers the step's start began: the step reads them no more
+            for read in step.gathered.pop(req_id, {}).values():
+                self._planner.drop(read)
         return rows

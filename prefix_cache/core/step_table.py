@@ -20,10 +20,11 @@ import torch
 
 from prefix_cache.config import ModelCachePolicy, PrefixCacheConfig
 from prefix_cache.core.block_pool import PrefixBlockPool
-from prefix_cache.core.hits import StepHits, check_hits
+from prefix_cache.core.hits import NO_HITS, StepHits, check_hits
 from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.layout import GroupView, StepLayout
 from prefix_cache.core.outputs import OutputChecker, StepOutputs
+from prefix_cache.core.reads import RowRead
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.step_reads import StepReads, StepRecord, StepRows
 from prefix_cache.core.tasks import TaskTable
@@ -33,11 +34,14 @@ from prefix_cache.errors import OmniPrefixCacheUnmatchError
 
 @dataclass
 class PendingStep:
-    """What `new_step_starts` learned, waiting for this step's `save_outputs`; `handed_over`:
-    requests whose hit rows `plan_hit_rows` read, which the step does not read again."""
+    """What `new_step_starts` learned, waiting for this step's `save_outputs`; `gathered`: the
+    hits' reads planned (and their gathers started) at the start, by request and key;
+    `handed_over`: requests whose hit rows `plan_hit_rows` read, which the step does not read
+    again."""
 
     num_scheduled_tokens: Mapping[str, int]
     hits: StepHits
+    gathered: dict[str, dict[str, RowRead]]
     handed_over: frozenset[str] = frozenset()
 
 
@@ -63,14 +67,20 @@ class StepTable:
         self._step_ids = itertools.count(1)
         self._records: dict[int, StepRecord] = {}
         self.pending: PendingStep | None = None
+        #: whether the last step saved planned its reads: a stage that reads its rows back at
+        #: the finish (`plan_reads=False`) gathers no hit at a step's start
+        self._reads_planned = True
 
     def __len__(self) -> int:
         """The steps saved and not consumed (caller holds the lock)."""
         return len(self._records)
 
     def start(self, num_scheduled_tokens: Mapping[str, int], hits: StepHits) -> None:
-        """A step started: `save` saves it next."""
-        self.pending = PendingStep(num_scheduled_tokens, hits)
+        """A step started: its hits' gathers start (where steps' reads are planned; nothing
+        waits), and `save` saves it next."""
+        gathered = self._step_reads.gather_hits(hits, num_scheduled_tokens) \
+            if hits and self._reads_planned else {}
+        self.pending = PendingStep(num_scheduled_tokens, hits, gathered)
 
     def save(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
              num_tokens_unpadded: int, num_tokens_padded: int,
@@ -82,6 +92,7 @@ class StepTable:
                 "save_outputs called without new_step_starts for this step")
         n, outputs, new_keys = self._checker.step_outputs(
             hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, policy)
+        self._reads_planned = plan_reads
         # a step of immediate rows in stream order, without hits read, keeps none of the
         # tensors it makes (a hit's deferred rows are flushed; a read resolved early guards
         # itself)
@@ -105,14 +116,21 @@ class StepTable:
             check_hits(self._pool, self._lock, pending.hits, layout, outputs)
         except OmniPrefixCacheUnmatchError:
             self.pending = None  # no retry can serve those positions: the step is lost
+            self._step_reads.drop_gathers(pending.gathered)
             raise
+        hits = pending.hits
+        if hits:  # those of requests in the step; of them, those it reads
+            hits = hits.select([i for i, req_id in enumerate(hits.req_ids) if req_id in layout])
+        served = hits.select([i for i, req_id in enumerate(hits.req_ids)
+                              if req_id not in pending.handed_over]) if plan_reads else NO_HITS
+        pending.gathered = self._step_reads.keep_gathers(pending.gathered, layout, served)
         self._writer.install_keys(new_keys)
         step_id = next(self._step_ids)
         slot = self._staging.claim(step_id, self._config.staging_claim_timeout_s,
                                    lambda: len(self._tasks))
         try:
-            record = self._writer.save(step_id, slot, outputs, layout, pending.hits,
-                                       device_slots, plan_reads, pending.handed_over)
+            record = self._writer.save(step_id, slot, outputs, layout, hits, device_slots,
+                                       plan_reads, served, pending.gathered)
         except BaseException:
             self._staging.release(slot, ("step", step_id))  # a launched write keeps its own
             raise
@@ -121,13 +139,14 @@ class StepTable:
         self.pending = None
         return step_id
 
-    def read(self, step_id: int, req_ids: list[str], needs_full_hidden_states: bool
-             ) -> StepRows:
+    def read(self, step_id: int, req_ids: list[str], needs_full_hidden_states: bool,
+             whole_step: bool) -> StepRows:
         """Saved step `step_id`'s rows of `req_ids` (hit rows, then the step's), the step
-        consumed."""
+        consumed; `whole_step`: the step's rows of its hits too (`StepReads.assemble`)."""
         record = self._take(step_id, req_ids)
         try:
-            return self._step_reads.assemble(record, req_ids, needs_full_hidden_states)
+            return self._step_reads.assemble(record, req_ids, needs_full_hidden_states,
+                                             whole_step)
         finally:
             self._step_reads.release(record)
 

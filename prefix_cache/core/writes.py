@@ -18,7 +18,7 @@ from prefix_cache.core.host_copies import HostCopy
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.outputs import OutputChecker, StepOutputs, map_tensors
-from prefix_cache.core.reads import ReadPlanner
+from prefix_cache.core.reads import ReadPlanner, RowRead
 from prefix_cache.core.staging import StagingPool
 from prefix_cache.core.stats import CacheStats
 from prefix_cache.core.step_reads import StepReads, StepRecord
@@ -93,10 +93,11 @@ class StepWriter:
 
     def save(self, step_id: int, slot: int, outputs: StepOutputs, layout: StepLayout,
              hits: StepHits, device_slots: torch.Tensor | None, plan_reads: bool,
-             handed_over: frozenset[str] = frozenset()) -> StepRecord:
+             served: StepHits, gathered: dict[str, dict[str, RowRead]]) -> StepRecord:
         """Copy what outlives the call, then claim the step's slots and launch its write;
-        plan its reads unless it will only be discarded, and its hits' but those of
-        `handed_over` (read already, by `plan_hit_rows`).
+        plan its reads unless it will only be discarded, and those of its hits in `served`
+        (`hits`: all of the step's; a hit `plan_hit_rows` read already is not served), taking
+        over the reads planned for them at the step's start (`gathered`).
 
         Everything that can fail for want of memory runs before the claim, so a
         failure there leaves the pool as it was.
@@ -157,12 +158,8 @@ class StepWriter:
             self._deferred.append(chunks, layout.slots, claim, copied)
         record = StepRecord(step_id, slot, layout, outputs.feature_shapes(),
                             {}, host_rows, {}, leftover, readable=plan_reads)
-        if hits:
-            hits = hits.select([i for i, req_id in enumerate(hits.req_ids) if req_id in layout])
         if plan_reads:
-            self._step_reads.plan(record, immediate.keys(), claim, task, hits.select(
-                [i for i, req_id in enumerate(hits.req_ids) if req_id not in handed_over])
-                if handed_over else hits)
+            self._step_reads.plan(record, immediate.keys(), claim, task, served, gathered)
         self._stats.add(rows_saved=n, miss_tokens=n, hit_tokens=sum(hits.tokens),
                         hit_requests=len(hits), bytes_saved=n * sum(
                             self._pool.keys[key].row_bytes for key in outputs.shapes))
