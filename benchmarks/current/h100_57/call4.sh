@@ -2,7 +2,8 @@
 # Nineteenth session's last device call: issue 55's step path in C and hit gather, before
 # (devrun/base57: c869988, carried, built here) beside after (this tree), in one call:
 #   cuda    the CUDA tests of the save path (reliability, DMA, events, launch, scatter,
-#           conformance, the manager's, the engine thread's) and the GPU engine's main case, in-process
+#           conformance, the manager's, the engine thread's)
+#   engine  the GPU engine's main case, in-process
 #   bench   `prefix_cache bench --device cuda --quick --runs 3` (M1-M7: M2, M2p, M5)
 #   m11     M11 beside vllm-omni 0.30.0 (`benchmarks/peer_vllm_omni.py --device cuda`)
 #   m5e     `pipeline_bench --only M5e --quick` (the small model, eager)
@@ -30,7 +31,8 @@ for section in "$@"; do
         tests/test_backend_conformance.py tests/test_manager.py tests/test_engine_thread.py \
         tests/test_devices.py \
         > $OUT/cuda.log 2>&1
-      tail -4 $OUT/cuda.log
+      tail -4 $OUT/cuda.log ;;
+    engine)
       eval "$(bash .vllm-gpu/install.sh)"
       t 150 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_engine.py \
         -k "entries_match_with and in-process" --basetemp=/tmp/engine > $OUT/engine.log 2>&1
