@@ -25,7 +25,7 @@ pre() { [ $1 = base ] && echo env PYTHONPATH=$PWD/devrun/base57${PYTHONPATH:+:$P
 for section in "$@"; do
   case $section in
     cuda)
-      t 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_reliability.py \
+      t ${CUDA_S:-150} python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_reliability.py \
         tests/test_cuda_dma.py tests/test_cuda_events.py tests/test_cuda_faults.py \
         tests/test_cuda_launch.py tests/test_dma_issuer.py tests/test_scatter_bounds.py \
         tests/test_backend_conformance.py tests/test_manager.py tests/test_engine_thread.py \
@@ -46,8 +46,8 @@ for section in "$@"; do
     m11)
       for tree in base head; do
         root=$([ $tree = base ] && echo devrun/base57 || echo .)
-        t 100 env PYTHONPATH=$root python3 $root/benchmarks/peer_vllm_omni.py \
-          --device cuda --peer-wheel .whl --runs 3 --json $OUT/m11-$tree.json \
+        t ${M11_S:-100} env PYTHONPATH=$root python3 $root/benchmarks/peer_vllm_omni.py \
+          --device cuda --peer-wheel .whl --runs ${M11_RUNS:-3} --json $OUT/m11-$tree.json \
           > $OUT/m11-$tree.txt 2>&1
         grep -E "^\| (M2|hit)" $OUT/m11-$tree.txt | cut -c1-140
       done ;;
