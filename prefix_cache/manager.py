@@ -148,7 +148,7 @@ class OmniPrefixCacheManager:
 
     def new_step_starts(self, scheduler_output: Any) -> None:
         """Apply a scheduler step: retire finished requests, mirror block copies, note hits and
-        start gathering their rows (on the cache's threads; nothing here waits)."""
+        start gathering their rows on the cache's threads."""
         with self._stats.timed("new_step_starts"):
             self._check_usable("new_step_starts")
             if self._steps.pending is not None:

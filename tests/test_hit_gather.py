@@ -14,8 +14,11 @@ from prefix_cache import (OmniPrefixCacheError, OmniPrefixCacheManager, OmniPref
                           PrefixCacheConfig)
 from prefix_cache.core import reads
 from prefix_cache.core.hits import StepHits, blocks_written, hit_slots
+from prefix_cache.core.residency import PoolMoves
 from prefix_cache.core.runs import slot_runs
+from prefix_cache.devices import get_backend
 from tests.sim import StepDriver, token_rows
+from tests.test_capped_pool import Slots, step
 
 BS = 4
 WAIT_S = 10.0  # bound of every wait on the gate
@@ -139,15 +142,15 @@ def test_discarding_the_step_drops_its_gather_at_once(backend, gathered_early):
         assert nothing_pinned(manager)
 
 
-def test_a_failed_gather_fails_materialize_naming_the_request(backend, gathered_early):
+def test_a_failed_gather_fails_materialize_naming_the_request_and_step(backend, gathered_early):
     manager, d = make(backend)
     with manager:
         gate = GatherGate(manager, fault=RuntimeError("injected gather fault"))
         hit_step(manager, d, backend.device)
         step_id = save(manager, d, backend.device)
         assert gate.entered.wait(WAIT_S)  # on the prefetch thread (else materialize gathers)
-        with pytest.raises(OmniPrefixCacheError, match=r"request b's prefix hit.*injected "
-                                                       r"gather fault"):
+        with pytest.raises(OmniPrefixCacheError, match=rf"request b step {step_id} \(FAILED\)"
+                                                       rf".*injected gather fault"):
             manager.materialize(step_id, ["b"])
         assert nothing_pinned(manager)
         gate.fault = None  # the cache goes on: the next hit is served
@@ -263,3 +266,75 @@ def test_blocks_written_marks_exactly_the_blocks_a_run_touches() -> None:
         blocks = rng.integers(0, 64, 20)
         expected = np.isin(blocks, slots // BS)
         assert np.array_equal(blocks_written(runs, blocks, BS), expected)
+
+
+def test_a_capped_pools_eviction_waits_for_a_hit_gather_and_the_hit_keeps_its_rows(
+        gathered_early) -> None:
+    """A capped pool's eviction is a new tenant's write: it resolves the pinned read first. b's hit on KV block 7 (pool block 1) is gathered from
+    its step's start (held); the next step evicts pool blocks 1 and 2 for f, whose save waits
+    for the gather; b's step, materialized after, still gets a's rows."""
+
+    bs, width = 4, 8
+    view = Slots(bs)
+    config = PrefixCacheConfig(num_blocks=16, block_size=bs, pool_blocks=4,
+                               staging_claim_timeout_s=5.0)
+    with OmniPrefixCacheManager(config, view, backend=get_backend("cpu")) as manager, \
+            ThreadPoolExecutor(1) as engine_thread:
+        gate = GatherGate(manager, hold=True)
+
+        def start(req_id, tokens, blocks, hit, moves, finished=()):
+            view.blocks[req_id], view.computed[req_id], view.batch = blocks, hit, [req_id]
+            manager.new_step_starts(step([(req_id, hit, blocks)], {req_id: len(tokens) - hit},
+                                         moves, finished))
+
+        def save_rows(tokens, hit):
+            rows = token_rows(tokens, width)[hit:]
+            return manager.save_outputs(rows, None, num_tokens_unpadded=len(rows),
+                                        num_tokens_padded=len(rows))
+
+        a = list(range(1, 9))
+        start("a", a, [7, 8], 0, PoolMoves(np.array([7, 8]), np.array([1, 2])))
+        manager.materialize(save_rows(a, 0), ["a"])
+        b = a[:4] + [50, 51, 52, 53]
+        start("b", b, [7, 9], 4, PoolMoves(np.array([9]), np.array([3])))
+        assert gate.entered.wait(WAIT_S)  # b's hit gather, held
+        sid_b = save_rows(b, 4)
+        f = list(range(100, 108))
+        start("f", f, [10, 11], 0, PoolMoves(np.array([10, 11]), np.array([1, 2]), evicted=2),
+              finished=("a", "b"))
+        saving = engine_thread.submit(save_rows, f, 0)  # f's write takes pool blocks 1 and 2
+        with pytest.raises(FutureTimeout):
+            saving.result(timeout=0.2)  # waits for the gather under way (bounded)
+        gate.released.set()
+        sid_f = saving.result(timeout=WAIT_S)
+        assert torch.equal(manager.materialize(sid_b, ["b"]).hidden_states["b"],
+                           token_rows(b, width))
+        assert torch.equal(manager.materialize(sid_f, ["f"]).hidden_states["f"],
+                           token_rows(f, width))
+        assert nothing_pinned(manager)
+
+
+def test_a_block_copy_onto_a_block_under_a_hit_gather_waits_for_it(backend, gathered_early):
+    """BlockCopyMirror's destination is a write too: a copy onto a block b's held gather reads
+    (b finished before its step was materialized) waits for the gather; b keeps its rows."""
+    manager, d = make(backend, num_blocks=8)
+    with manager, ThreadPoolExecutor(1) as engine_thread:
+        gate = GatherGate(manager, hold=True)
+        hit_step(manager, d, backend.device)
+        sid_b = save(manager, d, backend.device)
+        assert gate.entered.wait(WAIT_S)
+        d.advance()
+        so = d.step(finished=["a", "b"])
+        so.kv_cache_block_copies = [(3, 1)]  # block 3's rows (b's own) copied onto block 1
+        starting = engine_thread.submit(manager.new_step_starts, so)
+        with pytest.raises(FutureTimeout):
+            starting.result(timeout=0.2)
+        gate.released.set()
+        starting.result(timeout=WAIT_S)
+        manager.discard_step(manager.save_outputs(
+            torch.empty((0, 2), device=backend.device), None, num_tokens_unpadded=0,
+            num_tokens_padded=0))
+        got = manager.materialize(sid_b, ["b"])
+        assert torch.equal(got.hidden_states["b"], token_rows(B, 2))
+        assert torch.equal(got.mm_outputs["mm_feature"]["b"], token_rows(B, 16, salt=1))
+        assert nothing_pinned(manager)

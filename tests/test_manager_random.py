@@ -45,6 +45,7 @@ from prefix_cache import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager, 
                           PrefixCacheConfig, StageCacheOutputs)
 from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheInputError  # noqa: E402
 from prefix_cache.config import STEP_PATHS, WRITE_STREAMS  # noqa: E402
+from prefix_cache.core import reads  # noqa: E402
 from prefix_cache.integration.group_view import FullAttentionGroupView  # noqa: E402
 from tests.faults import COMMITTER_POINTS, ENGINE_POINTS, FaultyBackend, InjectedFault  # noqa
 from tests.sim import token_rows  # noqa: E402
@@ -939,3 +940,18 @@ def test_step_paths_agree_on_random_schedules(backend: devices.DeviceBackend,
     materialized rows match the reference model). Without faults: when the committer's
     thread lands a failed write, and which call reports it, is the threads' timing."""
     step_paths_agree(backend, workload)
+
+
+@settings(settings.get_profile("prefix-cache-random"),
+          max_examples=max(1, settings.get_profile("prefix-cache-random").max_examples // 4))
+@pytest.mark.slow
+@given(workload=workloads())
+@example(workload=PREEMPTED_WITH_OPEN_DEFERRED_WRITE)
+@example(workload=HIT_BY_A_STEP_THAT_OMITS_A_KEY)
+def test_random_schedules_with_every_hit_gathered_during_the_forward(
+        backend: devices.DeviceBackend, workload: Workload,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random schedules with every hit read, however small, gathered on the prefetch
+    thread from its step's start (the reference model's rows, as in-line gathers give)."""
+    monkeypatch.setattr(reads, "PREFETCH_MIN_BYTES", 0)
+    run_workload(devices.get_backend(backend.name), workload)

@@ -299,10 +299,9 @@ def test_a_write_failing_between_a_hits_check_and_its_read_is_never_served_as_ze
                        backend.device, materialize=False)
         with pytest.raises(OmniPrefixCacheError, match=r"write task 1 \(step 1, state FAILED"):
             manager.discard_step(sid)  # the failure is reported once, by the next call
-        # the hit's rows are gathered from the step's start: that read names the failed write
         with pytest.raises(OmniPrefixCacheError,
-                           match=r"read of '__hidden_states__' for request b's prefix hit "
-                                 r"\(FAILED\): write task 1 \(step 1, state FAILED\) failed"):
+                           match=r"read of '__hidden_states__' for request b step 2 \(FAILED\): "
+                                 r"write task 1 \(step 1, state FAILED\) failed"):
             manager.materialize(hit, ["b"])
 
 

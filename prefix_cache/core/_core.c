@@ -1302,8 +1302,9 @@ grow_copy_pool_locked(int want)
 }
 
 /* Run `count` parts, the caller's thread and the kept copy threads taking them as they go (up to
- * `threads` - 1 copy threads started for them): the caller copies the first and takes any left
- * over. Returns once every part is copied. Call without the GIL. */
+ * `threads` - 1 copy threads started for them, no more than there are parts for): the caller
+ * copies the first and takes any left over. Returns once every part is copied. Call without
+ * the GIL. */
 static void
 copy_parts(const CopyPart *parts, int count, int threads)
 {
@@ -1315,7 +1316,7 @@ copy_parts(const CopyPart *parts, int count, int threads)
         pthread_mutex_unlock(&copy_pool.lock);
         goto alone;
     }
-    grow_copy_pool_locked(threads - 1);
+    grow_copy_pool_locked((threads < count ? threads : count) - 1);
     copy_pool.busy = 1;
     copy_pool.parts = parts;
     copy_pool.count = count;
@@ -1477,8 +1478,8 @@ PyDoc_STRVAR(gather_parts_doc,
 "gather_rows into several tensors at once: dsts is a sequence of writable C-contiguous uint8\n"
 "[n_j, W] arrays whose rows take the n int64 slots in order (dsts[0] the first n_0 of them, and\n"
 "so on; the n_j add up to n). Each dst is a part the caller's thread and the module's copy\n"
-"threads take as they go (up to `threads` of them, at most 16, each given 2 MiB of rows at\n"
-"least), with the GIL released (64 KiB or more in all). Raises before copying anything, every\n"
+"threads take as they go (up to `threads` of them, at most 16 and one per 2 MiB of rows in\n"
+"all), with the GIL released (64 KiB or more in all). Raises before copying anything, every\n"
 "dst unchanged: IndexError naming the first slot outside 0..num_slots-1; ValueError if the row\n"
 "counts or widths differ or a dst shares memory with src; TypeError for a dst of another form.");
 

@@ -6,7 +6,8 @@ A step's record lives from `save_outputs` until exactly one `materialize` or
 A hit's reads are planned earlier, at the step's start (`gather_hits`), so the large ones
 are gathered while the forward runs and `materialize` normally finds them done; its save
 takes them over, or drops those its own write would make stale (`keep_gathers`). A stage
-that reads its rows back at the finish (steps saved with `plan_reads=False`) gathers none.
+that reads its rows back at the finish (steps saved with `plan_reads=False`) gathers none from
+its second step on: a step's start follows the last save's choice.
 """
 
 from __future__ import annotations
@@ -126,10 +127,12 @@ class StepReads:
         reads before the step claims its slots, and `plan` reads those hits after the claim.
         A capped pool's moves are applied before the step is seen (`PoolStep`), so these read
         the pool blocks the step's hits hold, and one is evicted only once no request holds
-        its KV block. So a block under a gather is written again only where its request
-        finished and a later step gave the block a new tenant before this step was
-        materialized; that write resolves the pinned read first (copy-on-write: it waits for a
-        gather under way, bounded), so no gather ever reads rows being overwritten."""
+        its KV block. So a block under a gather is written again only where, before this step
+        was materialized, its request finished or was preempted and a later step gave the
+        block a new tenant (its write, or a capped pool's eviction for it), or a block copy
+        (`BlockCopyMirror`) lands on it; each such write resolves the pinned read first
+        (copy-on-write: it waits for a gather under way, bounded), so no gather ever reads rows
+        being overwritten."""
         planned = [(f"request {req_id}'s prefix hit", num_scheduled_tokens.get(req_id, 0))
                    for req_id in hits.req_ids]
         with self._lock:
@@ -191,6 +194,9 @@ class StepReads:
                 for req_id in hits.req_ids:
                     start, end = layout.rows(req_id)
                     planned.append((f"request {req_id} step {record.step_id}", end - start))
+                for req_id, per_key in gathered.items():  # named for the step, as planned ones
+                    for read in per_key.values():
+                        read.what = f"request {req_id} step {record.step_id}"
                 fresh = self._plan_hit_reads(hits, planned, record.per_token, gathered)
                 record.hit_reads = {req_id: {**gathered.get(req_id, {}), **fresh[req_id]}
                                     for req_id in hits.req_ids}

@@ -68,7 +68,7 @@ class StepTable:
         self._records: dict[int, StepRecord] = {}
         self.pending: PendingStep | None = None
         #: whether the last step saved planned its reads: a stage that reads its rows back at
-        #: the finish (`plan_reads=False`) gathers no hit at a step's start
+        #: the finish (`plan_reads=False`) gathers no hit at a step's start after its first
         self._reads_planned = True
 
     def __len__(self) -> int:
