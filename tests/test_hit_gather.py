@@ -220,7 +220,7 @@ def test_a_request_finished_before_its_step_is_materialized_still_gets_its_own_r
 
 
 def test_blocks_under_a_gather_are_not_written_again_until_it_is_done(backend, gathered_early):
-    """The one wait on a gather outside materialize: a request finished before its step was
+    """A wait on a gather outside materialize: a request finished before its step was
     materialized, and the next step writes its blocks again (vLLM gave them to a new tenant; a
     capped pool's eviction is the same write). The write waits for the gather under way
     (bounded, as a copy-on-write), so the gather never reads rows being overwritten."""
