@@ -1,7 +1,8 @@
 """The GPU worker in a real vLLM GPU engine: every request's channel entry with prefix caching
 on matches the run with it off, in-process and multiprocess, under decode-heavy requests,
-preemption, an abort mid-prefill, stop tokens under asynchronous scheduling, a multimodal key,
-CUDA graphs and tensor parallelism over two GPUs; a finished request has one row per token fed.
+preemption, an abort mid-prefill, stop tokens under asynchronous scheduling, a capped host
+pool, a multimodal key, CUDA graphs and tensor parallelism over two GPUs; a finished request
+has one row per token fed.
 
 Each engine runs in a process of its own (`tests/gpu_engine_run.py`), the on and off runs of a
 case side by side. Needs an NVIDIA GPU and a vLLM GPU build (on the H200 machine, the offline
