@@ -8,7 +8,9 @@
 #   m11     M11 beside vllm-omni 0.30.0 (`benchmarks/peer_vllm_omni.py --device cuda`)
 #   m5e     `pipeline_bench --only M5e --quick` (the small model, eager)
 #   m10     M10's engines in one process under cProfile (`benchmarks/m10_steps.py --profile`)
-# Needs .vllm-gpu/, .whl/ and devrun/base57 carried. Each tree's run alternates base, head.
+# Needs .vllm-gpu/, .whl/ and devrun/base57 carried (made here by
+# `mkdir -p devrun/base57 && git archive c869988 | tar -x -C devrun/base57`; devrun/ is
+# ignored). Each figure runs the base tree, then the head.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || tail $OUT/install.log
