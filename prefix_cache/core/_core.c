@@ -1341,20 +1341,67 @@ alone:
     }
 }
 
+/* How many threads copy `total` bytes, given `threads`: one per SPLIT_BYTES, 1 to
+ * MAX_COPY_THREADS. */
+static int
+split_count(size_t total, long threads)
+{
+    size_t most = total / SPLIT_BYTES;
+    size_t count = (size_t)threads < most ? (size_t)threads : most;
+    return count < 1 ? 1 : count > MAX_COPY_THREADS ? MAX_COPY_THREADS : (int)count;
+}
+
 /* Rows [0, n) copied in up to `threads` contiguous shares of at least SPLIT_BYTES each
  * (`copy_parts`). Call without the GIL. */
 static void
 copy_split(char *rows, char *pool, const int64_t *s, Py_ssize_t n, size_t row, Direction dir,
            int threads)
 {
-    Py_ssize_t most = row ? (Py_ssize_t)((size_t)n * row / SPLIT_BYTES) : 0;
-    int count = (int)(threads < most ? threads : most);
-    count = count < 1 ? 1 : count > MAX_COPY_THREADS ? MAX_COPY_THREADS : count;
+    int count = split_count((size_t)n * row, threads);
     CopyPart part[MAX_COPY_THREADS];
     for (int i = 0; i < count; i++) {
         part[i] = (CopyPart){rows, pool, s, n * i / count, n * (i + 1) / count, row, dir};
     }
     copy_parts(part, count, count);
+}
+
+/* The optional threads argument args[3] (1 where nargs < 4), or -1 with an error set. */
+static long
+threads_arg(const char *fn, PyObject *const *args, Py_ssize_t nargs)
+{
+    long threads = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
+    if (threads == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: threads must be at least 1, got %ld", fn, threads);
+        return -1;
+    }
+    return threads;
+}
+
+/* 0 where each of the n slots is a row of 0..num_slots-1, else -1 with an IndexError naming
+ * the first other one. */
+static int
+check_slot_range(const char *fn, const int64_t *s, Py_ssize_t n, Py_ssize_t num_slots)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || s[i] >= num_slots) {
+            PyErr_Format(PyExc_IndexError, "%s: slot %lld (index %zd) is outside 0..%zd", fn,
+                         (long long)s[i], i, num_slots - 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Whether the byte ranges of two borrowed buffers overlap. */
+static int
+overlaps(const Py_buffer *a, const Py_buffer *b)
+{
+    uintptr_t a_lo = (uintptr_t)a->buf, b_lo = (uintptr_t)b->buf;
+    return a->len > 0 && b->len > 0 && a_lo < b_lo + (uintptr_t)b->len &&
+           b_lo < a_lo + (uintptr_t)a->len;
 }
 
 /* copy_rows and gather_rows: borrow (src, slots, dst), check every slot and that the arrays
@@ -1370,13 +1417,9 @@ slot_copy(const char *fn, PyObject *const *args, Py_ssize_t nargs, Direction dir
         return PyErr_Format(PyExc_TypeError, "%s takes %s arguments, got %zd", fn,
                             dir == FROM_SLOTS ? "3 or 4" : "3", nargs);
     }
-    long threads = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
-    if (threads == -1 && PyErr_Occurred()) {
+    long threads = threads_arg(fn, args, nargs);
+    if (threads < 0) {
         return NULL;
-    }
-    if (threads < 1) {
-        return PyErr_Format(PyExc_ValueError, "%s: threads must be at least 1, got %ld", fn,
-                            threads);
     }
     ByteRows src, dst;
     IntArray slots;
@@ -1397,18 +1440,12 @@ slot_copy(const char *fn, PyObject *const *args, Py_ssize_t nargs, Direction dir
         goto done;
     }
     const int64_t *s = int64s(&slots);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (s[i] < 0 || s[i] >= num_slots) {
-            PyErr_Format(PyExc_IndexError, "%s: slot %lld (index %zd) is outside 0..%zd", fn,
-                         (long long)s[i], i, num_slots - 1);
-            goto done;
-        }
+    if (check_slot_range(fn, s, n, num_slots) < 0) {
+        goto done;
     }
     /* the byte ranges: rows.len == n * width and pool.len == num_slots * width, both
      * allocated, so every offset below (a slot < num_slots or a row < n, times width) fits */
-    uintptr_t src_lo = (uintptr_t)src.buf.buf, dst_lo = (uintptr_t)dst.buf.buf;
-    if (src.buf.len > 0 && dst.buf.len > 0 && src_lo < dst_lo + (uintptr_t)dst.buf.len &&
-            dst_lo < src_lo + (uintptr_t)src.buf.len) {
+    if (overlaps(&src.buf, &dst.buf)) {
         PyErr_Format(PyExc_ValueError, "%s: src and dst share memory; copy the rows first", fn);
         goto done;
     }
@@ -1464,15 +1501,6 @@ gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return slot_copy("gather_rows", args, nargs, FROM_SLOTS);
 }
 
-/* Whether the byte ranges of two borrowed buffers overlap. */
-static int
-overlaps(const Py_buffer *a, const Py_buffer *b)
-{
-    uintptr_t a_lo = (uintptr_t)a->buf, b_lo = (uintptr_t)b->buf;
-    return a->len > 0 && b->len > 0 && a_lo < b_lo + (uintptr_t)b->len &&
-           b_lo < a_lo + (uintptr_t)a->len;
-}
-
 PyDoc_STRVAR(gather_parts_doc,
 "gather_parts(src, slots, dsts, threads=1) -> None\n\n"
 "gather_rows into several tensors at once: dsts is a sequence of writable C-contiguous uint8\n"
@@ -1491,13 +1519,9 @@ gather_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 3 && nargs != 4) {
         return PyErr_Format(PyExc_TypeError, "%s takes 3 or 4 arguments, got %zd", fn, nargs);
     }
-    long threads = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
-    if (threads == -1 && PyErr_Occurred()) {
+    long threads = threads_arg(fn, args, nargs);
+    if (threads < 0) {
         return NULL;
-    }
-    if (threads < 1) {
-        return PyErr_Format(PyExc_ValueError, "%s: threads must be at least 1, got %ld", fn,
-                            threads);
     }
     PyObject *seq = PySequence_Fast(args[2], "gather_parts: dsts must be a sequence");
     if (seq == NULL) {
@@ -1549,17 +1573,11 @@ gather_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "%s: %zd slots for %zd rows of dsts", fn, slots.len, at);
         goto done;
     }
-    for (Py_ssize_t i = 0; i < at; i++) {
-        if (s[i] < 0 || s[i] >= src.rows) {
-            PyErr_Format(PyExc_IndexError, "%s: slot %lld (index %zd) is outside 0..%zd", fn,
-                         (long long)s[i], i, src.rows - 1);
-            goto done;
-        }
+    if (check_slot_range(fn, s, at, src.rows) < 0) {
+        goto done;
     }
     size_t total = (size_t)at * (size_t)width;
-    long most = (long)(total / SPLIT_BYTES);
-    int want = (int)(threads < most ? threads : most);
-    want = want < 1 ? 1 : want > MAX_COPY_THREADS ? MAX_COPY_THREADS : want;
+    int want = split_count(total, threads);
     if (total >= COPY_ROWS_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         copy_parts(parts, (int)count, want);
