@@ -109,12 +109,18 @@ class RowRead:
 
     def _resolve_claimed(self, pool: PrefixBlockPool, outputs: OutputBuffers, timeout_s: float,
                          release: Callable[[RowRead], None]) -> None:
-        """Wait for the producers and gather the rows of a read this thread claimed; it ends
-        DONE, or FAILED with the error its consumer raises, the rows released either way."""
+        """Wait for the producers and gather the rows of a read this thread claimed (see
+        `_gather_claimed`) into a tensor of its own."""
+        self._gather_claimed(timeout_s, release, lambda: self._gather(pool, outputs))
+
+    def _gather_claimed(self, timeout_s: float, release: Callable[[RowRead], None],
+                        gather: Callable[[], None]) -> None:
+        """Wait for the producers of a read this thread claimed, then `gather` its rows; it
+        ends DONE, or FAILED with the error its consumer raises, the rows released either way."""
         try:
             for task in self.producers:
                 task.wait(timeout_s)
-            self._gather(pool, outputs)
+            gather()
         except BaseException as exc:
             self._end(ReadState.FAILED, release, exc)
         else:
@@ -129,16 +135,10 @@ class RowRead:
         rows cannot be had; they are released either way."""
         if not self._claim():
             return False
-        try:
-            for task in self.producers:
-                task.wait(timeout_s)
-            slots = self.slots
-            pool.gather_parts(self.key, np.concatenate([slots[lo:hi] for lo, hi, _ in parts]),
-                              [target for _, _, target in parts])
-        except BaseException as exc:
-            self._end(ReadState.FAILED, release, exc)
-            self._raise_if_failed()
-        self._end(ReadState.DONE, release)
+        self._gather_claimed(timeout_s, release, lambda: pool.gather_parts(
+            self.key, np.concatenate([self.slots[lo:hi] for lo, hi, _ in parts]),
+            [target for _, _, target in parts]))
+        self._raise_if_failed()
         return True
 
     def hold(self, pool: PrefixBlockPool, shape: tuple[int, ...], timeout_s: float,
