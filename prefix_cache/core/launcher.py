@@ -60,7 +60,7 @@ class WriteLauncher:
         task.transfers = issued
         task.transition(TaskState.QUEUED)
         for transfer in issued:
-            if transfer.event is not None or transfer.finish is not None:
+            if not transfer.complete_at_launch:
                 self.committer.submit(task)
                 break
         else:  # every copy complete at launch: nothing in flight, land it on this thread
