@@ -25,13 +25,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from prefix_cache.tools.pipeline_bench import PLAIN_WORKER  # noqa: E402
 from prefix_cache.tools.pipelines.engine_logs import new_log_path, output_to_log  # noqa: E402
 from prefix_cache.tools.pipelines.engines import (MODELS, Engine, EngineShape,  # noqa: E402
                                                   multiprocessing_mode, start_thinker)
 from prefix_cache.tools.reporting.harness import (format_table, machine,  # noqa: E402
                                                   source_commit, write_json)
 
-PLAIN_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 SHAPE = EngineShape(max_model_len=4096, block_size=16, max_num_seqs=64,
                     max_num_batched_tokens=2048, long_prefill_token_threshold=0,
                     num_blocks=None, dtype="bfloat16")  # type: ignore[arg-type]
@@ -46,7 +46,7 @@ def start_one(label: str, model_dir: Path, channel: Any, *, budget: int | None,
     log_start = log_path.stat().st_size
     began = time.perf_counter()
     if label == "plain":
-        engine = Engine(model_dir, SHAPE, worker_cls=PLAIN_WORKER, **args)
+        engine = Engine(model_dir, SHAPE, worker_cls=PLAIN_WORKER["cuda"], **args)
     else:
         engine = start_thinker(model_dir, channel, prefix_caching=True, shape=SHAPE,
                                stage_options=None if budget is None else

@@ -41,6 +41,7 @@ import torch
 
 from prefix_cache.tools.pipelines.engines import (CUDA_GRAPH_ARGS, EngineShape,
                                                   multiprocessing_mode, start_thinker)
+from prefix_cache.tools.pipeline_bench import RESIDENT_SCHEDULER
 from prefix_cache.tools.pipelines.pipeline import StageRequest, run_pipeline
 from prefix_cache.integration.runner_mixin import PrefixCacheRunnerMixin
 from tests.vllm_fixtures import FirstPreemptedAborter, unrelated_decoding_requests
@@ -54,8 +55,6 @@ PREEMPT_SHAPE = EngineShape(block_size=16, max_num_seqs=4, max_num_batched_token
 CAPPED_SHAPE = dataclasses.replace(MAIN_SHAPE, max_model_len=128)
 #: 13 blocks of bf16 rows of hidden 256 (12 usable beside block 0) of the KV cache's 97.
 CAPPED_BUDGET = 13 * 16 * 256 * 2
-#: The cache's scheduler, named where the engine core runs in a process of its own.
-RESIDENT_SCHEDULER = "prefix_cache.integration.workers.finishes.ResidentScheduler"
 MM_KEY = "codes.audio"
 STOP_TOKEN_IDS = tuple(range(0, 1024, 3))
 #: Two ranks, each a worker process (`mp`): the cache refuses such workers under asynchronous
