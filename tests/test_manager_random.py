@@ -708,11 +708,13 @@ class SchedulerBatch:
 
 class RunnerView:
     """The view a runner's cache has (FullAttentionGroupView's layout: its slots as runs, and
-    on the C step path in one call) over MiniScheduler's batch."""
+    on the C step path in one call) over MiniScheduler's batch. It checks the table by the CPU
+    runner's rules on every device: the schedules' blocks of a few tokens are smaller than any
+    CUDA or Ascend attention kernel's block (those rules have tests of their own)."""
 
-    def __init__(self, sched: MiniScheduler, backend: devices.DeviceBackend) -> None:
+    def __init__(self, sched: MiniScheduler) -> None:
         self._view = FullAttentionGroupView(SchedulerBatch(sched), sched.block_size,
-                                            backend=backend)
+                                            backend=devices.get_backend("cpu"))
         self.batch_req_ids = self._view.batch_req_ids
         self.step_slots_cpu = self._view.step_slots_cpu
         self.step_slot_runs = self._view.step_slot_runs
@@ -768,7 +770,7 @@ def run_workload(backend: devices.DeviceBackend, w: Workload, *, step_path: str 
     late: SavedStep | None = None  # saved last step, consumed during this one
     saved_tokens = 0
     states: list[dict[str, object]] = []
-    view = RunnerView(sched, backend) if runner_view else sched
+    view = RunnerView(sched) if runner_view else sched
     with OmniPrefixCacheManager(config, view, backend=backend) as manager:
         manager.register_policy(policy)
 

@@ -2,7 +2,8 @@
 # Nineteenth session's last device call: issue 55's step path in C and hit gather, before
 # (devrun/base57: c869988, carried, built here) beside after (this tree), in one call:
 #   cuda    the CUDA tests of the save path (reliability, DMA, events, launch, scatter,
-#           conformance, the manager's, the engine thread's)
+#           conformance, the manager's, the engine thread's, the random schedules' and both
+#           step paths')
 #   engine  the GPU engine's main case, in-process
 #   bench   `prefix_cache bench --device cuda --quick --runs 3` (M1-M7: M2, M2p, M5)
 #   m11     M11 beside vllm-omni 0.30.0 (`benchmarks/peer_vllm_omni.py --device cuda`)
@@ -31,7 +32,7 @@ for section in "$@"; do
         tests/test_cuda_dma.py tests/test_cuda_events.py tests/test_cuda_faults.py \
         tests/test_cuda_launch.py tests/test_dma_issuer.py tests/test_scatter_bounds.py \
         tests/test_backend_conformance.py tests/test_manager.py tests/test_engine_thread.py \
-        tests/test_devices.py \
+        tests/test_devices.py tests/test_manager_random.py \
         > $OUT/cuda.log 2>&1
       tail -4 $OUT/cuda.log ;;
     engine)
