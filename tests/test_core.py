@@ -3,12 +3,14 @@ out of bounds (raised before anything is written)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType, SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache.core import _core
+from prefix_cache.core import _core, adapter
 from prefix_cache.core.runs import runs_slots, slot_runs
 
 
@@ -228,6 +230,55 @@ def test_add_counts_adds_into_totals() -> None:
     assert totals == {"a": 3, "b": 3, "c": 5}
     with pytest.raises(TypeError, match="must be dicts"):
         _core.add_counts(totals, [("a", 1)])
+
+
+def _step(**fields):
+    base = dict(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(),
+                kv_cache_block_copies=[], num_scheduled_tokens={"a": 1, "b": 2},
+                scheduled_cached_reqs=SimpleNamespace(req_ids=["a", "b"], resumed_req_ids=set()))
+    base.update(fields)
+    return SimpleNamespace(**{k: v for k, v in base.items() if v is not MISSING})
+
+
+MISSING = object()
+
+
+@pytest.mark.parametrize("step, running", [
+    (_step(), True),
+    (_step(scheduled_cached_reqs=None, finished_req_ids=None, kv_cache_block_copies=MISSING),
+     True),
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids=None,
+                                                 resumed_from_preemption=[])), True),
+    (_step(scheduled_new_reqs=[SimpleNamespace(req_id="c")]), False),
+    (_step(finished_req_ids={"c"}), False),
+    (_step(preempted_req_ids={"c"}), False),
+    (_step(kv_cache_block_copies=[(1, 2)]), False),
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids={"a"})), False),
+    # an older vLLM's flags, and a resumed_req_ids no truth test can tell: field by field
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids=None,
+                                                 resumed_from_preemption=[False])), None),
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids=iter(()))),
+     None),
+    (_step(num_scheduled_tokens=MappingProxyType({"a": 1})), None),  # not a dict
+    (_step(num_scheduled_tokens=MISSING), None),
+])
+def test_running_step_takes_the_steps_of_running_requests_only(step, running) -> None:
+    """A step of running requests only (what `translate_step` finds so): its scheduled tokens
+    copied and each request's progress advanced; any other, and one it cannot tell, is left to
+    the caller, the progress unchanged."""
+    if running is not None:
+        assert adapter._only_running(step) is running
+    progress = {"a": 5, "z": 1}
+    got = _core.running_step(step, progress)
+    if not running:
+        assert got is None and progress == {"a": 5, "z": 1}
+        return
+    assert got == step.num_scheduled_tokens and got is not step.num_scheduled_tokens
+    assert progress == {"a": 6, "b": 2, "z": 1}
+    with pytest.raises(TypeError, match="progress must be a dict"):
+        _core.running_step(step, [])
+    with pytest.raises(TypeError):  # a count that is no number, as add_counts refuses it
+        _core.running_step(_step(num_scheduled_tokens={"a": None}), {"a": 1})
 
 
 # --------------------------------------------------------------------------- extreme inputs

@@ -720,9 +720,11 @@ class RunnerView:
 
 
 def pool_tables(manager: OmniPrefixCacheManager) -> dict[str, object]:
-    """The pool's bookkeeping, copied: every table a step's claims and writes fill."""
+    """The pool's bookkeeping, copied: every table a step's claims and writes fill; and where
+    each live request stands (its progress, which a step's start advances)."""
     pool = manager.pool
     tables: dict[str, object] = {
+        "progress": dict(manager._rows._progress),
         "next_claim": pool._next_claim, "claim.slots": pool._claim.slots.copy(),
         "claim.blocks": pool._claim.blocks.copy(),
         "newest_slot_claim": pool._newest_slot_claim.copy(),
@@ -882,6 +884,18 @@ HIT_BY_A_STEP_THAT_OMITS_A_KEY = Workload(
            IDLE))
 
 
+#: Two requests prefill, then decode a token a step: steps of running requests only (the C
+#: step path's start in one call, `_core.running_step`), their deferred writes still open.
+DECODING_BATCH = Workload(
+    block_size=2, num_blocks=8, token_budget=8, staging_depth=2, hidden=True, deferred=True,
+    gpu_budget_bytes=512 << 20, resume_flavor="resumed_req_ids",
+    arrivals=(Arrival((3, 4, 5), 4, False), Arrival((3, 4, 6, 7), 4, False)),
+    steps=(StepOps(arrivals=2, abort=None, chunks=(), shuffle_seed=0, pad=0, consume="now",
+                   drop_mask=0),
+           IDLE, StepOps(arrivals=0, abort=None, chunks=(), shuffle_seed=1, pad=1,
+                         consume="after_next_save", drop_mask=1), IDLE, IDLE))
+
+
 @settings(settings.get_profile("prefix-cache-random"))
 @pytest.mark.slow
 @given(workload=workloads())
@@ -923,6 +937,7 @@ def step_paths_agree(backend: devices.DeviceBackend, workload: Workload, *,
 @given(workload=workloads())
 @example(workload=PREEMPTED_WITH_OPEN_DEFERRED_WRITE)
 @example(workload=HIT_BY_A_STEP_THAT_OMITS_A_KEY)
+@example(workload=DECODING_BATCH)
 def test_step_paths_agree_on_pinned_schedules(backend: devices.DeviceBackend,
                                               workload: Workload) -> None:
     step_paths_agree(backend, workload, runner_view=False)

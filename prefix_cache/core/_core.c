@@ -165,6 +165,27 @@ PyDoc_STRVAR(add_counts_doc,
 "add_counts(totals, counts) -> None\n\n"
 "totals[k] = totals.get(k, 0) + counts[k] for every key of counts (two dicts of ints).");
 
+/* totals[k] = totals.get(k, 0) + counts[k] for every key of counts (two dicts). */
+static int
+add_counts_to(PyObject *totals, PyObject *counts)
+{
+    PyObject *key, *count;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(counts, &pos, &key, &count)) {
+        PyObject *total = PyDict_GetItemWithError(totals, key);
+        if (total == NULL && PyErr_Occurred()) {
+            return -1;
+        }
+        PyObject *sum = total == NULL ? Py_NewRef(count) : PyNumber_Add(total, count);
+        if (sum == NULL || PyDict_SetItem(totals, key, sum) < 0) {
+            Py_XDECREF(sum);
+            return -1;
+        }
+        Py_DECREF(sum);
+    }
+    return 0;
+}
+
 static PyObject *
 add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -174,21 +195,122 @@ add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
         return PyErr_Format(PyExc_TypeError, "add_counts: totals and counts must be dicts");
     }
-    PyObject *key, *count;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(args[1], &pos, &key, &count)) {
-        PyObject *total = PyDict_GetItemWithError(args[0], key);
-        if (total == NULL && PyErr_Occurred()) {
-            return NULL;
-        }
-        PyObject *sum = total == NULL ? Py_NewRef(count) : PyNumber_Add(total, count);
-        if (sum == NULL || PyDict_SetItem(args[0], key, sum) < 0) {
-            Py_XDECREF(sum);
-            return NULL;
-        }
-        Py_DECREF(sum);
+    if (add_counts_to(args[0], args[1]) < 0) {
+        return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* obj.name into *out (NULL where it has none: 0 returned); -1 on any other error. */
+static int
+optional_attr(PyObject *obj, PyObject *name, PyObject **out)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, out);
+#else
+    return _PyObject_LookupAttr(obj, name, out);
+#endif
+}
+
+/* Whether obj's attribute `name` is missing, None or empty (1), holds something (0), or is of
+ * a kind whose emptiness a truth test may not tell (-2: an iterator, say); -1 on error. */
+static int
+attr_empty(PyObject *obj, PyObject *name, int containers_only)
+{
+    PyObject *value;
+    if (optional_attr(obj, name, &value) < 0) {
+        return -1;
+    }
+    if (value == NULL || value == Py_None) {
+        Py_XDECREF(value);
+        return 1;
+    }
+    int known = !containers_only || PyAnySet_Check(value) || PyList_Check(value) ||
+                PyTuple_Check(value) || PyDict_Check(value);
+    int full = known ? PyObject_IsTrue(value) : -2;
+    Py_DECREF(value);
+    return full < 0 ? full : !full;
+}
+
+PyDoc_STRVAR(running_step_doc,
+"running_step(scheduler_output, progress) -> dict or None\n\n"
+"The step of a scheduler output that only schedules running requests (no new, resumed,\n"
+"finished or preempted request and no block copy; num_scheduled_tokens a dict): a copy of\n"
+"its num_scheduled_tokens, each request's progress[r] advanced by its count as add_counts\n"
+"does. None, nothing changed, for any other step, and for one whose resumed requests it\n"
+"cannot tell apart without iterating (an older vLLM's non-empty resumed_from_preemption\n"
+"flags, a resumed_req_ids that is no container): the caller translates those field by field.");
+
+static PyObject *
+running_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *names[6];  /* the fields read, interned once */
+    static const char *const spelled[6] = {"scheduled_new_reqs", "finished_req_ids",
+                                           "preempted_req_ids", "kv_cache_block_copies",
+                                           "scheduled_cached_reqs", "num_scheduled_tokens"};
+    static PyObject *resumed_names[2];
+    static const char *const resumed_spelled[2] = {"resumed_req_ids", "resumed_from_preemption"};
+    if (borrow_all("running_step", args, nargs, 2, NULL, 0, NULL) < 0) {
+        return NULL;
+    }
+    if (!PyDict_Check(args[1])) {
+        return PyErr_Format(PyExc_TypeError, "running_step: progress must be a dict");
+    }
+    if (names[0] == NULL) {
+        for (int i = 0; i < 6; i++) {
+            if ((names[i] = PyUnicode_InternFromString(spelled[i])) == NULL) {
+                return NULL;
+            }
+        }
+        for (int i = 0; i < 2; i++) {
+            if ((resumed_names[i] = PyUnicode_InternFromString(resumed_spelled[i])) == NULL) {
+                return NULL;
+            }
+        }
+    }
+    PyObject *so = args[0];
+    for (int i = 0; i < 4; i++) {
+        int empty = attr_empty(so, names[i], 0);
+        if (empty != 1) {
+            return empty == -1 ? NULL : Py_NewRef(Py_None);
+        }
+    }
+    PyObject *cached;
+    if (optional_attr(so, names[4], &cached) < 0) {
+        return NULL;
+    }
+    if (cached != NULL && cached != Py_None) {
+        /* vLLM >= 0.11.1 names the resumed requests; before, a flag per cached request */
+        PyObject *resumed;
+        if (optional_attr(cached, resumed_names[0], &resumed) < 0) {
+            Py_DECREF(cached);
+            return NULL;
+        }
+        int named = resumed != NULL && resumed != Py_None;
+        Py_XDECREF(resumed);
+        int empty = attr_empty(cached, resumed_names[named ? 0 : 1], 1);
+        Py_DECREF(cached);
+        if (empty != 1) {
+            return empty == -1 ? NULL : Py_NewRef(Py_None);
+        }
+    } else {
+        Py_XDECREF(cached);
+    }
+    PyObject *scheduled;
+    if (optional_attr(so, names[5], &scheduled) < 0) {
+        return NULL;
+    }
+    if (scheduled == NULL || !PyDict_CheckExact(scheduled)) {
+        Py_XDECREF(scheduled);
+        return Py_NewRef(Py_None);  /* refused, or another mapping: field by field */
+    }
+    PyObject *copy = PyDict_Copy(scheduled);
+    Py_DECREF(scheduled);
+    if (copy == NULL || add_counts_to(args[1], copy) < 0) {
+        Py_XDECREF(copy);
+        return NULL;
+    }
+    return copy;
 }
 
 PyDoc_STRVAR(row_ends_doc,
@@ -1605,7 +1727,7 @@ done:
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
-    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
+    METHOD(add_counts), METHOD(running_step), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
     METHOD(add_pins),
     METHOD(row_states),
