@@ -110,7 +110,8 @@ class OmniPrefixCacheManager:
                                   config.output_cache_bytes)
         self._step_reads = StepReads(self.pool, self._reads, self._deferred, self.staging,
                                      self._lock, self._stats, timeout)
-        self._checker = OutputChecker(self.backend, self.pool, config.staging_capacity_tokens)
+        self._checker = OutputChecker(self.backend, self.pool, config.staging_capacity_tokens,
+                                      step_path=config.step_path)
         self._writer = StepWriter(config, self.backend, self.pool, self.staging, self._tasks,
                                   self._lock, self._stats, self._checker, self._launcher,
                                   self._deferred, self._reads, self._step_reads)

@@ -7,10 +7,15 @@ from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from prefix_cache.config import HIDDEN_KEY, STEP_PATHS, ModelCachePolicy
 from prefix_cache.core import _core, adapter
+from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.outputs import OutputChecker
+from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.core.runs import runs_slots, slot_runs
 
 
@@ -279,6 +284,64 @@ def test_running_step_takes_the_steps_of_running_requests_only(step, running) ->
         _core.running_step(step, [])
     with pytest.raises(TypeError):  # a count that is no number, as add_counts refuses it
         _core.running_step(_step(num_scheduled_tokens={"a": None}), {"a": 1})
+
+
+def _checkers(capacity: int = 8):
+    """An output checker of each step path over one pool holding [4] float32 hidden rows."""
+    backend = CpuBackend()
+    pool = PrefixBlockPool(4, 4, backend)
+    pool.install(pool.allocate(HIDDEN_KEY, (4,), torch.float32))
+    return {path: OutputChecker(backend, pool, capacity, step_path=path) for path in STEP_PATHS}
+
+
+def _checked(checker, hidden, mm, unpadded, padded, policy):
+    """What a check gives (count, immediate rows, shapes, the rest) or the error it raises."""
+    try:
+        n, out, new_keys = checker.step_outputs(hidden, mm, unpadded, padded, policy)
+    except Exception as exc:  # noqa: BLE001 - both paths must refuse alike
+        return type(exc), str(exc)
+    return (n, {k: (v.data_ptr(), tuple(v.shape), v.requires_grad) for k, v in out.immediate.items()},
+            out.shapes, out.deferred, out.leftover, new_keys)
+
+
+HIDDEN = torch.arange(24.0).view(6, 4)
+
+
+@pytest.mark.parametrize("hidden, unpadded, padded", [
+    (HIDDEN, 6, 6), (HIDDEN, 4, 6), (HIDDEN, 4, 4), (HIDDEN[:2], 2, 8),
+    (HIDDEN, 0, 6), (None, 0, 0), (HIDDEN, 7, 7), (HIDDEN, 5, 4), (HIDDEN, -1, 6),
+    (HIDDEN, True, 6), (HIDDEN, np.int64(3), 6), (HIDDEN, 3, 2**70), (HIDDEN, 2**70, 2**71),
+    (HIDDEN, 9, 9), (HIDDEN.requires_grad_(False).clone().requires_grad_(True), 6, 6),
+    (HIDDEN.double(), 6, 6), (torch.zeros(6, 5), 6, 6), (torch.zeros(6, 2, 2), 6, 6),
+    (torch.zeros(6, 4, device="meta"), 6, 6), (torch.zeros(()), 1, 1), (HIDDEN.numpy(), 6, 6),
+    (None, 3, 3), (HIDDEN.t(), 4, 4),
+])
+def test_hidden_rows_checks_a_step_of_hidden_states_as_the_reference_does(
+        hidden, unpadded, padded) -> None:
+    """`_core.hidden_rows`, the C step path's check of a step of hidden states alone, hands
+    over the same rows and shapes as the reference's checks, or leaves the step to them:
+    each refusal is theirs, by name."""
+    checkers = _checkers()
+    policy = ModelCachePolicy()
+    got = {path: _checked(checker, hidden, None, unpadded, padded, policy)
+           for path, checker in checkers.items()}
+    assert got["c"] == got["python"]
+
+
+def test_hidden_rows_leaves_every_other_step_to_the_reference() -> None:
+    """Only a plain int count, a tensor of the pool's device, rows and dtype, within capacity,
+    not requiring grad, is taken; anything else is None: nothing checked."""
+    args = (torch.Tensor, torch.device("cpu"), (4,), torch.float32, 8)
+    rows, shape = _core.hidden_rows(HIDDEN, 4, 6, *args)
+    assert shape == (4, 4) and rows.data_ptr() == HIDDEN.data_ptr() and rows.shape[0] == 4
+    assert _core.hidden_rows(HIDDEN, 6, 6, *args)[0] is HIDDEN
+    for hidden, unpadded, padded in [(HIDDEN, 0, 6), (HIDDEN, 7, 7), (HIDDEN, 5, 4),
+                                     (HIDDEN, True, 6), (HIDDEN, 9, 9), (HIDDEN.double(), 6, 6),
+                                     (torch.zeros(6, 4, device="meta"), 6, 6),
+                                     (HIDDEN.numpy(), 6, 6), (HIDDEN, 2**70, 2**71)]:
+        assert _core.hidden_rows(hidden, unpadded, padded, *args) is None
+    with pytest.raises(TypeError, match="tensor_type must be a type"):
+        _core.hidden_rows(HIDDEN, 6, 6, torch.Tensor, torch.device("cpu"), [4], torch.float32, 8)
 
 
 # --------------------------------------------------------------------------- extreme inputs

@@ -313,6 +313,147 @@ running_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return copy;
 }
 
+/* obj.name[...] for the attribute names a step's output check reads, interned once. */
+enum { ATTR_SHAPE, ATTR_REQUIRES_GRAD, ATTR_DEVICE, ATTR_DTYPE, NUM_ATTRS };
+static PyObject *tensor_attrs[NUM_ATTRS];
+
+/* Whether attribute `attr` of obj equals want (1), differs (0); -1 on error. */
+static int
+attr_equals(PyObject *obj, int attr, PyObject *want)
+{
+    PyObject *value = PyObject_GetAttr(obj, tensor_attrs[attr]);
+    if (value == NULL) {
+        return -1;
+    }
+    int equal = PyObject_RichCompareBool(value, want, Py_EQ);
+    Py_DECREF(value);
+    return equal;
+}
+
+PyDoc_STRVAR(hidden_rows_doc,
+"hidden_rows(hidden, unpadded, padded, tensor_type, device, feat_shape, dtype, capacity)\n"
+"-> (rows, shape) or None\n\n"
+"The checks of a step that hands over hidden states alone, in one call: hidden a tensor_type\n"
+"on `device` with feature shape feat_shape and dtype (its pool's), not requiring grad, of at\n"
+"least `unpadded` rows; unpadded and padded ints (no bool) with 0 < unpadded <= padded and\n"
+"unpadded <= capacity. Returns its first `unpadded` rows (hidden itself where it has no more)\n"
+"and their shape, a tuple. None for any other step, having checked nothing: the caller's\n"
+"checks take it, and name what is wrong.");
+
+static PyObject *
+hidden_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const spelled[NUM_ATTRS] = {"shape", "requires_grad", "device", "dtype"};
+    if (borrow_all("hidden_rows", args, nargs, 8, NULL, 0, NULL) < 0) {
+        return NULL;
+    }
+    if (!PyType_Check(args[3]) || !PyTuple_CheckExact(args[5])) {
+        return PyErr_Format(PyExc_TypeError, "hidden_rows: tensor_type must be a type and "
+                            "feat_shape a tuple");
+    }
+    if (tensor_attrs[0] == NULL) {
+        for (int i = 0; i < NUM_ATTRS; i++) {
+            if ((tensor_attrs[i] = PyUnicode_InternFromString(spelled[i])) == NULL) {
+                return NULL;
+            }
+        }
+    }
+    PyObject *hidden = args[0];
+    if (!PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
+            !PyObject_TypeCheck(hidden, (PyTypeObject *)args[3])) {
+        Py_RETURN_NONE;
+    }
+    int64_t n, padded, capacity;
+    if (int_arg(args[1], &n) < 0 || int_arg(args[2], &padded) < 0 ||
+            int_arg(args[7], &capacity) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return NULL;
+        }
+        PyErr_Clear();  /* a count past int64: refused by the caller's checks */
+        Py_RETURN_NONE;
+    }
+    if (n <= 0 || n > padded || n > capacity) {
+        Py_RETURN_NONE;
+    }
+    PyObject *shape = PyObject_GetAttr(hidden, tensor_attrs[ATTR_SHAPE]);
+    if (shape == NULL) {
+        return NULL;
+    }
+    PyObject *result = NULL, *feat = NULL, *rows = NULL, *out_shape = NULL;
+    Py_ssize_t dims = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : 0;
+    int64_t given;
+    if (dims == 0 || !PyLong_Check(PyTuple_GET_ITEM(shape, 0))) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (int_arg(PyTuple_GET_ITEM(shape, 0), &given) < 0) {
+        goto done;
+    }
+    feat = PyTuple_GetSlice(shape, 1, dims);
+    if (feat == NULL) {
+        goto done;
+    }
+    int grad = 0, same = given >= n;
+    if (same) {
+        PyObject *requires = PyObject_GetAttr(hidden, tensor_attrs[ATTR_REQUIRES_GRAD]);
+        grad = requires == NULL ? -1 : PyObject_IsTrue(requires);
+        Py_XDECREF(requires);
+        same = grad == 0;
+    }
+    if (grad < 0) {
+        goto done;
+    }
+    if (same && (same = PyObject_RichCompareBool(feat, args[5], Py_EQ)) == 1) {
+        same = attr_equals(hidden, ATTR_DTYPE, args[6]);
+    }
+    if (same == 1) {
+        same = attr_equals(hidden, ATTR_DEVICE, args[4]);
+    }
+    if (same < 0) {
+        goto done;
+    }
+    if (!same) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (given == n) {
+        rows = Py_NewRef(hidden);
+    } else {  /* padded rows (CUDA graphs): a view of the first n */
+        PyObject *end = PyLong_FromLongLong((long long)n), *cut = NULL;
+        if (end != NULL) {
+            cut = PySlice_New(NULL, end, NULL);
+            Py_DECREF(end);
+        }
+        if (cut == NULL) {
+            goto done;
+        }
+        rows = PyObject_GetItem(hidden, cut);
+        Py_DECREF(cut);
+        if (rows == NULL) {
+            goto done;
+        }
+    }
+    out_shape = PyTuple_New(dims);
+    if (out_shape == NULL) {
+        goto done;
+    }
+    PyObject *count = PyLong_FromLongLong((long long)n);
+    if (count == NULL) {
+        goto done;
+    }
+    PyTuple_SET_ITEM(out_shape, 0, count);
+    for (Py_ssize_t i = 1; i < dims; i++) {
+        PyTuple_SET_ITEM(out_shape, i, Py_NewRef(PyTuple_GET_ITEM(feat, i - 1)));
+    }
+    result = PyTuple_Pack(2, rows, out_shape);
+done:
+    Py_XDECREF(out_shape);
+    Py_XDECREF(rows);
+    Py_XDECREF(feat);
+    Py_DECREF(shape);
+    return result;
+}
+
 PyDoc_STRVAR(row_ends_doc,
 "row_ends(order, scheduled, ends) -> (total, smallest count)\n\n"
 "ends[i] = scheduled[order[0]] + ... + scheduled[order[i]] (int64 ends, len(order) long).");
@@ -1763,7 +1904,7 @@ done:
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
-    METHOD(add_counts), METHOD(running_step), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
+    METHOD(add_counts), METHOD(running_step), METHOD(hidden_rows), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
     METHOD(add_pins),
     METHOD(row_states),
