@@ -300,8 +300,8 @@ def _checked(checker, hidden, mm, unpadded, padded, policy):
         n, out, new_keys = checker.step_outputs(hidden, mm, unpadded, padded, policy)
     except Exception as exc:  # noqa: BLE001 - both paths must refuse alike
         return type(exc), str(exc)
-    return (n, {k: (v.data_ptr(), tuple(v.shape), v.requires_grad) for k, v in out.immediate.items()},
-            out.shapes, out.deferred, out.leftover, new_keys)
+    rows = {k: (v.data_ptr(), tuple(v.shape), v.requires_grad) for k, v in out.immediate.items()}
+    return n, rows, out.shapes, out.deferred, out.leftover, new_keys
 
 
 HIDDEN = torch.arange(24.0).view(6, 4)

@@ -232,6 +232,23 @@ def test_the_backend_raises_an_out_of_range_write_before_writing() -> None:
     assert (pool.tensor[[0, 1, 2, 15]] == 1).all() and (pool.tensor[3:15] == SENTINEL).all()
 
 
+def test_the_backend_reads_host_slots_alone_without_a_slot_tensor() -> None:
+    """`host_slots_only`: the core passes the slots as a host array alone (no tensor of them
+    made each step); the write and its refusal are those of the tensor's."""
+    backend = CpuBackend()
+    assert backend.host_slots_only
+    pool = backend.alloc_host((16, 8), torch.bfloat16)
+    pool.tensor.fill_(SENTINEL)
+    rows = torch.arange(32.0).view(4, 8).to(torch.bfloat16)
+    with pytest.raises(IndexError, match="slot 16 .index 2."):
+        backend.scatter_rows(rows, None, pool, ready=None, staging=None,
+                             host_slots=np.array([3, 0, 16, 5]))
+    assert (pool.tensor == SENTINEL).all()
+    backend.scatter_rows(rows, None, pool, ready=None, staging=None,
+                         host_slots=np.array([3, 0, 9, 5]))
+    assert torch.equal(pool.tensor[[3, 0, 9, 5]], rows)
+
+
 def test_mismatched_or_shared_buffers_are_refused() -> None:
     pool = pool_of(8, (4,), torch.float32)
     with pytest.raises(TypeError, match="slots must be int64"):

@@ -27,6 +27,7 @@ class CpuBackend(DeviceBackend):
 
     name = "cpu"
     synchronous = True
+    host_slots_only = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -42,7 +43,7 @@ class CpuBackend(DeviceBackend):
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         return HostBuffer(torch.empty(tuple(shape), dtype=dtype), pinned=False)
 
-    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor | None, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         """`pool.tensor[slots[i]] = rows[i]`, complete when it returns.

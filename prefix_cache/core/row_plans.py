@@ -1,13 +1,13 @@
 """Where each live request stands, and the plans of its rows read back from the pool from there.
 
-A request's progress is the positions its steps reach: set where a step (re)starts it (new,
-or resumed after preemption) at the tokens vLLM found computed, advanced by every step's
-scheduled tokens, dropped at its finish (a step of running requests only, the common decode
-step, is one C call on the C step path: `running_step`). A (re)start computed past its
-progress is the step's prefix hit. From the progress, on the engine thread while the view holds the request's blocks,
-the rows are planned: a request's at its finish (`request_rows`), a streaming stage's chunks
-(`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs the
-blocks vLLM gives new tenants tracked from the first step: `track_allocations`). The reads
+A request's progress is the positions its steps reach: set where a step (re)starts it (new, or
+resumed after preemption) at the tokens vLLM found computed, advanced by every step's scheduled
+tokens, dropped at its finish (a step of running requests only, the common decode step, is one
+C call on the C step path: `running_step`). A (re)start computed past its progress is the
+step's prefix hit. From the progress, on the engine thread while the view holds the request's
+blocks, the rows are planned: a request's at its finish (`request_rows`), a streaming stage's
+chunks (`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs
+the blocks vLLM gives new tenants tracked from the first step: `track_allocations`). The reads
 themselves are built by `request_reads` and `chunk_reads`.
 """
 
