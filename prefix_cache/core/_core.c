@@ -313,7 +313,7 @@ running_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return copy;
 }
 
-/* obj.name[...] for the attribute names a step's output check reads, interned once. */
+/* The tensor attributes a step's output check reads, their names interned once. */
 enum { ATTR_SHAPE, ATTR_REQUIRES_GRAD, ATTR_DEVICE, ATTR_DTYPE, NUM_ATTRS };
 static PyObject *tensor_attrs[NUM_ATTRS];
 
