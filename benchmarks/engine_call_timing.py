@@ -45,6 +45,7 @@ STREAM_TIMED: dict[str, tuple[Any, str]] = {
 #: ... and M2's save path (the backend's functions are added by `_m2_timed`)
 M2_TIMED: dict[str, tuple[Any, str]] = {
     "manager.new_step_starts": (OmniPrefixCacheManager, "new_step_starts"),
+    "RowPlans.running_step": (row_plans.RowPlans, "running_step"),
     "manager.save_outputs": (OmniPrefixCacheManager, "save_outputs"),
     "Committer.sweep": (committer.Committer, "sweep"),
     "Committer.land": (committer.Committer, "land"),

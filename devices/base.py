@@ -220,6 +220,9 @@ class DeviceBackend(ABC):
     synchronous: bool = False
     #: True when an in-stream `scatter_rows` may read its slots from a device tensor.
     device_slots: bool = False
+    #: True when `scatter_rows` reads `host_slots` alone where they are given: the core then
+    #: passes no `slots` tensor (None), which would cost each step a `torch.from_numpy`.
+    host_slots_only: bool = False
 
     @classmethod
     @abstractmethod
@@ -274,7 +277,7 @@ class DeviceBackend(ABC):
 
     # transfers
     @abstractmethod
-    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor | None, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         """Write `rows[i]` into `pool.tensor[slots[i]]` after `ready` (or in stream order).
@@ -285,7 +288,8 @@ class DeviceBackend(ABC):
         host tensor. Where `device_slots` is True, an in-stream write also takes
         `slots` on the device: the runner's slot mapping (int32 or int64), whose first
         n entries are the rows' slots (it may be longer); `host_slots`, where the caller has
-        them, are the same n slots as an int64 host array. `staging` is a host `[>= n, F]`
+        them, are the same n slots as an int64 host array (a backend that reads them alone,
+        `host_slots_only`, is given None for `slots` then). `staging` is a host `[>= n, F]`
         buffer for backends that stage (`needs_staging`); None lets
         them take a page of their own.
         """

@@ -33,6 +33,7 @@ from prefix_cache.core.block_copies import BlockCopyMirror
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.chunk_reads import ChunkRows
 from prefix_cache.core.deferred import DeferredWriter
+from prefix_cache.core.hits import NO_HITS
 from prefix_cache.core.kept_tensors import keeping_tensors
 from prefix_cache.core.launcher import WriteLauncher
 from prefix_cache.core.lifetime import Lifetime
@@ -109,7 +110,8 @@ class OmniPrefixCacheManager:
                                   config.output_cache_bytes)
         self._step_reads = StepReads(self.pool, self._reads, self._deferred, self.staging,
                                      self._lock, self._stats, timeout)
-        self._checker = OutputChecker(self.backend, self.pool, config.staging_capacity_tokens)
+        self._checker = OutputChecker(self.backend, self.pool, config.staging_capacity_tokens,
+                                      step_path=config.step_path)
         self._writer = StepWriter(config, self.backend, self.pool, self.staging, self._tasks,
                                   self._lock, self._stats, self._checker, self._launcher,
                                   self._deferred, self._reads, self._step_reads)
@@ -157,6 +159,11 @@ class OmniPrefixCacheManager:
                     "no tokens included, is saved (then materialized or discarded)")
             if self.pool_map is not None:
                 scheduler_output = self._in_pool_blocks(scheduler_output)
+            scheduled = self._rows.running_step(scheduler_output)
+            if scheduled is not None:  # only running requests: nothing retires, nothing hits
+                self._started = True
+                self._steps.start(scheduled, NO_HITS)
+                return
             events = translate_step(scheduler_output, self.group_id)
             self._started = True
             self._rows.note_allocations(scheduler_output, events)

@@ -3,12 +3,19 @@ out of bounds (raised before anything is written)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType, SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache.core import _core
+from prefix_cache.config import HIDDEN_KEY, STEP_PATHS, ModelCachePolicy
+from prefix_cache.core import _core, adapter
+from prefix_cache.core.block_pool import PrefixBlockPool
+from prefix_cache.core.outputs import OutputChecker
+from prefix_cache.devices.cpu import CpuBackend
 from prefix_cache.core.runs import runs_slots, slot_runs
 
 
@@ -228,6 +235,113 @@ def test_add_counts_adds_into_totals() -> None:
     assert totals == {"a": 3, "b": 3, "c": 5}
     with pytest.raises(TypeError, match="must be dicts"):
         _core.add_counts(totals, [("a", 1)])
+
+
+def _step(**fields):
+    base = dict(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(),
+                kv_cache_block_copies=[], num_scheduled_tokens={"a": 1, "b": 2},
+                scheduled_cached_reqs=SimpleNamespace(req_ids=["a", "b"], resumed_req_ids=set()))
+    base.update(fields)
+    return SimpleNamespace(**{k: v for k, v in base.items() if v is not MISSING})
+
+
+MISSING = object()
+
+
+@pytest.mark.parametrize("step, running", [
+    (_step(), True),
+    (_step(scheduled_cached_reqs=None, finished_req_ids=None, kv_cache_block_copies=MISSING),
+     True),
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids=None,
+                                                 resumed_from_preemption=[])), True),
+    (_step(scheduled_new_reqs=[SimpleNamespace(req_id="c")]), False),
+    (_step(finished_req_ids={"c"}), False),
+    (_step(preempted_req_ids={"c"}), False),
+    (_step(kv_cache_block_copies=[(1, 2)]), False),
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids={"a"})), False),
+    # an older vLLM's flags, and a resumed_req_ids no truth test can tell: field by field
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids=None,
+                                                 resumed_from_preemption=[False])), None),
+    (_step(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], resumed_req_ids=iter(()))),
+     None),
+    (_step(num_scheduled_tokens=MappingProxyType({"a": 1})), None),  # not a dict
+    (_step(num_scheduled_tokens=MISSING), None),
+])
+def test_running_step_takes_the_steps_of_running_requests_only(step, running) -> None:
+    """A step of running requests only (what `translate_step` finds so): its scheduled tokens
+    copied and each request's progress advanced; any other, and one it cannot tell, is left to
+    the caller, the progress unchanged."""
+    if running is not None:
+        assert adapter._only_running(step) is running
+    progress = {"a": 5, "z": 1}
+    got = _core.running_step(step, progress)
+    if not running:
+        assert got is None and progress == {"a": 5, "z": 1}
+        return
+    assert got == step.num_scheduled_tokens and got is not step.num_scheduled_tokens
+    assert progress == {"a": 6, "b": 2, "z": 1}
+    with pytest.raises(TypeError, match="progress must be a dict"):
+        _core.running_step(step, [])
+    with pytest.raises(TypeError):  # a count that is no number, as add_counts refuses it
+        _core.running_step(_step(num_scheduled_tokens={"a": None}), {"a": 1})
+
+
+def _checkers(capacity: int = 8):
+    """An output checker of each step path over one pool holding [4] float32 hidden rows."""
+    backend = CpuBackend()
+    pool = PrefixBlockPool(4, 4, backend)
+    pool.install(pool.allocate(HIDDEN_KEY, (4,), torch.float32))
+    return {path: OutputChecker(backend, pool, capacity, step_path=path) for path in STEP_PATHS}
+
+
+def _checked(checker, hidden, mm, unpadded, padded, policy):
+    """What a check gives (count, immediate rows, shapes, the rest) or the error it raises."""
+    try:
+        n, out, new_keys = checker.step_outputs(hidden, mm, unpadded, padded, policy)
+    except Exception as exc:  # noqa: BLE001 - both paths must refuse alike
+        return type(exc), str(exc)
+    rows = {k: (v.data_ptr(), tuple(v.shape), v.requires_grad) for k, v in out.immediate.items()}
+    return n, rows, out.shapes, out.deferred, out.leftover, new_keys
+
+
+HIDDEN = torch.arange(24.0).view(6, 4)
+
+
+@pytest.mark.parametrize("hidden, unpadded, padded", [
+    (HIDDEN, 6, 6), (HIDDEN, 4, 6), (HIDDEN, 4, 4), (HIDDEN[:2], 2, 8),
+    (HIDDEN, 0, 6), (None, 0, 0), (HIDDEN, 7, 7), (HIDDEN, 5, 4), (HIDDEN, -1, 6),
+    (HIDDEN, True, 6), (HIDDEN, np.int64(3), 6), (HIDDEN, 3, 2**70), (HIDDEN, 2**70, 2**71),
+    (HIDDEN, 9, 9), (HIDDEN.requires_grad_(False).clone().requires_grad_(True), 6, 6),
+    (HIDDEN.double(), 6, 6), (torch.zeros(6, 5), 6, 6), (torch.zeros(6, 2, 2), 6, 6),
+    (torch.zeros(6, 4, device="meta"), 6, 6), (torch.zeros(()), 1, 1), (HIDDEN.numpy(), 6, 6),
+    (None, 3, 3), (HIDDEN.t(), 4, 4),
+])
+def test_hidden_rows_checks_a_step_of_hidden_states_as_the_reference_does(
+        hidden, unpadded, padded) -> None:
+    """`_core.hidden_rows`, the C step path's check of a step of hidden states alone, hands
+    over the same rows and shapes as the reference's checks, or leaves the step to them:
+    each refusal is theirs, by name."""
+    checkers = _checkers()
+    policy = ModelCachePolicy()
+    got = {path: _checked(checker, hidden, None, unpadded, padded, policy)
+           for path, checker in checkers.items()}
+    assert got["c"] == got["python"]
+
+
+def test_hidden_rows_leaves_every_other_step_to_the_reference() -> None:
+    """Only a plain int count, a tensor of the pool's device, rows and dtype, within capacity,
+    not requiring grad, is taken; anything else is None: nothing checked."""
+    args = (torch.Tensor, torch.device("cpu"), (4,), torch.float32, 8)
+    rows, shape = _core.hidden_rows(HIDDEN, 4, 6, *args)
+    assert shape == (4, 4) and rows.data_ptr() == HIDDEN.data_ptr() and rows.shape[0] == 4
+    assert _core.hidden_rows(HIDDEN, 6, 6, *args)[0] is HIDDEN
+    for hidden, unpadded, padded in [(HIDDEN, 0, 6), (HIDDEN, 7, 7), (HIDDEN, 5, 4),
+                                     (HIDDEN, True, 6), (HIDDEN, 9, 9), (HIDDEN.double(), 6, 6),
+                                     (torch.zeros(6, 4, device="meta"), 6, 6),
+                                     (HIDDEN.numpy(), 6, 6), (HIDDEN, 2**70, 2**71)]:
+        assert _core.hidden_rows(hidden, unpadded, padded, *args) is None
+    with pytest.raises(TypeError, match="tensor_type must be a type"):
+        _core.hidden_rows(HIDDEN, 6, 6, torch.Tensor, torch.device("cpu"), [4], torch.float32, 8)
 
 
 # --------------------------------------------------------------------------- extreme inputs

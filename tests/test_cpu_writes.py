@@ -232,6 +232,23 @@ def test_the_backend_raises_an_out_of_range_write_before_writing() -> None:
     assert (pool.tensor[[0, 1, 2, 15]] == 1).all() and (pool.tensor[3:15] == SENTINEL).all()
 
 
+def test_the_backend_reads_host_slots_alone_without_a_slot_tensor() -> None:
+    """`host_slots_only`: the core passes the slots as a host array alone (no tensor of them
+    made each step); the write and its refusal are those of the tensor's."""
+    backend = CpuBackend()
+    assert backend.host_slots_only
+    pool = backend.alloc_host((16, 8), torch.bfloat16)
+    pool.tensor.fill_(SENTINEL)
+    rows = torch.arange(32.0).view(4, 8).to(torch.bfloat16)
+    with pytest.raises(IndexError, match="slot 16 .index 2."):
+        backend.scatter_rows(rows, None, pool, ready=None, staging=None,
+                             host_slots=np.array([3, 0, 16, 5]))
+    assert (pool.tensor == SENTINEL).all()
+    backend.scatter_rows(rows, None, pool, ready=None, staging=None,
+                         host_slots=np.array([3, 0, 9, 5]))
+    assert torch.equal(pool.tensor[[3, 0, 9, 5]], rows)
+
+
 def test_mismatched_or_shared_buffers_are_refused() -> None:
     pool = pool_of(8, (4,), torch.float32)
     with pytest.raises(TypeError, match="slots must be int64"):
@@ -266,6 +283,32 @@ def test_the_core_function_refuses_what_is_not_byte_rows() -> None:
     assert not dst.any()
     _core.copy_rows(src, slots, dst)
     assert dst[1:3].all() and not dst[[0, 3]].any()
+
+
+def test_rows_given_by_address_copy_as_their_array_does() -> None:
+    """`(address, n, W)` source rows (the CPU write's, a tensor's `data_ptr`) are read in place
+    as the same bytes given as an array; a malformed address triple, or one as the
+    destination, is refused before a byte is written."""
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 255, (5, 24), dtype=np.uint8)
+    slots = np.array([7, 0, 3, 4, 0], dtype=np.int64)
+    by_array, by_address = (np.zeros((9, 24), dtype=np.uint8) for _ in range(2))
+    _core.copy_rows(src, slots, by_array)
+    _core.copy_rows((src.ctypes.data, 5, 24), slots, by_address)
+    assert np.array_equal(by_address, by_array)
+    _core.copy_rows((0, 0, 24), slots[:0], by_address)  # no rows: no address needed
+    for bad, error, message in [((src.ctypes.data, 5), TypeError, "a tuple of 2"),
+                                ((src.ctypes.data, -1, 24), ValueError, "-1 rows"),
+                                ((0, 5, 24), ValueError, "5 rows of 24 bytes"),
+                                ((src.ctypes.data, 5, 12), ValueError, "rows of 12 bytes"),
+                                ((src.ctypes.data, 4, 24), ValueError, "5 slots for 4 rows"),
+                                ((by_address.ctypes.data + 24, 5, 24), ValueError, "share memory"),
+                                (("x", 5, 24), TypeError, "int")]:
+        with pytest.raises(error, match=message):
+            _core.copy_rows(bad, slots, by_address)
+    assert np.array_equal(by_address, by_array)
+    with pytest.raises(TypeError, match="dst: expected a C-contiguous writable"):
+        _core.copy_rows(src, slots, (by_address.ctypes.data, 9, 24))
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["copy_rows", "gather_rows"])

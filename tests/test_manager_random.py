@@ -112,6 +112,7 @@ class Workload:
     steps: tuple[StepOps, ...]
     fault: tuple[str, int] | None = None  # (injection point, step it is armed at)
     write_stream: str = "compute"         # PrefixCacheConfig.write_stream
+    mm: bool = True  # the forward emits mm outputs (False: hidden states alone, mm_outputs None)
 
 
 #: a step where nothing arrives and every request is offered as much as fits
@@ -174,6 +175,7 @@ def workloads(draw: st.DrawFn) -> Workload:
             st.sampled_from([p for p in ENGINE_POINTS + COMMITTER_POINTS if p != "stall"]),
             st.integers(0, num_steps))),
         write_stream=draw(st.sampled_from(WRITE_STREAMS)),
+        mm=draw(st.sampled_from([True] * 3 + [False])),
     )
 
 
@@ -521,7 +523,7 @@ class SavedStep:
     step_id: int
     req_ids: list[str]  # what materialize asks for
     consume: str        # CONSUME_MODES
-    leftover: dict[str, object]  # what it must hand back unsplit
+    leftover: dict[str, object] | None  # what it must hand back unsplit (None: no mm outputs)
     emitted: frozenset[str]      # the mm keys its forward emitted
     want: dict[str, dict[str, Expected | None]]  # req -> key -> its rows (None: no such key)
 
@@ -601,9 +603,13 @@ class Reference:
 
     def check(self, step: SavedStep, out: StageCacheOutputs) -> None:
         assert (out.hidden_states is None) == (HIDDEN_KEY not in self.keys)
-        assert torch.equal(out.leftover[PER_REQUEST_KEY], step.leftover[PER_REQUEST_KEY].cpu())
-        count, ones = out.leftover["ref"]
-        assert count == step.leftover["ref"][0] and torch.equal(ones, torch.ones(3))
+        if step.leftover is None:
+            assert not out.leftover and not out.mm_outputs
+        else:
+            assert torch.equal(out.leftover[PER_REQUEST_KEY],
+                               step.leftover[PER_REQUEST_KEY].cpu())
+            count, ones = out.leftover["ref"]
+            assert count == step.leftover["ref"][0] and torch.equal(ones, torch.ones(3))
         # every key the step emits; another one only where some request's hit has its rows
         assert step.emitted <= set(out.mm_outputs), \
             f"step {step.step_id}: mm keys {sorted(out.mm_outputs)}, emitted {sorted(step.emitted)}"
@@ -722,9 +728,11 @@ class RunnerView:
 
 
 def pool_tables(manager: OmniPrefixCacheManager) -> dict[str, object]:
-    """The pool's bookkeeping, copied: every table a step's claims and writes fill."""
+    """The pool's bookkeeping, copied: every table a step's claims and writes fill; and where
+    each live request stands (its progress, which a step's start advances)."""
     pool = manager.pool
     tables: dict[str, object] = {
+        "progress": dict(manager._rows._progress),
         "next_claim": pool._next_claim, "claim.slots": pool._claim.slots.copy(),
         "claim.blocks": pool._claim.blocks.copy(),
         "newest_slot_claim": pool._newest_slot_claim.copy(),
@@ -765,7 +773,8 @@ def run_workload(backend: devices.DeviceBackend, w: Workload, *, step_path: str 
     policy = ModelCachePolicy(needs_full_hidden_states=w.hidden,
                               deferred_keys=frozenset({DEFERRED_KEY} if w.deferred else ()),
                               per_request_keys={PER_REQUEST_KEY})
-    reference = Reference([k for k in KEYS if k != HIDDEN_KEY or w.hidden], w.block_size)
+    reference = Reference([k for k in KEYS if (w.hidden if k == HIDDEN_KEY else w.mm)],
+                          w.block_size)
     arrivals = iter(w.arrivals)
     late: SavedStep | None = None  # saved last step, consumed during this one
     saved_tokens = 0
@@ -806,19 +815,21 @@ def run_workload(backend: devices.DeviceBackend, w: Workload, *, step_path: str 
                 event("a step with no tokens (finishes only, or padding only)")
             n = sum(sched.scheduled.values())
             hidden, mm = sched.outputs(ops.pad, backend.device, ops.omit)
+            if not w.mm:
+                mm = None
             if ops.reject:  # a rejected save changes nothing: the same save then goes through
                 event("a rejected save, retried")
                 with pytest.raises(OmniPrefixCacheInputError):
                     calls(lambda: manager.save_outputs(hidden, mm, num_tokens_unpadded=n + ops.pad
                                                        + 1, num_tokens_padded=n + ops.pad))
                 with pytest.raises(OmniPrefixCacheInputError):
-                    calls(lambda: manager.save_outputs(hidden, list(mm.values()),
+                    calls(lambda: manager.save_outputs(hidden, list((mm or {}).values()),
                                                        num_tokens_unpadded=n,
                                                        num_tokens_padded=n + ops.pad))
             step_id = calls(lambda: manager.save_outputs(hidden, mm, num_tokens_unpadded=n,
                                                          num_tokens_padded=n + ops.pad),
                             may_lose=True)
-            emitted = frozenset(MM_KEYS) - ops.omit
+            emitted = frozenset(MM_KEYS) - ops.omit if w.mm else frozenset()
             reference.save(sched, None if step_id is None else emitted)
             if step_id is None:
                 step = None
@@ -884,6 +895,21 @@ HIT_BY_A_STEP_THAT_OMITS_A_KEY = Workload(
            IDLE))
 
 
+#: Two requests prefill, then decode a token a step: steps of running requests only (the C
+#: step path's start in one call, `_core.running_step`), their deferred writes still open.
+DECODING_BATCH = Workload(
+    block_size=2, num_blocks=8, token_budget=8, staging_depth=2, hidden=True, deferred=True,
+    gpu_budget_bytes=512 << 20, resume_flavor="resumed_req_ids",
+    arrivals=(Arrival((3, 4, 5), 4, False), Arrival((3, 4, 6, 7), 4, False)),
+    steps=(StepOps(arrivals=2, abort=None, chunks=(), shuffle_seed=0, pad=0, consume="now",
+                   drop_mask=0),
+           IDLE, StepOps(arrivals=0, abort=None, chunks=(), shuffle_seed=1, pad=1,
+                         consume="after_next_save", drop_mask=1), IDLE, IDLE))
+#: ... handing over hidden states alone (the C step path checks those steps in one call,
+#: `_core.hidden_rows`), padded rows among them.
+DECODING_HIDDEN_STATES = replace(DECODING_BATCH, deferred=False, mm=False)
+
+
 @settings(settings.get_profile("prefix-cache-random"))
 @pytest.mark.slow
 @given(workload=workloads())
@@ -925,6 +951,8 @@ def step_paths_agree(backend: devices.DeviceBackend, workload: Workload, *,
 @given(workload=workloads())
 @example(workload=PREEMPTED_WITH_OPEN_DEFERRED_WRITE)
 @example(workload=HIT_BY_A_STEP_THAT_OMITS_A_KEY)
+@example(workload=DECODING_BATCH)
+@example(workload=DECODING_HIDDEN_STATES)
 def test_step_paths_agree_on_pinned_schedules(backend: devices.DeviceBackend,
                                               workload: Workload) -> None:
     step_paths_agree(backend, workload, runner_view=False)

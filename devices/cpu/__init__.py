@@ -27,6 +27,7 @@ class CpuBackend(DeviceBackend):
 
     name = "cpu"
     synchronous = True
+    host_slots_only = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -42,7 +43,7 @@ class CpuBackend(DeviceBackend):
     def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         return HostBuffer(torch.empty(tuple(shape), dtype=dtype), pinned=False)
 
-    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor, pool: HostBuffer, *,
+    def scatter_rows(self, rows: torch.Tensor, slots: torch.Tensor | None, pool: HostBuffer, *,
                      ready: DeviceEvent | None, staging: torch.Tensor | None,
                      in_stream: bool = False, host_slots: np.ndarray | None = None) -> Transfer:
         """`pool.tensor[slots[i]] = rows[i]`, complete when it returns.
@@ -70,7 +71,8 @@ def copy_rows(rows: torch.Tensor, slots: torch.Tensor | np.ndarray,
     does, through `_core.copy_rows` on their bytes (any dtype, bfloat16 included): every slot
     is checked before a byte is written, and a slot given twice keeps its last row. A pool that
     is not contiguous, or rows of another row shape, take `index_copy_` itself. A HostBuffer
-    pool lends its byte view, made once (`HostBuffer.byte_rows`)."""
+    pool lends its byte view, made once (`HostBuffer.byte_rows`); the rows are read at their
+    address (`data_ptr`), without a view of their own."""
     buffer = pool if isinstance(pool, HostBuffer) else None
     target = pool.tensor if buffer is not None else pool
     # a HostBuffer's dtype and shape are values: the engine thread reads fewer torch attributes
@@ -86,5 +88,11 @@ def copy_rows(rows: torch.Tensor, slots: torch.Tensor | np.ndarray,
     slot_array = slots.numpy() if isinstance(slots, torch.Tensor) else slots
     if slot_array.dtype != np.int64:
         raise TypeError(f"cpu scatter: slots must be int64, got {slots.dtype}")
-    _core.copy_rows(byte_rows(rows.contiguous()), np.ascontiguousarray(slot_array),
-                    buffer.byte_rows if buffer is not None else byte_rows(target))
+    if not rows.is_cpu:
+        raise ValueError(f"cpu scatter: rows must be a host tensor, got one on {rows.device}")
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    dst = buffer.byte_rows if buffer is not None else byte_rows(target)
+    # the rows read in place at their address (held by `rows` for the call): no numpy view
+    _core.copy_rows((rows.data_ptr(), row_shape[0], dst.shape[1]),
+                    np.ascontiguousarray(slot_array), dst)

@@ -165,6 +165,27 @@ PyDoc_STRVAR(add_counts_doc,
 "add_counts(totals, counts) -> None\n\n"
 "totals[k] = totals.get(k, 0) + counts[k] for every key of counts (two dicts of ints).");
 
+/* totals[k] = totals.get(k, 0) + counts[k] for every key of counts (two dicts). */
+static int
+add_counts_to(PyObject *totals, PyObject *counts)
+{
+    PyObject *key, *count;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(counts, &pos, &key, &count)) {
+        PyObject *total = PyDict_GetItemWithError(totals, key);
+        if (total == NULL && PyErr_Occurred()) {
+            return -1;
+        }
+        PyObject *sum = total == NULL ? Py_NewRef(count) : PyNumber_Add(total, count);
+        if (sum == NULL || PyDict_SetItem(totals, key, sum) < 0) {
+            Py_XDECREF(sum);
+            return -1;
+        }
+        Py_DECREF(sum);
+    }
+    return 0;
+}
+
 static PyObject *
 add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -174,21 +195,263 @@ add_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
         return PyErr_Format(PyExc_TypeError, "add_counts: totals and counts must be dicts");
     }
-    PyObject *key, *count;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(args[1], &pos, &key, &count)) {
-        PyObject *total = PyDict_GetItemWithError(args[0], key);
-        if (total == NULL && PyErr_Occurred()) {
-            return NULL;
-        }
-        PyObject *sum = total == NULL ? Py_NewRef(count) : PyNumber_Add(total, count);
-        if (sum == NULL || PyDict_SetItem(args[0], key, sum) < 0) {
-            Py_XDECREF(sum);
-            return NULL;
-        }
-        Py_DECREF(sum);
+    if (add_counts_to(args[0], args[1]) < 0) {
+        return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* obj.name into *out (NULL where it has none: 0 returned); -1 on any other error. */
+static int
+optional_attr(PyObject *obj, PyObject *name, PyObject **out)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, out);
+#else
+    return _PyObject_LookupAttr(obj, name, out);
+#endif
+}
+
+/* Whether obj's attribute `name` is missing, None or empty (1), holds something (0), or is of
+ * a kind whose emptiness a truth test may not tell (-2: an iterator, say); -1 on error. */
+static int
+attr_empty(PyObject *obj, PyObject *name, int containers_only)
+{
+    PyObject *value;
+    if (optional_attr(obj, name, &value) < 0) {
+        return -1;
+    }
+    if (value == NULL || value == Py_None) {
+        Py_XDECREF(value);
+        return 1;
+    }
+    int known = !containers_only || PyAnySet_Check(value) || PyList_Check(value) ||
+                PyTuple_Check(value) || PyDict_Check(value);
+    int full = known ? PyObject_IsTrue(value) : -2;
+    Py_DECREF(value);
+    return full < 0 ? full : !full;
+}
+
+PyDoc_STRVAR(running_step_doc,
+"running_step(scheduler_output, progress) -> dict or None\n\n"
+"The step of a scheduler output that only schedules running requests (no new, resumed,\n"
+"finished or preempted request and no block copy; num_scheduled_tokens a dict): a copy of\n"
+"its num_scheduled_tokens, each request's progress[r] advanced by its count as add_counts\n"
+"does. None, nothing changed, for any other step, and for one whose resumed requests it\n"
+"cannot tell apart without iterating (an older vLLM's non-empty resumed_from_preemption\n"
+"flags, a resumed_req_ids that is no container): the caller translates those field by field.");
+
+static PyObject *
+running_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *names[6];  /* the fields read, interned once */
+    static const char *const spelled[6] = {"scheduled_new_reqs", "finished_req_ids",
+                                           "preempted_req_ids", "kv_cache_block_copies",
+                                           "scheduled_cached_reqs", "num_scheduled_tokens"};
+    static PyObject *resumed_names[2];
+    static const char *const resumed_spelled[2] = {"resumed_req_ids", "resumed_from_preemption"};
+    if (borrow_all("running_step", args, nargs, 2, NULL, 0, NULL) < 0) {
+        return NULL;
+    }
+    if (!PyDict_Check(args[1])) {
+        return PyErr_Format(PyExc_TypeError, "running_step: progress must be a dict");
+    }
+    if (names[0] == NULL) {
+        for (int i = 0; i < 6; i++) {
+            if ((names[i] = PyUnicode_InternFromString(spelled[i])) == NULL) {
+                return NULL;
+            }
+        }
+        for (int i = 0; i < 2; i++) {
+            if ((resumed_names[i] = PyUnicode_InternFromString(resumed_spelled[i])) == NULL) {
+                return NULL;
+            }
+        }
+    }
+    PyObject *so = args[0];
+    for (int i = 0; i < 4; i++) {
+        int empty = attr_empty(so, names[i], 0);
+        if (empty != 1) {
+            return empty == -1 ? NULL : Py_NewRef(Py_None);
+        }
+    }
+    PyObject *cached;
+    if (optional_attr(so, names[4], &cached) < 0) {
+        return NULL;
+    }
+    if (cached != NULL && cached != Py_None) {
+        /* vLLM >= 0.11.1 names the resumed requests; before, a flag per cached request */
+        PyObject *resumed;
+        if (optional_attr(cached, resumed_names[0], &resumed) < 0) {
+            Py_DECREF(cached);
+            return NULL;
+        }
+        int named = resumed != NULL && resumed != Py_None;
+        Py_XDECREF(resumed);
+        int empty = attr_empty(cached, resumed_names[named ? 0 : 1], 1);
+        Py_DECREF(cached);
+        if (empty != 1) {
+            return empty == -1 ? NULL : Py_NewRef(Py_None);
+        }
+    } else {
+        Py_XDECREF(cached);
+    }
+    PyObject *scheduled;
+    if (optional_attr(so, names[5], &scheduled) < 0) {
+        return NULL;
+    }
+    if (scheduled == NULL || !PyDict_CheckExact(scheduled)) {
+        Py_XDECREF(scheduled);
+        return Py_NewRef(Py_None);  /* refused, or another mapping: field by field */
+    }
+    PyObject *copy = PyDict_Copy(scheduled);
+    Py_DECREF(scheduled);
+    if (copy == NULL || add_counts_to(args[1], copy) < 0) {
+        Py_XDECREF(copy);
+        return NULL;
+    }
+    return copy;
+}
+
+/* The tensor attributes a step's output check reads, their names interned once. */
+enum { ATTR_SHAPE, ATTR_REQUIRES_GRAD, ATTR_DEVICE, ATTR_DTYPE, NUM_ATTRS };
+static PyObject *tensor_attrs[NUM_ATTRS];
+
+/* Whether attribute `attr` of obj equals want (1), differs (0); -1 on error. */
+static int
+attr_equals(PyObject *obj, int attr, PyObject *want)
+{
+    PyObject *value = PyObject_GetAttr(obj, tensor_attrs[attr]);
+    if (value == NULL) {
+        return -1;
+    }
+    int equal = PyObject_RichCompareBool(value, want, Py_EQ);
+    Py_DECREF(value);
+    return equal;
+}
+
+PyDoc_STRVAR(hidden_rows_doc,
+"hidden_rows(hidden, unpadded, padded, tensor_type, device, feat_shape, dtype, capacity)\n"
+"-> (rows, shape) or None\n\n"
+"The checks of a step that hands over hidden states alone, in one call: hidden a tensor_type\n"
+"on `device` with feature shape feat_shape and dtype (its pool's), not requiring grad, of at\n"
+"least `unpadded` rows; unpadded and padded ints (no bool) with 0 < unpadded <= padded and\n"
+"unpadded <= capacity. Returns its first `unpadded` rows (hidden itself where it has no more)\n"
+"and their shape, a tuple. None for any other step, having checked nothing: the caller's\n"
+"checks take it, and name what is wrong.");
+
+static PyObject *
+hidden_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const spelled[NUM_ATTRS] = {"shape", "requires_grad", "device", "dtype"};
+    if (borrow_all("hidden_rows", args, nargs, 8, NULL, 0, NULL) < 0) {
+        return NULL;
+    }
+    if (!PyType_Check(args[3]) || !PyTuple_CheckExact(args[5])) {
+        return PyErr_Format(PyExc_TypeError, "hidden_rows: tensor_type must be a type and "
+                            "feat_shape a tuple");
+    }
+    if (tensor_attrs[0] == NULL) {
+        for (int i = 0; i < NUM_ATTRS; i++) {
+            if ((tensor_attrs[i] = PyUnicode_InternFromString(spelled[i])) == NULL) {
+                return NULL;
+            }
+        }
+    }
+    PyObject *hidden = args[0];
+    if (!PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
+            !PyObject_TypeCheck(hidden, (PyTypeObject *)args[3])) {
+        Py_RETURN_NONE;
+    }
+    int64_t n, padded, capacity;
+    if (int_arg(args[1], &n) < 0 || int_arg(args[2], &padded) < 0 ||
+            int_arg(args[7], &capacity) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return NULL;
+        }
+        PyErr_Clear();  /* a count past int64: refused by the caller's checks */
+        Py_RETURN_NONE;
+    }
+    if (n <= 0 || n > padded || n > capacity) {
+        Py_RETURN_NONE;
+    }
+    PyObject *shape = PyObject_GetAttr(hidden, tensor_attrs[ATTR_SHAPE]);
+    if (shape == NULL) {
+        return NULL;
+    }
+    PyObject *result = NULL, *feat = NULL, *rows = NULL, *out_shape = NULL;
+    Py_ssize_t dims = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : 0;
+    int64_t given;
+    if (dims == 0 || !PyLong_Check(PyTuple_GET_ITEM(shape, 0))) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (int_arg(PyTuple_GET_ITEM(shape, 0), &given) < 0) {
+        goto done;
+    }
+    feat = PyTuple_GetSlice(shape, 1, dims);
+    if (feat == NULL) {
+        goto done;
+    }
+    int grad = 0, same = given >= n;
+    if (same) {
+        PyObject *requires = PyObject_GetAttr(hidden, tensor_attrs[ATTR_REQUIRES_GRAD]);
+        grad = requires == NULL ? -1 : PyObject_IsTrue(requires);
+        Py_XDECREF(requires);
+        same = grad == 0;
+    }
+    if (grad < 0) {
+        goto done;
+    }
+    if (same && (same = PyObject_RichCompareBool(feat, args[5], Py_EQ)) == 1) {
+        same = attr_equals(hidden, ATTR_DTYPE, args[6]);
+    }
+    if (same == 1) {
+        same = attr_equals(hidden, ATTR_DEVICE, args[4]);
+    }
+    if (same < 0) {
+        goto done;
+    }
+    if (!same) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (given == n) {
+        rows = Py_NewRef(hidden);
+    } else {  /* padded rows (CUDA graphs): a view of the first n */
+        PyObject *end = PyLong_FromLongLong((long long)n), *cut = NULL;
+        if (end != NULL) {
+            cut = PySlice_New(NULL, end, NULL);
+            Py_DECREF(end);
+        }
+        if (cut == NULL) {
+            goto done;
+        }
+        rows = PyObject_GetItem(hidden, cut);
+        Py_DECREF(cut);
+        if (rows == NULL) {
+            goto done;
+        }
+    }
+    out_shape = PyTuple_New(dims);
+    if (out_shape == NULL) {
+        goto done;
+    }
+    PyObject *count = PyLong_FromLongLong((long long)n);
+    if (count == NULL) {
+        goto done;
+    }
+    PyTuple_SET_ITEM(out_shape, 0, count);
+    for (Py_ssize_t i = 1; i < dims; i++) {
+        PyTuple_SET_ITEM(out_shape, i, Py_NewRef(PyTuple_GET_ITEM(feat, i - 1)));
+    }
+    result = PyTuple_Pack(2, rows, out_shape);
+done:
+    Py_XDECREF(out_shape);
+    Py_XDECREF(rows);
+    Py_XDECREF(feat);
+    Py_DECREF(shape);
+    return result;
 }
 
 PyDoc_STRVAR(row_ends_doc,
@@ -1095,10 +1358,44 @@ typedef struct {
     int held;
 } ByteRows;
 
+/* Rows read in place at a host address: `(address, n, W)`, n rows of W bytes that the caller
+ * keeps alive and unchanged for the call (a contiguous CPU tensor's data_ptr(): no numpy view
+ * of it to make, about 3 us a step on the engine thread). */
+static int
+address_rows(const char *fn, PyObject *obj, const char *name, ByteRows *out)
+{
+    if (PyTuple_GET_SIZE(obj) != 3) {
+        PyErr_Format(PyExc_TypeError, "%s: %s: expected (address, rows, row bytes), got a tuple "
+                     "of %zd", fn, name, PyTuple_GET_SIZE(obj));
+        return -1;
+    }
+    void *address = PyLong_AsVoidPtr(PyTuple_GET_ITEM(obj, 0));
+    Py_ssize_t rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(obj, 1));
+    Py_ssize_t width = PyLong_AsSsize_t(PyTuple_GET_ITEM(obj, 2));
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (rows < 0 || width < 0 || (width && rows > PY_SSIZE_T_MAX / width) ||
+            (address == NULL && rows && width)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s: %zd rows of %zd bytes at address %p", fn, name,
+                     rows, width, address);
+        return -1;
+    }
+    memset(&out->buf, 0, sizeof out->buf);
+    out->buf.buf = address;
+    out->buf.len = rows * width;
+    out->rows = rows;
+    out->width = width;
+    return 0;
+}
+
 static int
 borrow_rows(const char *fn, PyObject *obj, const char *name, int writable, ByteRows *out)
 {
     out->held = 0;
+    if (!writable && PyTuple_Check(obj)) {
+        return address_rows(fn, obj, name, out);
+    }
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &out->buf, flags) < 0) {
         PyErr_Format(PyExc_TypeError, "%s: %s: expected a C-contiguous%s 2-D uint8 "
@@ -1470,7 +1767,9 @@ done:
 
 PyDoc_STRVAR(copy_rows_doc,
 "copy_rows(src, slots, dst) -> None\n\n"
-"dst[slots[i]] = src[i] for each row i of src, a C-contiguous uint8 [n, W] array, into dst, a\n"
+"dst[slots[i]] = src[i] for each row i of src, a C-contiguous uint8 [n, W] array (or\n"
+"(address, n, W): n rows of W bytes at a host address, such as a contiguous CPU tensor's\n"
+"data_ptr(), that the caller keeps alive and unchanged for the call), into dst, a\n"
 "writable C-contiguous uint8 [num_slots, W] array (a pool's rows as bytes); slots is a\n"
 "C-contiguous int64 array of n slots. Each run of consecutive slots is one copy (non-temporal\n"
 "stores for a run of 64 KiB or more on x86-64, else memcpy), in row order, with the GIL\n"
@@ -1605,7 +1904,7 @@ done:
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
-    METHOD(add_counts), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
+    METHOD(add_counts), METHOD(running_step), METHOD(hidden_rows), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
     METHOD(add_pins),
     METHOD(row_states),

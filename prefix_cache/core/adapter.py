@@ -2,7 +2,10 @@
 
 `translate_step` turns a scheduler output — or any object with the same
 fields, such as a `types.SimpleNamespace` — into the events the manager acts
-on. Fields that moved between releases are read through getattr.
+on. Fields that moved between releases are read through getattr. On the C step
+path `_core.running_step` reads the fields `_only_running` reads, the same way,
+to take a step of running requests only in one call (tests/test_core.py holds
+the two to the same answer).
 """
 
 from __future__ import annotations

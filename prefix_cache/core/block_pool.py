@@ -58,19 +58,18 @@ class PoolKey:
     producer: Tiers  # write task that lands those rows, beside each version entry
     #: the four tables a write of the key fills, in `_core.claim_write`'s order
     write_tables: tuple[np.ndarray, ...] = field(init=False, repr=False)
+    #: bytes of one row (every save counts them)
+    row_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.write_tables = (self.version.slots, self.version.blocks, self.producer.slots,
                              self.producer.blocks)
+        self.row_bytes = self.row_width * self.dtype.itemsize
 
     @property
     def flat(self) -> torch.Tensor:
         """The storage as `[num_slots, F]`."""
         return self.storage.tensor
-
-    @property
-    def row_bytes(self) -> int:
-        return self.row_width * self.dtype.itemsize
 
 
 class PrefixBlockPool:

@@ -6,6 +6,10 @@ for CUDA graphs) is per-token: it is cached under its key, sliced to the
 unpadded rows. Everything else, and every key the policy names per-request, is
 leftover, returned unsplit. Nested mm dicts are flattened with dotted keys
 (`codes.audio`). Every tensor is detached: the pool never joins an autograd graph.
+
+On the C step path a step of hidden states alone (no mm outputs) whose pool exists is checked
+in one C call (`_core.hidden_rows`); a step it does not pass, for whatever reason, goes
+through the reference's checks, which name what is wrong.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from prefix_cache.config import HIDDEN_KEY, ModelCachePolicy
+from prefix_cache.core import _core
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.host_copies import HostCopy
 from prefix_cache.devices.base import DeviceBackend
@@ -127,19 +132,31 @@ class OutputChecker:
     the split, each tensor's device, the step's size and each key's pool. A step it refuses
     changes nothing."""
 
-    def __init__(self, backend: DeviceBackend, pool: PrefixBlockPool, capacity_tokens: int
-                 ) -> None:
+    def __init__(self, backend: DeviceBackend, pool: PrefixBlockPool, capacity_tokens: int,
+                 *, step_path: str = "c") -> None:
         self._backend = backend
         self._device = backend.device
         self._pool = pool
         self._capacity_tokens = capacity_tokens
+        #: a step of hidden states alone checked in one C call (`_core.hidden_rows`)
+        self._c_path = step_path == "c"
 
     def step_outputs(self, hidden_states: torch.Tensor | None,
                      mm_outputs: Mapping[str, Any] | None, unpadded: Any, padded: Any,
                      policy: ModelCachePolicy
                      ) -> tuple[int, StepOutputs, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
         """The step's token count, its outputs split and checked, and the keys seen first
-        (key -> feature shape and dtype)."""
+        (key -> feature shape and dtype); on the C step path, a step of hidden states alone
+        whose pool exists in one call, where every check passes (else as the reference)."""
+        pool_key = self._pool.keys.get(HIDDEN_KEY) if (
+            self._c_path and mm_outputs is None and policy.needs_full_hidden_states) else None
+        if pool_key is not None:
+            checked = _core.hidden_rows(hidden_states, unpadded, padded, torch.Tensor,
+                                        self._device, pool_key.feat_shape, pool_key.dtype,
+                                        self._capacity_tokens)
+            if checked is not None:
+                rows, shape = checked
+                return unpadded, StepOutputs({HIDDEN_KEY: rows}, shapes={HIDDEN_KEY: shape}), {}
         n, padded_n = self._token_counts(unpadded, padded)
         outputs = split_outputs(hidden_states, mm_outputs, n, padded_n, policy)
         return n, outputs, self._new_keys(outputs, n)

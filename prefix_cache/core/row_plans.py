@@ -1,12 +1,13 @@
 """Where each live request stands, and the plans of its rows read back from the pool from there.
 
-A request's progress is the positions its steps reach: set where a step (re)starts it (new,
-or resumed after preemption) at the tokens vLLM found computed, advanced by every step's
-scheduled tokens, dropped at its finish. A (re)start computed past its progress is the step's
-prefix hit. From the progress, on the engine thread while the view holds the request's blocks,
-the rows are planned: a request's at its finish (`request_rows`), a streaming stage's chunks
-(`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs the
-blocks vLLM gives new tenants tracked from the first step: `track_allocations`). The reads
+A request's progress is the positions its steps reach: set where a step (re)starts it (new, or
+resumed after preemption) at the tokens vLLM found computed, advanced by every step's scheduled
+tokens, dropped at its finish (a step of running requests only, the common decode step, is one
+C call on the C step path: `running_step`). A (re)start computed past its progress is the
+step's prefix hit. From the progress, on the engine thread while the view holds the request's
+blocks, the rows are planned: a request's at its finish (`request_rows`), a streaming stage's
+chunks (`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs
+the blocks vLLM gives new tenants tracked from the first step: `track_allocations`). The reads
 themselves are built by `request_reads` and `chunk_reads`.
 """
 
@@ -53,6 +54,7 @@ class RowPlans:
         self._lock = lock
         self._progress: dict[str, int] = {}  # live request -> positions its steps reach
         self._tracks_allocations = False  # see track_allocations
+        self._c_path = config.step_path == "c"
 
     def __len__(self) -> int:
         """The live requests."""
@@ -73,6 +75,15 @@ class RowPlans:
                 scheduler_output, events, self._block_size, self._group_id)):
             with self._lock:
                 self._pool.mark_allocated(np.asarray(allocated, dtype=np.int64))
+
+    def running_step(self, scheduler_output: Any) -> dict[str, int] | None:
+        """On the C step path, a step that only schedules running requests (the common decode
+        step) in one call (`_core.running_step`): its scheduled tokens, its requests' progress
+        advanced by them; None, nothing changed, for any other step, on the Python path, and
+        where new tenants' blocks are tracked (a running request's new blocks are noted)."""
+        if not self._c_path or self._tracks_allocations:
+            return None
+        return _core.running_step(scheduler_output, self._progress)
 
     def finish(self, req_id: str) -> None:
         """`req_id` finished: it stands nowhere."""

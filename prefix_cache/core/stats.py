@@ -6,6 +6,8 @@ import threading
 import time
 from collections import defaultdict
 
+from prefix_cache.core import _core
+
 
 class CacheStats:
     """Monotonic counters plus seconds and calls per public method; safe across threads."""
@@ -18,8 +20,7 @@ class CacheStats:
 
     def add(self, **counts: int) -> None:
         with self._lock:
-            for name, value in counts.items():
-                self._counters[name] += value
+            _core.add_counts(self._counters, counts)
 
     def timed(self, call: str) -> _Timed:
         """A context that adds its seconds to `call`'s."""

@@ -143,8 +143,8 @@ class StepWriter:
         if task is not None:
             if task.staging_slot is not None:
                 self._staging.hold(slot, ("write", task.task_id))
-            write_slots = torch.from_numpy(layout.slots) if device_slots is None \
-                else device_slots
+            write_slots = device_slots if device_slots is not None else (
+                None if self._backend.host_slots_only else torch.from_numpy(layout.slots))
             self._launcher.launch(task, (
                 self._backend.scatter_rows(
                     rows if len(outputs.shapes[key]) == 2 else rows.reshape(n, -1), write_slots,
