@@ -1904,7 +1904,8 @@ done:
 #define METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
 
 static PyMethodDef core_methods[] = {
-    METHOD(add_counts), METHOD(running_step), METHOD(hidden_rows), METHOD(row_ends), METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
+    METHOD(add_counts), METHOD(running_step), METHOD(hidden_rows), METHOD(row_ends),
+    METHOD(request_runs), METHOD(step_layout), METHOD(slot_runs),
     METHOD(run_stats), METHOD(runs_slots), METHOD(any_held), METHOD(fill_tiers), METHOD(claim_write),
     METHOD(add_pins),
     METHOD(row_states),
