@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Twentieth session's device calls for issue 55: `bash call.sh SECTION...` in the repository root.
 #   m11              M11 beside vllm-omni 0.30.0, devrun/base57 (c869988, carried) then this tree
-#   m9c-MODEL[-graphs]  M9c (`stream_bench --runs 3`) on MODEL (small, 7b), eager or with graphs
+#                    (M11_TREES: which of base, head)
+#   m9c-MODEL[-graphs]  M9c (`stream_bench --runs ${M9C_RUNS:-3}`) on MODEL (small, 7b), eager
+#                    or with graphs
+#   cuda-step        the CUDA tests of the step path (the manager's, the random schedules' and
+#                    both step paths', the engine thread's, the launch's, conformance)
 #   cuda, bench      as h100_57/call4.sh (the save path's CUDA tests; M2/M2p/M5 base then head)
-# Every log and JSON goes into $OUT/raw.tgz at the end (the tool brings back 8 files).
+# Every log and JSON goes into $OUT/raw.tar after each section (the tool brings back 8 files,
+# also from a call cut short).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || tail $OUT/install.log
@@ -19,7 +24,7 @@ t() { local s=$SECONDS limit=$1; shift; local left=$((BUDGET - SECONDS))
 for section in "$@"; do
   case $section in
     m11)
-      for tree in base head; do
+      for tree in ${M11_TREES:-base head}; do
         root=$([ $tree = base ] && echo devrun/base57 || echo .)
         t ${M11_S:-90} env PYTHONPATH=$root python3 $root/benchmarks/peer_vllm_omni.py \
           --device cuda --peer-wheel .whl --runs 3 --json $OUT/m11-$tree.json \
@@ -29,12 +34,17 @@ for section in "$@"; do
     m9c-*)
       model=${section#m9c-}; graphs=
       [ "${model%-graphs}" != "$model" ] && { model=${model%-graphs}; graphs=--cudagraphs; }
-      t ${M9C_S:-280} python3 -m prefix_cache.tools.stream_bench --runs 3 --model $model $graphs \
+      t ${M9C_S:-280} python3 -m prefix_cache.tools.stream_bench --runs ${M9C_RUNS:-3} --model $model $graphs \
         --json $OUT/$section.json > $OUT/$section.log 2>&1
       grep -E "^M9" -A2 $OUT/$section.log | tr -s ' ' ;;
+    cuda-step)
+      t ${CUDA_S:-150} python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_manager.py \
+        tests/test_manager_random.py tests/test_engine_thread.py tests/test_cuda_launch.py \
+        tests/test_backend_conformance.py > $OUT/cuda-step.log 2>&1
+      tail -4 $OUT/cuda-step.log ;;
     cuda|bench)
       BUDGET=$((BUDGET - SECONDS)) bash benchmarks/current/h100_57/call4.sh $section ;;
   esac
+  (cd $OUT && tar rf raw.tar --remove-files $(ls | grep -v '^raw.tar$'))
 done
-(cd $OUT && tar czf raw.tgz --remove-files $(ls | grep -v '^raw.tgz$'))
 echo "total $SECONDS s"
