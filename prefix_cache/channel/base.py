@@ -240,11 +240,12 @@ class StageChannel(ABC):
         stands = stream.stands if stream else 0
         if chunk.final and start == 0 and stream is None:
             return None  # a whole entry: its keys may be of any shape
-        counts = {key: rows.shape[0] if isinstance(rows, (torch.Tensor, PoolRows))
-                  and len(rows.shape) else None for key, rows in chunk.rows.items()}
-        if len(set(counts.values())) > 1:
-            raise ValueError(f"request {request_id}: the keys of a chunk must have as many rows "
-                             f"each (its positions), got {counts}")
+        if len(chunk.rows) > 1:  # one key's rows are as many as themselves
+            counts = {key: rows.shape[0] if isinstance(rows, (torch.Tensor, PoolRows))
+                      and len(rows.shape) else None for key, rows in chunk.rows.items()}
+            if len(set(counts.values())) > 1:
+                raise ValueError(f"request {request_id}: the keys of a chunk must have as many "
+                                 f"rows each (its positions), got {counts}")
         if start == stands:
             return stream
         if stream is None:
