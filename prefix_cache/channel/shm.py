@@ -345,6 +345,7 @@ class ShmChannel(StageChannel):
             self._later: dict[str, tuple[list[int], int]] = {}
             self._next_recount = 0.0  # a put finding no room recounts from then on (monotonic)
             self._lock_files = [owner] if owner else []  # the owner's and the producer's
+            self._producer_held: _HeldFile | None = None  # `_producer`'s last answer
             super().__init__(ttl_s=ttl_s,
                              capacity_bytes=self._read_budget().capacity + self._ring_bytes,
                              full_wait_s=full_wait_s, owns_namespace=owner is not None)
@@ -496,8 +497,12 @@ class ShmChannel(StageChannel):
     @property
     def _producer(self) -> _HeldFile | None:
         """This process's producer lock file of the handle, if it registered one."""
-        pid = os.getpid()
-        return next((h for h in self._lock_files if h.pid == pid and h.is_producer), None)
+        pid, held = os.getpid(), self._producer_held
+        if held is not None and held.pid == pid:  # a streaming stage's every put asks
+            return held
+        held = next((h for h in self._lock_files if h.pid == pid and h.is_producer), None)
+        self._producer_held = held
+        return held
 
     def _register_producer(self) -> None:
         if self._producer is not None:
