@@ -20,6 +20,7 @@ from prefix_cache.channel import OmniPrefixCacheChannelError, open_channel
 from prefix_cache.channel import _shm
 from prefix_cache.channel.base import StageChunk
 from prefix_cache.channel.codec import PREFIX_BYTES
+from prefix_cache.channel import shm
 from prefix_cache.channel.shm import RING_SLOT_BYTES, ShmChannel
 
 _WORD = struct.Struct("<Q")
@@ -58,6 +59,23 @@ def test_a_streamed_chunk_goes_through_the_ring_with_no_system_call_or_lock() ->
         for start in (0, 1):
             _check(next(stream).rows[HIDDEN_KEY], 0, start)
         assert _shm.ring_slots(producer._ring) == [] and producer.used_bytes() == 0
+
+
+def test_a_handle_keeps_a_bounded_number_of_ids_names(monkeypatch) -> None:
+    """A streaming stage names each live request at every chunk: its handle keeps the names,
+    at most `DIGESTS_KEPT` (memory stays flat over any number of requests), and an id whose
+    name was dropped is named the same again."""
+    monkeypatch.setattr(shm, "DIGESTS_KEPT", 3)
+    with open_channel("shm") as producer, open_channel(producer.spec) as consumer:
+        for request in range(8):
+            producer.put(f"req-{request}", _rows(request, 0), start=0, final=False)
+            assert len(producer._digests) <= 3
+        producer.put("req-0", _rows(0, 1), start=1, final=False)
+        for request in range(8):
+            stream = consumer.stream(f"req-{request}", timeout_s=5)
+            _check(next(stream).rows[HIDDEN_KEY], request, 0)
+            if request == 0:
+                _check(next(stream).rows[HIDDEN_KEY], 0, 1)
 
 
 def test_ring_chunks_and_entry_files_of_one_stream_arrive_in_order() -> None:

@@ -181,14 +181,17 @@ class StageChannel(ABC):
         failures: list[Exception | None] = [None] * len(chunks)
         # index, (id, stream), entry, the stream it continues
         entries: list[tuple[int, tuple[str, str], StageEntry, _Stream | None]] = []
-        now, seen = time.time(), set()
+        now, seen, producer = time.time(), set(), self._producer_name()
         with self._streams_lock:
             for i, (request_id, chunk) in enumerate(chunks):
                 try:
-                    entry = self._entry(request_id, chunk, now, seen)
-                    key = (request_id, chunk.stream)
-                    stream = self._check_chunk(entry, self._streams.get(key))
-                    entries.append((i, key, self._identified(entry, stream), stream))
+                    key = self._stream_key(request_id, chunk, seen)
+                    stream = self._check_chunk(request_id, chunk, self._streams.get(key))
+                    entries.append((i, key, StageEntry(
+                        request_id, dict(chunk.rows), chunk.aborted, dict(chunk.meta or {}), now,
+                        start=chunk.start, final=chunk.final,
+                        entry=stream.entry if stream else self._new_entry_id(),
+                        producer=producer), stream))
                 except (ValueError, TypeError, OmniPrefixCacheChannelError) as exc:
                     failures[i] = exc
         for (i, *_), failure in zip(entries, self._put_entries(
@@ -205,11 +208,11 @@ class StageChannel(ABC):
         return failures
 
     @staticmethod
-    def _entry(request_id: str, chunk: StageChunk, now: float, seen: set[tuple[str, str]]
-               ) -> StageEntry:
-        """`chunk` as `request_id`'s entry published at `now` (its rows and meta copied); a
-        ValueError for an id that is not a non-empty str or whose stream is in `seen` (which it
-        joins) already, a TypeError for rows that are no mapping or a stream that is no str."""
+    def _stream_key(request_id: str, chunk: StageChunk, seen: set[tuple[str, str]]
+                    ) -> tuple[str, str]:
+        """`chunk`'s stream of `request_id`, `(request_id, chunk.stream)`, which joins `seen`; a
+        ValueError for an id that is not a non-empty str or a stream in `seen` already, a
+        TypeError for rows that are no mapping or a stream that is no str."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
         if not isinstance(chunk.rows, Mapping):
@@ -218,29 +221,31 @@ class StageChannel(ABC):
         if not isinstance(chunk.stream, str):
             raise TypeError(f"request {request_id}: stream must be a str, got "
                             f"{chunk.stream!r}")
-        if (request_id, chunk.stream) in seen:
+        key = (request_id, chunk.stream)
+        if key in seen:
             raise ValueError(f"request {request_id}: one put_all takes one chunk of an id's "
                              f"stream; put its next chunk in a later call")
-        seen.add((request_id, chunk.stream))
-        return StageEntry(request_id, dict(chunk.rows), chunk.aborted, dict(chunk.meta or {}),
-                          now, start=chunk.start, final=chunk.final)
+        seen.add(key)
+        return key
 
-    def _check_chunk(self, entry: StageEntry, stream: _Stream | None) -> _Stream | None:
-        """The stream `entry` continues, `stream` (the open one of its id and name, if any), or
-        None where it starts an entry; a channel error for a gap, an overlap or a chunk after
-        the final one (caller holds the lock)."""
-        request_id, start = entry.request_id, entry.start
+    def _check_chunk(self, request_id: str, chunk: StageChunk, stream: _Stream | None
+                     ) -> _Stream | None:
+        """The stream `chunk` of `request_id` continues, `stream` (the open one of its id and
+        name, if any), or None where it starts an entry; a channel error for a gap, an overlap
+        or a chunk after the final one (caller holds the lock)."""
+        start = chunk.start
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"request {request_id}: chunk start must be a whole number, "
                              f"got {start!r}")
         stands = stream.stands if stream else 0
-        if entry.final and start == 0 and stream is None:
+        if chunk.final and start == 0 and stream is None:
             return None  # a whole entry: its keys may be of any shape
-        counts = {key: rows.shape[0] if isinstance(rows, (torch.Tensor, PoolRows))
-                  and len(rows.shape) else None for key, rows in entry.outputs.items()}
-        if len(set(counts.values())) > 1:
-            raise ValueError(f"request {request_id}: the keys of a chunk must have as many rows "
-                             f"each (its positions), got {counts}")
+        if len(chunk.rows) > 1:  # one key's rows are as many as themselves
+            counts = {key: rows.shape[0] if isinstance(rows, (torch.Tensor, PoolRows))
+                      and len(rows.shape) else None for key, rows in chunk.rows.items()}
+            if len(set(counts.values())) > 1:
+                raise ValueError(f"request {request_id}: the keys of a chunk must have as many "
+                                 f"rows each (its positions), got {counts}")
         if start == stands:
             return stream
         if stream is None:
@@ -263,15 +268,11 @@ class StageChannel(ABC):
         self._check_open(request_id)
         with self._streams_lock:
             open_stream = self._streams.pop((request_id, stream), None)
-        marker = StageEntry(request_id, {}, True, {}, time.time(), error=str(cause),
-                            start=open_stream.stands if open_stream else 0)
-        self._put_entry(self._identified(marker, open_stream), bounded=False)
-
-    def _identified(self, entry: StageEntry, stream: _Stream | None) -> StageEntry:
-        """`entry` as a chunk of `stream`'s entry, or of a new one (an id of its own, minted
-        here), published by this handle's producer."""
-        return replace(entry, entry=stream.entry if stream else self._new_entry_id(),
-                       producer=self._producer_name())
+        self._put_entry(StageEntry(
+            request_id, {}, True, {}, time.time(), error=str(cause),
+            start=open_stream.stands if open_stream else 0,
+            entry=open_stream.entry if open_stream else self._new_entry_id(),
+            producer=self._producer_name()), bounded=False)
 
     def _new_entry_id(self) -> str:
         """An id no other entry of any handle or process has: a random token of this process's

@@ -136,6 +136,9 @@ RING_SLOT_BYTES = 32 << 10
 #: The ring's share of a namespace's capacity, and its most bytes.
 RING_SHARE = 0.25
 RING_MAX_BYTES = 8 << 20
+#: How many ids' names a handle keeps (a streaming stage names each live request's once per
+#: chunk; a keyed BLAKE2b costs a few µs on an engine's output thread).
+DIGESTS_KEPT = 4096
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
 DEFAULT_CAPACITY_SHARE = 0.5
 #: How old a namespace without an owner lock file must be to be reclaimed (its creator may be
@@ -325,6 +328,7 @@ class ShmChannel(StageChannel):
                 self._key = os.read(key_fd, 64)
             finally:
                 os.close(key_fd)
+            self._digests: dict[str, bytes] = {}  # `_digest`'s, by request id
             fds.append(self._open_private(_BUDGET_FILE, os.O_RDWR))
             fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
             self._budget_fd, self._lock_fd = fds
@@ -341,6 +345,7 @@ class ShmChannel(StageChannel):
             self._later: dict[str, tuple[list[int], int]] = {}
             self._next_recount = 0.0  # a put finding no room recounts from then on (monotonic)
             self._lock_files = [owner] if owner else []  # the owner's and the producer's
+            self._producer_held: _HeldFile | None = None  # `_producer`'s last answer
             super().__init__(ttl_s=ttl_s,
                              capacity_bytes=self._read_budget().capacity + self._ring_bytes,
                              full_wait_s=full_wait_s, owns_namespace=owner is not None)
@@ -469,8 +474,15 @@ class ShmChannel(StageChannel):
         return ring
 
     def _digest(self, request_id: str) -> bytes:
-        """The id's name in the namespace as the ring holds it (`_name` is its hex)."""
-        return hashlib.blake2b(request_id.encode(), key=self._key, digest_size=32).digest()
+        """The id's name in the namespace as the ring holds it (`_name` is its hex), kept for
+        the id's next chunks (at most `DIGESTS_KEPT` ids' at once)."""
+        digest = self._digests.get(request_id)
+        if digest is None:
+            if len(self._digests) >= DIGESTS_KEPT:
+                self._digests.clear()
+            digest = self._digests[request_id] = hashlib.blake2b(
+                request_id.encode(), key=self._key, digest_size=32).digest()
+        return digest
 
     def _name(self, request_id: str) -> str:
         """The id's name in the namespace: a MAC of it under the namespace's key (a keyed
@@ -485,8 +497,12 @@ class ShmChannel(StageChannel):
     @property
     def _producer(self) -> _HeldFile | None:
         """This process's producer lock file of the handle, if it registered one."""
-        pid = os.getpid()
-        return next((h for h in self._lock_files if h.pid == pid and h.is_producer), None)
+        pid, held = os.getpid(), self._producer_held
+        if held is not None and held.pid == pid:  # a streaming stage's every put asks
+            return held
+        held = next((h for h in self._lock_files if h.pid == pid and h.is_producer), None)
+        self._producer_held = held
+        return held
 
     def _register_producer(self) -> None:
         if self._producer is not None:
@@ -714,10 +730,10 @@ class ShmChannel(StageChannel):
         self._register_producer()
         producer = self._producer
         assert producer is not None, "registered above"
-        with reading(piece for _, encoded, _ in puts for _, piece in encoded.pieces):
-            placed = _shm.ring_put_all(self._ring, producer.record["writer"],
-                                       [(self._digest(request_id), encoded.nbytes,
-                                         encoded.pieces) for request_id, encoded, _ in puts])
+        entries = [(self._digest(request_id), encoded.nbytes, encoded.pieces)
+                   for request_id, encoded, _ in puts]
+        with reading(piece for _, _, pieces in entries for _, piece in pieces):
+            placed = _shm.ring_put_all(self._ring, producer.record["writer"], entries)
         for i, (request_id, _, _), seq in zip(at, puts, placed):
             if isinstance(seq, Exception):
                 results[i] = _refused(request_id, seq)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -140,8 +140,14 @@ class PoolRows:
 def reading(pieces: Iterable[object]) -> Iterator[None]:
     """Keep the rows of every `PoolRows` among `pieces` where they are while the caller's writer
     reads `pool` at `slots` (each place locked once, whatever spans share it)."""
-    sources = {id(p._source): p._source for p in pieces if isinstance(p, PoolRows)}
-    with ExitStack() as stack:
-        for source in sources.values():
-            stack.enter_context(source.lock)
+    locks = list({id(p._source): p._source.lock for p in pieces
+                  if isinstance(p, PoolRows)}.values())
+    taken = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken += 1
         yield
+    finally:
+        for lock in reversed(locks[:taken]):
+            lock.release()

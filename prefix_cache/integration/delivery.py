@@ -358,8 +358,12 @@ class StageDelivery:
                 for rows, (_, chunk), exc in zip(putting, chunks, failures):
                     if exc is None and rows.req_id not in self._published_early:
                         self._streamed[rows.req_id] = rows.num_rows
-                        self._chunk_keys[rows.req_id] = {
-                            key: (tuple(r.shape[1:]), r.dtype) for key, r in chunk.rows.items()}
+                        # a key's rows keep their shape and dtype: kept until the keys change
+                        keys = self._chunk_keys.get(rows.req_id)
+                        if keys is None or keys.keys() != chunk.rows.keys():
+                            self._chunk_keys[rows.req_id] = {
+                                key: (tuple(r.shape[1:]), r.dtype)
+                                for key, r in chunk.rows.items()}
                         self._chunks += 1
         finally:
             for rows in reads:  # the pool's rows, let go once the put returns
