@@ -78,6 +78,20 @@ def test_a_handle_keeps_a_bounded_number_of_ids_names(monkeypatch) -> None:
                 _check(next(stream).rows[HIDDEN_KEY], 0, 1)
 
 
+def test_a_handle_forgets_a_streams_name_when_the_stream_ends() -> None:
+    """Names are kept only while a stream runs through the ring: its final entry (a file) put
+    and taken, neither handle keeps the id's (memory stays flat over any number of requests)."""
+    with open_channel("shm") as producer, open_channel(producer.spec) as consumer:
+        producer.put("req-a", _rows(1, 0), start=0, final=False)
+        stream = consumer.stream("req-a", timeout_s=5)
+        _check(next(stream).rows[HIDDEN_KEY], 1, 0)
+        assert "req-a" in producer._digests and "req-a" in consumer._digests
+        producer.put("req-a", _rows(1, 1), start=1, final=True)
+        assert "req-a" not in producer._digests
+        _check(next(stream).rows[HIDDEN_KEY], 1, 1)
+        assert "req-a" not in consumer._digests
+
+
 def test_ring_chunks_and_entry_files_of_one_stream_arrive_in_order() -> None:
     """Big chunks go to files, small ones to the ring, the final one to a file: one order."""
     with open_channel("shm") as producer, open_channel(producer.spec) as consumer:

@@ -136,8 +136,8 @@ RING_SLOT_BYTES = 32 << 10
 #: The ring's share of a namespace's capacity, and its most bytes.
 RING_SHARE = 0.25
 RING_MAX_BYTES = 8 << 20
-#: How many ids' names a handle keeps (a streaming stage names each live request's once per
-#: chunk; a keyed BLAKE2b costs a few µs on an engine's output thread).
+#: How many streamed ids' names a handle keeps at most (a streaming stage names each live
+#: request's once per chunk; a keyed BLAKE2b costs a few µs on an engine's output thread).
 DIGESTS_KEPT = 4096
 #: The share of the file system's free space a new namespace may fill unless told otherwise.
 DEFAULT_CAPACITY_SHARE = 0.5
@@ -328,7 +328,7 @@ class ShmChannel(StageChannel):
                 self._key = os.read(key_fd, 64)
             finally:
                 os.close(key_fd)
-            self._digests: dict[str, bytes] = {}  # `_digest`'s, by request id
+            self._digests: dict[str, bytes] = {}  # `_streamed_digest`'s, by request id
             fds.append(self._open_private(_BUDGET_FILE, os.O_RDWR))
             fds.append(self._open_private(_LOCK_FILE, os.O_RDWR))
             self._budget_fd, self._lock_fd = fds
@@ -474,14 +474,18 @@ class ShmChannel(StageChannel):
         return ring
 
     def _digest(self, request_id: str) -> bytes:
-        """The id's name in the namespace as the ring holds it (`_name` is its hex), kept for
-        the id's next chunks (at most `DIGESTS_KEPT` ids' at once)."""
+        """The id's name in the namespace as the ring holds it (`_name` is its hex)."""
+        return hashlib.blake2b(request_id.encode(), key=self._key, digest_size=32).digest()
+
+    def _streamed_digest(self, request_id: str) -> bytes:
+        """`_digest`, kept for the id's next chunks while its stream runs through the ring at
+        this handle: until its final entry is put or one of its entries is taken from a file
+        (a stream's last always is), and at most `DIGESTS_KEPT` ids' at once."""
         digest = self._digests.get(request_id)
         if digest is None:
             if len(self._digests) >= DIGESTS_KEPT:
                 self._digests.clear()
-            digest = self._digests[request_id] = hashlib.blake2b(
-                request_id.encode(), key=self._key, digest_size=32).digest()
+            digest = self._digests[request_id] = self._digest(request_id)
         return digest
 
     def _name(self, request_id: str) -> str:
@@ -730,7 +734,7 @@ class ShmChannel(StageChannel):
         self._register_producer()
         producer = self._producer
         assert producer is not None, "registered above"
-        entries = [(self._digest(request_id), encoded.nbytes, encoded.pieces)
+        entries = [(self._streamed_digest(request_id), encoded.nbytes, encoded.pieces)
                    for request_id, encoded, _ in puts]
         with reading(piece for _, _, pieces in entries for _, piece in pieces):
             placed = _shm.ring_put_all(self._ring, producer.record["writer"], entries)
@@ -775,6 +779,8 @@ class ShmChannel(StageChannel):
                      ) -> tuple[str, str, str | None, bytes | None]:
         """A publish's paths: the id's marker, its entries' prefix (`NAME.`), and, for a final
         entry of a producer, the expectation it ends and what this handle wrote there."""
+        if final:  # the id's stream ends here: its name is no longer kept
+            self._digests.pop(request_id, None)
         name = self._name(request_id)
         marker = f"{self._root}/{name}"
         producer = self._producer if final else None
@@ -788,7 +794,7 @@ class ShmChannel(StageChannel):
                 f"{next(self._temp_count)}")
 
     def _take(self, request_id: str, awaited: Awaited) -> torch.Tensor | None:
-        digest = self._digest(request_id)
+        digest = self._streamed_digest(request_id)
         name, expired_before = digest.hex(), time.time() - self.ttl_s
         while True:
             seen = _shm.ring_wait(self._ring, -1, 0)  # the publish count before the look
@@ -801,6 +807,7 @@ class ShmChannel(StageChannel):
             except _PublishedMeanwhile:
                 continue
             if taken is not None:
+                self._digests.pop(request_id, None)  # a stream's last entry is a file
                 return taken
             if in_ring is None:
                 if not self.directory.is_dir():
