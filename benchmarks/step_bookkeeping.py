@@ -1,6 +1,7 @@
 """The cache's bookkeeping of M2's 64-request decode step on the host backend, without timers
 around its functions: per step, `new_step_starts` + `save_outputs` less the time of the rows'
-memcpy (`_core.copy_rows`, the only call timed inside them), then the median over the steps.
+memcpy (`_core.copy_rows`, the only call timed inside them), then the median over the steps
+of M2's step loop (`prefix_cache.tools.metrics.engine_thread.engine_thread_us`).
 
     PYTHONPATH=. python3 benchmarks/step_bookkeeping.py [--steps 3000] [--rounds 1]
 
@@ -16,57 +17,36 @@ import statistics
 import time
 import types
 
-import torch
-
 from prefix_cache import devices
-from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.core import _core
 from prefix_cache.devices import cpu
-from prefix_cache.integration.group_view import FullAttentionGroupView
-from prefix_cache.manager import OmniPrefixCacheManager
-from prefix_cache.tools.metrics.workload import (BLOCK, WIDTH, RunnerBatch, bench_dtype,
-                                                 scheduler_step)
+from prefix_cache.tools.metrics.engine_thread import engine_thread_us
+from prefix_cache.tools.metrics.workload import bench_dtype
 
 
 def run(requests: int, steps: int) -> dict[str, float]:
-    """Median µs of `new_step_starts`, `save_outputs`, the memcpy and the bookkeeping."""
-    copies: list[int] = []
+    """Median µs of `new_step_starts`, `save_outputs`, the memcpy and the bookkeeping, over
+    M2's step loop (`engine_thread_us`) of `requests` one-token requests."""
+    copies: list[float] = []
 
     def copy_rows(*args: object) -> None:
-        start = time.perf_counter_ns()
+        start = time.perf_counter()
         _core.copy_rows(*args)
-        copies.append(time.perf_counter_ns() - start)
+        copies.append(time.perf_counter() - start)
 
     cpu._core = types.SimpleNamespace(copy_rows=copy_rows)  # the CPU write's one _core call
-    backend = devices.get_backend("cpu")
-    batch = RunnerBatch(requests, 1)
-    view = FullAttentionGroupView(batch, BLOCK, backend=backend)
-    config = PrefixCacheConfig(requests + 2, BLOCK, staging_capacity_tokens=requests)
-    dtype = bench_dtype(backend)
-    hidden = torch.randn(requests, WIDTH).to(dtype)
-    so = scheduler_step(dict.fromkeys(batch.req_ids, 1))
-    starts, saves = [], []
     try:
-        with OmniPrefixCacheManager(config, view, backend=backend) as cache:
-            cache.preallocate(HIDDEN_KEY, (WIDTH,), dtype)
-            for step in range(steps):
-                batch.move_to(step % BLOCK)
-                t0 = time.perf_counter_ns()
-                cache.new_step_starts(so)
-                t1 = time.perf_counter_ns()
-                step_id = cache.save_outputs(hidden, None, num_tokens_unpadded=requests,
-                                             num_tokens_padded=requests, plan_reads=False)
-                t2 = time.perf_counter_ns()
-                cache.discard_step(step_id)
-                starts.append(t1 - t0)
-                saves.append(t2 - t1)
+        backend = devices.get_backend("cpu")
+        timing = engine_thread_us(backend, requests, 1, bench_dtype(backend), steps)
     finally:
         cpu._core = _core
     if len(copies) != steps:
         raise RuntimeError(f"{len(copies)} row copies for {steps} steps")
+    copies = copies[1:]  # the first step allocates: engine_thread_us leaves it out
+    starts, saves = zip(*timing.steps_s)
 
-    def median_us(values: list[int]) -> float:
-        return statistics.median(values[1:]) / 1e3  # the first step allocates
+    def median_us(values: list[float] | tuple[float, ...]) -> float:
+        return statistics.median(values) * 1e6
 
     return {"new_step_starts": median_us(starts), "save_outputs": median_us(saves),
             "memcpy": median_us(copies),

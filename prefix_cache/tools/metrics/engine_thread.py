@@ -37,8 +37,14 @@ class EngineTiming:
     """Engine-thread time of a step loop after its first step, and the host memory the cache
     held for it."""
 
-    median_us: float
+    #: each step after the first: its seconds in `new_step_starts`, then in `save_outputs`
+    steps_s: list[tuple[float, float]]
     host_bytes: int  # pools plus staging
+
+    @property
+    def median_us(self) -> float:
+        """µs of the median step, both calls."""
+        return statistics.median(start + save for start, save in self.steps_s) * 1e6
 
 
 class _ForwardStandIn:
@@ -120,18 +126,19 @@ def engine_thread_us(backend: DeviceBackend, num_reqs: int, tokens_per_req: int,
                 sweep.add_(1.0)
             start = time.perf_counter()
             cache.new_step_starts(so)
+            started = time.perf_counter()
             # as the runner saves a stage that publishes whole entries: rows read back at the
             # finish, none per step
             sid = cache.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0],
                                      num_tokens_padded=hidden.shape[0],
                                      slot_mapping=slot_buffer, plan_reads=False)
-            times.append(time.perf_counter() - start)
+            times.append((started - start, time.perf_counter() - started))
             cache.discard_step(sid)
             # untimed: the step's writes land before the next step, as a forward's length lets
             # them in an engine; back to back, large steps would time PCIe, not the host
             synchronize(backend)
         stats = cache.stats()
-    return EngineTiming(statistics.median(times[1:]) * 1e6, held_host_bytes(stats))
+    return EngineTiming(times[1:], held_host_bytes(stats))
 
 
 def scaling(device: str | None, passes: int = 1) -> dict[str, list[tuple[int, float, int]]]:
