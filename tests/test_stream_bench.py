@@ -52,6 +52,21 @@ def test_one_run_measures_m9_and_the_engine_threads_time_in_the_cache(tmp_path) 
             < data["m9"]["step_s"][streaming]["median"]
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_only_m9c_measures_the_step_rate_without_a_talker(tmp_path, capsys) -> None:
+    """`--only M9c`: the two thinkers' step rates and the engine thread's time in the cache,
+    and no pipeline figure; the table says why M9 and M9h have no value."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "m9c.json"
+    assert stream_bench.main(["--runs", "1", "--only", "M9c", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["metrics"]) == {"M9c"}
+    assert "talker_first_token_s" not in data["m9"]
+    assert data["m9"]["step_s"]["on"]["median"] > 0 < data["m9"]["step_s"]["off"]["median"]
+    assert "not measured (--only M9c)" in capsys.readouterr().out
+
+
 def test_a_run_on_pipeline_bench_s_small_model_names_its_stages(tmp_path) -> None:
     """`--model small`: the M8 model's thinker (hidden 1024 on the CPU) and a talker of its
     width, eager; every figure measured."""

@@ -1,6 +1,6 @@
 """M9 on vLLM's real engine: what streaming stage 1's rows buys stage 2, and what it costs.
 
-    python -m prefix_cache.tools.stream_bench [--runs N] [--json PATH] [--every N]
+    python -m prefix_cache.tools.stream_bench [--runs N] [--json PATH] [--every N] [--only M9c]
         [--model random|small|7b] [--cudagraphs] [--profile DIR [--profile-seconds S]]
 
 Stage 1 (the thinker, with the cache) generates 64 tokens per request; stage 2
@@ -24,7 +24,8 @@ GPU; bf16 there; `pipelines.engines.MODELS`), the talker 2 layers of the thinker
 `--cudagraphs` runs them with CUDA graphs (vLLM's full decode graphs) instead of eager.
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
-`stream: N`). `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
+`stream: N`). `--only M9c` measures the step rate alone: no talker is started, nor M9's and
+M9h's pipeline runs made. `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
 and off, and prints where stage 1's threads spent them (`prefix_cache.tools.profiling.profile`).
 
 Each figure is the median over `runs` runs made back to back, on and off interleaved, with
@@ -157,12 +158,13 @@ def _stages(model: str, cudagraphs: bool, tmp: Path) -> tuple[Path, Path, Engine
 
 
 def measure(*, runs: int, progress: Callable[[str], None], every: int | None = None,
-            model: str = "random", cudagraphs: bool = False, profile_dir: Path | None = None,
-            profile_seconds: float = 10.0) -> dict[str, Any]:
+            model: str = "random", cudagraphs: bool = False, m9c_only: bool = False,
+            profile_dir: Path | None = None, profile_seconds: float = 10.0) -> dict[str, Any]:
     """Every run's figures, streaming on (a chunk every step, or every `every` positions)
-    and off, on this machine's vLLM platform, with the stages `_stages` makes of `model`. With
-    `profile_dir`, M9c's decode steps are then profiled there, streaming on and off,
-    `profile_seconds` of them each (`profile_capture`)."""
+    and off, on this machine's vLLM platform, with the stages `_stages` makes of `model`
+    (M9c's alone, without a talker, when `m9c_only`). With `profile_dir`, M9c's decode steps
+    are then profiled there, streaming on and off, `profile_seconds` of them each
+    (`profile_capture`)."""
     from vllm.platforms import current_platform
 
     from prefix_cache.channel import open_channel
@@ -175,38 +177,44 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
             open_channel("shm") as channel, engines.multiprocessing_mode(True):
         thinker_dir, talker_dir, shape, engine_args, stages = _stages(model, cudagraphs,
                                                                       Path(tmp))
-        progress(f"starting three engines (the thinker streaming and not, a talker): "
-                 f"{stages} ...")
+        engines_started = ("two engines (the thinker streaming and not)" if m9c_only else
+                           "three engines (the thinker streaming and not, a talker)")
+        progress(f"starting {engines_started}: {stages} ...")
         thinkers = {streaming: start_stage(thinker_dir, channel, prefix_caching=True,
                                            stream=streaming and (every or True), shape=shape,
                                            **engine_args)
                     for streaming in (True, False)}
-        talker = engines.start_talker(talker_dir, shape, **engine_args)
+        talker = None if m9c_only else engines.start_talker(talker_dir, shape, **engine_args)
+        stage_engines = [*thinkers.values(), *([talker] if talker else [])]
         drainer = Drainer(channel)
         try:
             def cold() -> None:
-                for engine in (*thinkers.values(), talker):
+                for engine in stage_engines:
                     engine.engine.reset_prefix_cache()
 
             for streaming, thinker in thinkers.items():
-                run_stages(thinker, channel, talker, None, WORKLOAD.requests(
-                    f"warm-up-{mode(streaming)}")[:2], streaming=streaming, talker_tokens=2)
+                if talker:
+                    run_stages(thinker, channel, talker, None, WORKLOAD.requests(
+                        f"warm-up-{mode(streaming)}")[:2], streaming=streaming,
+                        talker_tokens=2)
                 decode_steps(thinker, drainer, WORKLOAD.requests(
                     f"warm-up-batch-{mode(streaming)}"), streaming)
             for i in range(runs):
                 progress(f"run {i + 1}/{runs} ...")
                 for streaming in (True, False) if i % 2 == 0 else (False, True):
-                    cold()
-                    results = run_stages(thinkers[streaming], channel, talker, None,
-                                         WORKLOAD.requests(f"m9-{i}-{mode(streaming)}"),
-                                         streaming=streaming,
-                                         talker_tokens=WORKLOAD.talker_tokens)
-                    first_token[streaming].append(
-                        statistics.median(r.talker_first_token_s for r in results))
-                    if streaming:
-                        hits = [r for r in results if r.thinker.cached_tokens > 0]
-                        hit_chunk += [r.first_chunk_s for r in hits]
-                        hit_step += [r.since_submission(r.thinker.first_token_at) for r in hits]
+                    if talker:
+                        cold()
+                        results = run_stages(thinkers[streaming], channel, talker, None,
+                                             WORKLOAD.requests(f"m9-{i}-{mode(streaming)}"),
+                                             streaming=streaming,
+                                             talker_tokens=WORKLOAD.talker_tokens)
+                        first_token[streaming].append(
+                            statistics.median(r.talker_first_token_s for r in results))
+                        if streaming:
+                            hits = [r for r in results if r.thinker.cached_tokens > 0]
+                            hit_chunk += [r.first_chunk_s for r in hits]
+                            hit_step += [r.since_submission(r.thinker.first_token_at)
+                                         for r in hits]
                     cold()
                     before = cache_engine_thread_s(thinkers[streaming].stats())
                     times = decode_steps(thinkers[streaming], drainer,
@@ -221,16 +229,18 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
                 for streaming in (True, False)}
         finally:
             drainer.close()
-            for engine in (*thinkers.values(), talker):
+            for engine in stage_engines:
                 engine.close()
+    pipeline_figures = {} if m9c_only else {
+        "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
+        "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
+        "hit_ratio_per_request": spread([c / s for c, s in zip(hit_chunk, hit_step)])}
     return {"device": current_platform.device_type, "runs": runs,
             "workload": f"{WORKLOAD.num_requests} requests of two families sharing 64-token "
                         f"prefixes, {WORKLOAD.thinker_tokens} thinker tokens each; {stages}; "
                         f"a chunk every "
                         f"{f'{every} positions' if every else 'step'}",
-            "talker_first_token_s": {mode(k): spread(v) for k, v in first_token.items()},
-            "hit_first_chunk_s": spread(hit_chunk), "hit_first_step_s": spread(hit_step),
-            "hit_ratio_per_request": spread([c / s for c, s in zip(hit_chunk, hit_step)]),
+            **pipeline_figures,
             "step_s": {mode(k): spread(v) for k, v in steps.items()},
             # the mean over a pass's steps (its prompt steps and finishes included)
             "cache_engine_thread_s_per_step": {mode(k): spread(v) for k, v in cache_s.items()},
@@ -262,22 +272,26 @@ def ms(figure: dict[str, Any]) -> str:
 
 
 def metrics(m: dict[str, Any]) -> dict[str, Metric]:
-    on, off = m["talker_first_token_s"]["on"], m["talker_first_token_s"]["off"]
+    """The figures `m` holds: M9c always, M9 and M9h unless it was measured alone."""
     step_on, step_off = m["step_s"]["on"], m["step_s"]["off"]
     cache = m["cache_engine_thread_s_per_step"]
-    return {
-        "M9": Metric(on["median"] / off["median"], f"on {ms(on)}, off {ms(off)}",
-                     m["workload"]),
-        "M9h": Metric(m["hit_ratio_per_request"]["median"],
-                      f"first chunk {ms(m['hit_first_chunk_s'])} after submission; stage 1's "
-                      f"first step {ms(m['hit_first_step_s'])}",
-                      f"per hit request (median, min-max over {m['runs']} runs)"),
-        "M9c": Metric(step_off["median"] / step_on["median"],
-                      f"median step on {ms(step_on)}, off {ms(step_off)}; the cache's "
-                      f"engine-thread calls {cache['on']['median'] * 1e6:.0f} µs a step on, "
-                      f"{cache['off']['median'] * 1e6:.0f} off",
-                      f"{WORKLOAD.num_requests} requests decoding together"),
-    }
+    figures = {}
+    if "talker_first_token_s" in m:
+        on, off = m["talker_first_token_s"]["on"], m["talker_first_token_s"]["off"]
+        figures["M9"] = Metric(on["median"] / off["median"], f"on {ms(on)}, off {ms(off)}",
+                               m["workload"])
+        figures["M9h"] = Metric(
+            m["hit_ratio_per_request"]["median"],
+            f"first chunk {ms(m['hit_first_chunk_s'])} after submission; stage 1's first step "
+            f"{ms(m['hit_first_step_s'])}",
+            f"per hit request (median, min-max over {m['runs']} runs)")
+    figures["M9c"] = Metric(step_off["median"] / step_on["median"],
+                            f"median step on {ms(step_on)}, off {ms(step_off)}; the cache's "
+                            f"engine-thread calls {cache['on']['median'] * 1e6:.0f} µs a step "
+                            f"on, {cache['off']['median'] * 1e6:.0f} off",
+                            f"{WORKLOAD.num_requests} requests decoding together"
+                            + ("" if "M9" in figures else f"; {m['workload']}"))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream a chunk every N positions (the stage option stream: N) "
                              "instead of every step")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--only", choices=["M9c"],
+                        help="measure this figure only: two thinkers, no talker, no pipeline "
+                             "runs (default: M9, M9h and M9c)")
     parser.add_argument("--model", choices=["random", *MODELS], default="random",
                         help="the stages' models: random Qwen2s of hidden 256 (default), or "
                              "pipeline_bench's stage-1 model of that name")
@@ -326,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             m9 = measure(runs=args.runs, progress=say, every=args.every, model=args.model,
-                         cudagraphs=args.cudagraphs,
+                         cudagraphs=args.cudagraphs, m9c_only=args.only == "M9c",
                          profile_dir=args.profile and Path(args.profile),
                          profile_seconds=args.profile_seconds)
         except Exception as exc:  # the traceback is in the log; the terminal gets one line
@@ -341,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     if profiles:
         results["profile"] = {name: summary and dataclasses.asdict(summary)
                               for name, summary in profiles.items()}
-    print(report(results, STREAM_METRICS), flush=True)
+    print(report(results, STREAM_METRICS, not_measured=f"not measured (--only {args.only})"),
+          flush=True)
     if profiles:
         print(f"\nwhere stage 1's threads spent M9c's decode steps, streaming on and off "
               f"(py-spy, share of its ticks; see prefix_cache/tools/profiling/profile.py):\n"

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Twentieth session's device calls for issue 55: `bash call.sh SECTION...` in the repository root.
+# Issue 55's device calls (twentieth and twenty-first sessions): `bash call.sh SECTION...` in the
+# repository root.
 #   m11              M11 beside vllm-omni 0.30.0, devrun/base57 (c869988, carried) then this tree
 #                    (M11_TREES: which of base, head)
-#   m9c-MODEL[-graphs]  M9c (`stream_bench --runs ${M9C_RUNS:-3}`) on MODEL (small, 7b), eager
+#   m9c-MODEL[-graphs]  M9c (`stream_bench --only M9c --runs ${M9C_RUNS:-3}`) on MODEL (small, 7b), eager
 #                    or with graphs
+#   m5e-MODEL[-graphs]  M5e (`pipeline_bench --only M5e --runs ${M5E_RUNS:-3}`) on MODEL (small, 7b),
+#                    eager or with graphs, devrun/base57 then this tree
 #   cuda-step        the CUDA tests of the step path (the manager's, the random schedules' and
 #                    both step paths', the engine thread's, the launch's, conformance)
 #   cuda, bench      as h100_57/call4.sh (the save path's CUDA tests; M2/M2p/M5 base then head)
@@ -34,9 +37,19 @@ for section in "$@"; do
     m9c-*)
       model=${section#m9c-}; graphs=
       [ "${model%-graphs}" != "$model" ] && { model=${model%-graphs}; graphs=--cudagraphs; }
-      t ${M9C_S:-280} python3 -m prefix_cache.tools.stream_bench --runs ${M9C_RUNS:-3} --model $model $graphs \
+      t ${M9C_S:-200} python3 -m prefix_cache.tools.stream_bench --only M9c --runs ${M9C_RUNS:-3} \
+        --model $model $graphs \
         --json $OUT/$section.json > $OUT/$section.log 2>&1
       grep -E "^M9" -A2 $OUT/$section.log | tr -s ' ' ;;
+    m5e-*)
+      model=${section#m5e-}; graphs=
+      [ "${model%-graphs}" != "$model" ] && { model=${model%-graphs}; graphs=--cudagraphs; }
+      for tree in base head; do
+        pre=$([ $tree = base ] && echo env PYTHONPATH=$PWD/devrun/base57:$PYTHONPATH)
+        t ${M5E_S:-150} $pre python3 -m prefix_cache.tools.pipeline_bench --only M5e --model $model \
+          $graphs --runs ${M5E_RUNS:-3} --json $OUT/$section-$tree.json > $OUT/$section-$tree.txt 2>&1
+        grep -E "^M5e" -A2 $OUT/$section-$tree.txt | tr -s ' ' | cut -c1-160
+      done ;;
     cuda-step)
       t ${CUDA_S:-150} python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_manager.py \
         tests/test_manager_random.py tests/test_engine_thread.py tests/test_cuda_launch.py \
