@@ -63,6 +63,7 @@ def test_only_m9c_measures_the_step_rate_without_a_talker(tmp_path, capsys) -> N
     data = json.loads(out.read_text())
     assert set(data["metrics"]) == {"M9c"}
     assert "talker_first_token_s" not in data["m9"]
+    assert "random Qwen2 (hidden 256, 2 layers) thinker, eager" in data["m9"]["workload"]
     assert data["m9"]["step_s"]["on"]["median"] > 0 < data["m9"]["step_s"]["off"]["median"]
     assert "not measured (--only M9c)" in capsys.readouterr().out
 

@@ -138,23 +138,26 @@ def decode_steps(thinker: Engine, drainer: Drainer, requests: Sequence[StreamReq
     return loop.step_seconds
 
 
-def _stages(model: str, cudagraphs: bool, tmp: Path) -> tuple[Path, Path, EngineShape,
-                                                                dict[str, Any], str]:
-    """The thinker's and the talker's model folders, their engine shape and arguments, and
-    what they are, for `--model` and `--cudagraphs`."""
+def _stages(model: str, cudagraphs: bool, with_talker: bool, tmp: Path
+            ) -> tuple[Path, Path | None, EngineShape, dict[str, Any], str]:
+    """The thinker's and (`with_talker`) the talker's model folders, their engine shape and
+    arguments, and what they are, for `--model` and `--cudagraphs`."""
     from prefix_cache.tools.pipelines import engines
     graphs = engines.CUDA_GRAPH_ARGS if cudagraphs else {}
     how = "CUDA graphs" if cudagraphs else "eager"
     if model == "random":
         return (engines.write_random_qwen2(tmp / "thinker", seed=0),
-                engines.write_random_qwen2(tmp / "talker", seed=1), EngineShape(), dict(graphs),
-                f"random Qwen2 (hidden 256, 2 layers) per stage, {how}")
+                engines.write_random_qwen2(tmp / "talker", seed=1) if with_talker else None,
+                EngineShape(), dict(graphs),
+                f"random Qwen2 (hidden 256, 2 layers) {'per stage' if with_talker else 'thinker'}"
+                f", {how}")
     _, stage_model, dtype = engines.platform_stage_model(model)
     shape = EngineShape(dtype=dtype)
+    talker = ", talker 2 layers of its width" if with_talker else ""
     return (stage_model.write(tmp / "thinker", seed=0),
-            stage_model.write(tmp / "talker", num_layers=2, seed=1), shape,
-            {**stage_model.engine_args, **graphs},
-            f"thinker {stage_model.describe(shape)}, talker 2 layers of its width, {how}")
+            stage_model.write(tmp / "talker", num_layers=2, seed=1) if with_talker else None,
+            shape, {**stage_model.engine_args, **graphs},
+            f"thinker {stage_model.describe(shape)}{talker}, {how}")
 
 
 def measure(*, runs: int, progress: Callable[[str], None], every: int | None = None,
@@ -175,8 +178,8 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
     cache_s: dict[bool, list[float]] = {True: [], False: []}  # engine thread's, a step
     with tempfile.TemporaryDirectory(prefix="omni-prefix-cache-m9-") as tmp, \
             open_channel("shm") as channel, engines.multiprocessing_mode(True):
-        thinker_dir, talker_dir, shape, engine_args, stages = _stages(model, cudagraphs,
-                                                                      Path(tmp))
+        thinker_dir, talker_dir, shape, engine_args, stages = _stages(
+            model, cudagraphs, not m9c_only, Path(tmp))
         engines_started = ("two engines (the thinker streaming and not)" if m9c_only else
                            "three engines (the thinker streaming and not, a talker)")
         progress(f"starting {engines_started}: {stages} ...")
@@ -184,7 +187,8 @@ def measure(*, runs: int, progress: Callable[[str], None], every: int | None = N
                                            stream=streaming and (every or True), shape=shape,
                                            **engine_args)
                     for streaming in (True, False)}
-        talker = None if m9c_only else engines.start_talker(talker_dir, shape, **engine_args)
+        talker = None if talker_dir is None else engines.start_talker(talker_dir, shape,
+                                                                       **engine_args)
         stage_engines = [*thinkers.values(), *([talker] if talker else [])]
         drainer = Drainer(channel)
         try:
