@@ -25,8 +25,9 @@ GPU; bf16 there; `pipelines.engines.MODELS`), the talker 2 layers of the thinker
 
 `--every N` streams a chunk every N positions instead of every step (the stage option
 `stream: N`). `--only M9c` measures the step rate alone: no talker is started, nor M9's and
-M9h's pipeline runs made. `--profile DIR` then runs M9c's decode steps again under py-spy, streaming on
-and off, and prints where stage 1's threads spent them (`prefix_cache.tools.profiling.profile`).
+M9h's pipeline runs made. `--profile DIR` then runs M9c's decode steps again under py-spy,
+streaming on and off, and prints where stage 1's threads spent them
+(`prefix_cache.tools.profiling.profile`).
 
 Each figure is the median over `runs` runs made back to back, on and off interleaved, with
 the smallest and largest beside it; both thinkers and the talker are started once, warmed up,
@@ -279,7 +280,7 @@ def metrics(m: dict[str, Any]) -> dict[str, Metric]:
     """The figures `m` holds: M9c always, M9 and M9h unless it was measured alone."""
     step_on, step_off = m["step_s"]["on"], m["step_s"]["off"]
     cache = m["cache_engine_thread_s_per_step"]
-    figures = {}
+    figures: dict[str, Metric] = {}
     if "talker_first_token_s" in m:
         on, off = m["talker_first_token_s"]["on"], m["talker_first_token_s"]["off"]
         figures["M9"] = Metric(on["median"] / off["median"], f"on {ms(on)}, off {ms(off)}",
