@@ -3,8 +3,8 @@
 A request's progress is the positions its steps reach: set where a step (re)starts it (new, or
 resumed after preemption) at the tokens vLLM found computed, advanced by every step's scheduled
 tokens, dropped at its finish (a step of running requests only, the common decode step, is one
-C call on the C step path: `running_step`). A (re)start computed past its progress is the
-step's prefix hit. From the progress, on the engine thread while the view holds the request's
+C call on the C step path, `running_step`, its new blocks tracked or not). A (re)start
+computed past its progress is the step's prefix hit. From the progress, on the engine thread while the view holds the request's
 blocks, the rows are planned: a request's at its finish (`request_rows`), a streaming stage's
 chunks (`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs
 the blocks vLLM gives new tenants tracked from the first step: `track_allocations`); a step's
@@ -22,7 +22,7 @@ import numpy as np
 
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.core import _core
-from prefix_cache.core.adapter import StepEvents, allocated_blocks
+from prefix_cache.core.adapter import RUNNING_ONLY, StepEvents, allocated_blocks
 from prefix_cache.core.block_pool import PrefixBlockPool
 from prefix_cache.core.chunk_reads import ChunkRows, ChunkSpans, plan_chunk_rows
 from prefix_cache.core.deferred import DeferredWriter
@@ -80,11 +80,19 @@ class RowPlans:
     def running_step(self, scheduler_output: Any) -> dict[str, int] | None:
         """On the C step path, a step that only schedules running requests (the common decode
         step) in one call (`_core.running_step`): its scheduled tokens, its requests' progress
-        advanced by them; None, nothing changed, for any other step, on the Python path, and
-        where new tenants' blocks are tracked (a running request's new blocks are noted)."""
-        if not self._c_path or self._tracks_allocations:
+        advanced by them, and, where tracked, the new blocks vLLM gave them marked; None,
+        nothing changed, for any other step and on the Python path."""
+        if not self._c_path:
             return None
-        return _core.running_step(scheduler_output, self._progress)
+        # a running request's new blocks, found before anything changes (a step of others
+        # finds them again with the rest)
+        allocated = allocated_blocks(scheduler_output, RUNNING_ONLY, self._block_size,
+                                     self._group_id) if self._tracks_allocations else None
+        scheduled = _core.running_step(scheduler_output, self._progress)
+        if scheduled is not None and allocated:
+            with self._lock:
+                self._pool.mark_allocated(np.asarray(allocated, dtype=np.int64))
+        return scheduled
 
     def finish(self, req_id: str) -> None:
         """`req_id` finished: it stands nowhere."""
