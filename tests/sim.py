@@ -107,6 +107,18 @@ class StepDriver:
                          dtype=np.int64)
         return slot_runs(slots)[0]
 
+    def requests_positions_runs(self, req_ids: Sequence[str], starts: Sequence[int],
+                                ends: Sequence[int]) -> np.ndarray | None:
+        """`request_positions_runs` of every request at once, end to end; None unless each
+        one is live."""
+        if not all(req_id in self.reqs for req_id in req_ids):
+            return None
+        positions = [(self.reqs[req_id].blocks, p) for req_id, start, end
+                     in zip(req_ids, starts, ends, strict=True) for p in range(start, end)]
+        slots = np.array([blocks[p // self.block_size] * self.block_size + p % self.block_size
+                          for blocks, p in positions], dtype=np.int64)
+        return slot_runs(slots)[0]
+
     def step_slots_cpu(self, req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int]
                        ) -> torch.Tensor:
         slots = []

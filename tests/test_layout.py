@@ -12,7 +12,7 @@ from prefix_cache import OmniPrefixCacheUnmatchError, devices
 from prefix_cache.core.layout import StepLayout
 from prefix_cache.core.residency import PoolMap, ResidentView
 from prefix_cache.integration.group_view import FullAttentionGroupView
-from prefix_cache.core.runs import slot_runs
+from prefix_cache.core.runs import runs_slots, slot_runs
 from tests.sim import StepDriver
 
 BS = 4
@@ -142,3 +142,33 @@ def test_the_c_layout_is_the_reference_layout(capped: bool) -> None:
         assert (_layout_or_refusal(view, scheduled, rows, c_path=True)
                 == _layout_or_refusal(view, scheduled, rows, c_path=False)), (batch.req_ids,
                                                                               scheduled, rows)
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["mirror", "capped"])
+def test_all_requests_positions_in_one_call_are_each_ones_end_to_end(capped: bool) -> None:
+    """FullAttentionGroupView's positions of every request at once (`requests_positions_runs`,
+    a step's chunks) against each request's alone, over random batches and spans (empty ones,
+    mid-block starts); None where the batch lacks one of them; through a capped pool's
+    ResidentView too."""
+    rng = random.Random(11)
+    for _ in range(400):
+        batch = _RunnerBatch(rng, blocks_per_req=4, num_blocks=64)
+        view = FullAttentionGroupView(batch, BS, backend=devices.get_backend("cpu"))
+        if capped:
+            pool_map = PoolMap(64, 64, BS)
+            pool_map.apply(SimpleNamespace(kv_blocks=np.arange(1, 64, dtype=np.int64),
+                                           pool_blocks=np.array(rng.sample(range(1, 64), 63),
+                                                                dtype=np.int64)))
+            view = ResidentView(view, pool_map)
+        req_ids = [r for r in batch.req_ids if r is not None and rng.random() < 0.8]
+        rng.shuffle(req_ids)
+        starts = [rng.randint(0, 4 * BS) for _ in req_ids]
+        ends = [rng.randint(start, 4 * BS) for start in starts]
+        if rng.random() < 0.1:
+            req_ids, starts, ends = [*req_ids, "gone"], [*starts, 0], [*ends, 1]
+            assert view.requests_positions_runs(req_ids, starts, ends) is None
+            continue
+        each = [runs_slots(view.request_positions_runs(r, end, start))
+                for r, start, end in zip(req_ids, starts, ends)]
+        assert runs_slots(view.requests_positions_runs(req_ids, starts, ends)).tolist() == \
+            (np.concatenate(each).tolist() if each else []), (req_ids, starts, ends)

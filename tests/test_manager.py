@@ -359,6 +359,39 @@ def test_a_steps_hits_that_earlier_steps_wrote_are_read_before_its_forward(backe
         assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
 
 
+@pytest.mark.parametrize("step_path", ["c", "python"])
+def test_a_block_a_running_request_got_in_a_decode_step_reads_as_its_new_tenants(backend,
+                                                                                step_path):
+    """A decode step (running requests only: one C call on the C step path) that gives a
+    running request a new block, a finished request's written one, marks it allocated: a hit
+    in the step that fills it (vLLM cached it at scheduling) is left to the step, though the
+    block's last slot still holds its former tenant's row."""
+    manager, d = make(backend, step_path=step_path)
+    manager.track_allocations()
+    z, a = [7, 7, 7, 7], list(range(40, 52))
+    with manager:
+        manager.discard_step(run_step(manager, d, d.step(new=[("z", z, [4], 0, 4),
+                                                              ("a", a, [1], 0, 3)]),
+                                      backend.device, materialize=False))
+        manager.discard_step(run_step(manager, d, d.step(cached={"a": 1}, finished=["z"]),
+                                      backend.device, materialize=False))
+        manager.discard_step(run_step(manager, d, d.step(cached={"a": 1},
+                                                         new_blocks={"a": [4]}),
+                                      backend.device, materialize=False))
+        for _ in range(2):  # positions 5 and 6 into block 4 (position 3 and 4 before)
+            manager.discard_step(run_step(manager, d, d.step(cached={"a": 1}), backend.device,
+                                          materialize=False))
+        e = a[:8] + [6, 6, 6, 6]  # a fills block 4 in this step; e hits it at once
+        manager.new_step_starts(d.step(new=[("e", e, [1, 4, 5], 8, 4)], cached={"a": 1}))
+        assert manager.plan_hit_rows() == {}
+        sid = manager.save_outputs(d.outputs(2).to(backend.device),
+                                   {"mm_feature": d.outputs(16, salt=1).to(backend.device)},
+                                   num_tokens_unpadded=5, num_tokens_padded=5)
+        got = manager.materialize(sid, ["e"])  # the step's own reads serve it
+        assert torch.equal(got.hidden_states["e"], token_rows(e, 2))
+        d.advance()
+
+
 def test_hits_read_before_the_forward_need_allocations_tracked_from_the_first_step(backend):
     manager, d = make(backend)
     with manager:

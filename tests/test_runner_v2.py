@@ -85,6 +85,11 @@ def test_the_view_gives_each_scheduled_position_its_slot_in_batch_order() -> Non
         assert runs_slots(view.request_positions_runs(f"r{row}", 150, 37)).tolist() == \
             expected_slots(blocks[row], 37, 113)
     assert view.request_positions_runs("gone", 10) is None
+    # every request's at once (a step's chunks), end to end
+    assert runs_slots(view.requests_positions_runs(["r7", "r5"], [37, 0], [150, 150])
+                      ).tolist() == expected_slots(blocks[7], 37, 113) + \
+        expected_slots(blocks[5], 0, 150)
+    assert view.requests_positions_runs(["r5", "gone"], [0, 0], [1, 1]) is None
 
 
 class FakeRequestStates:

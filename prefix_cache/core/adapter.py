@@ -38,6 +38,11 @@ class StepEvents(NamedTuple):
     num_scheduled_tokens: Mapping[str, int]
 
 
+#: The events of a step of running requests only, but for its scheduled tokens (none started,
+#: resumed, finished, preempted, or copied a block)
+RUNNING_ONLY = StepEvents((), frozenset(), (), (), frozenset(), (), {})
+
+
 def _req_id(new_req: Any) -> str:
     req_id = getattr(new_req, "req_id", None)
     return getattr(new_req, "request_id", None) if req_id is None else req_id

@@ -1,8 +1,9 @@
 """A streaming stage's chunks read back from the pool: a step's chunks, all its requests' at once.
 
 Planned on the engine thread once a step made them due, while its requests run (their
-blocks stay theirs): one read per key covers every chunk's slots, so planning costs the
-same few pool lookups however many requests stream. The thread that publishes them holds
+blocks stay theirs), from the chunks' slots end to end (`ChunkSpans`, which the view gives
+for all of them in one call where it can): one read per key covers every chunk's slots, so
+planning costs the same few pool lookups however many requests stream. The thread that publishes them holds
 each read once, its rows left in the pool, and hands each request its rows' span of it
 (`PoolRows` the channel's writer copies into the chunk's entry); the reads are let go
 once every span was copied or the chunks are cancelled.
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +26,7 @@ from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import StepHits
 from prefix_cache.core.pool_rows import PoolRows
 from prefix_cache.core.reads import ReadPlanner, RowRead, unwritten_hidden_rows
-from prefix_cache.errors import OmniPrefixCacheError
+from prefix_cache.errors import OmniPrefixCacheError, OmniPrefixCacheUnmatchError
 
 
 class StepChunks:
@@ -147,49 +149,86 @@ class ChunkRows:
             step.cancel(self._index)
 
 
+class ChunkSpans:
+    """Chunks' positions end to end: chunk `i` is request `req_ids[i]`'s positions
+    `[starts[i], ends[i])`, at slots `slots[bounds[i]:bounds[i + 1]]`.
+
+    Invariant: `bounds` starts at 0 and ends at `len(slots)`; a chunk's slots are its own
+    positions' (`ends[i] - starts[i]` of them)."""
+
+    def __init__(self, req_ids: list[str], starts: list[int], ends: list[int],
+                 slots: np.ndarray) -> None:
+        self.req_ids = req_ids
+        self.starts = starts
+        self.ends = ends
+        self.bounds = list(itertools.accumulate(map(operator.sub, ends, starts), initial=0))
+        if self.bounds[-1] != len(slots):
+            raise OmniPrefixCacheUnmatchError(
+                f"plan_chunk_rows: the view gave {len(slots)} slots for the "
+                f"{self.bounds[-1]} positions of the chunks of {req_ids}")
+        self.slots = slots
+
+    @classmethod
+    def joined(cls, chunks: Sequence[tuple[str, int, np.ndarray]]) -> ChunkSpans:
+        """Per `(request, first position, slots of its chunk's positions)`, end to end."""
+        slots = np.concatenate([s for _, _, s in chunks]) if len(chunks) > 1 \
+            else chunks[0][2] if chunks else np.zeros(0, dtype=np.int64)
+        return cls([req_id for req_id, _, _ in chunks], [start for _, start, _ in chunks],
+                   [start + len(s) for _, start, s in chunks], slots)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def with_positions(self) -> ChunkSpans:
+        """These chunks but those with no positions."""
+        return self if all(map(operator.lt, self.starts, self.ends)) else self.without(())
+
+    def without(self, left_out: Container[int]) -> ChunkSpans:
+        """These chunks but those at the indices `left_out` and those with no positions."""
+        b = self.bounds
+        kept = [i for i in range(len(self)) if i not in left_out and b[i] < b[i + 1]]
+        return ChunkSpans([self.req_ids[i] for i in kept], [self.starts[i] for i in kept],
+                          [self.ends[i] for i in kept],
+                          np.concatenate([self.slots[b[i]:b[i + 1]] for i in kept])
+                          if kept else self.slots[:0])
+
+
 def plan_chunk_rows(pool: PrefixBlockPool, planner: ReadPlanner, deferred: DeferredWriter,
-                    lock: threading.Lock, chunks: Sequence[tuple[str, int, np.ndarray]]
-                    ) -> dict[str, ChunkRows]:
-    """Per `(request, first position, slots of its chunk's positions)`, its chunk, read with
-    the others' by one read per key it has rows of (present; hidden rows never absent). A
-    chunk with a row lost to a failed write, or a position without a hidden row, is left out
-    and fails alone, naming why. Rows still held on the device by a deferred write are
-    launched."""
-    out = {req_id: ChunkRows(req_id, start, start + len(s), None, -1)
-           for req_id, start, s in chunks}
-    spans = [chunk for chunk in chunks if len(chunk[2])]
-    if not spans:
+                    lock: threading.Lock, chunks: ChunkSpans) -> dict[str, ChunkRows]:
+    """Each chunk (in `chunks`' order), read with the others by one read per key it has rows
+    of (present; hidden rows never absent). A chunk with a row lost to a failed write, or a
+    position without a hidden row, is left out and fails alone, naming why. Rows still held on
+    the device by a deferred write are launched."""
+    out: dict[str, ChunkRows] = dict.fromkeys(chunks.req_ids)
+    spans = chunks.with_positions()
+    if spans is not chunks:
+        for req_id, start, end in zip(chunks.req_ids, chunks.starts, chunks.ends):
+            if start == end:
+                out[req_id] = ChunkRows(req_id, start, end, None, -1)
+    if not len(spans):
         return out
-    slots, bounds = _joined(spans)
     with lock:
-        reads, has_key = _plan_reads(pool, planner, slots, bounds, len(spans))
+        reads, has_key = _plan_reads(pool, planner, spans.slots, spans.bounds, len(spans))
     if _any_unreadable(reads):  # rare: find which chunks, and plan the others alone
         for read in reads.values():
             planner.cancel(read)  # unpins under the lock: not while holding it
         with lock:
-            errors = _unreadable_spans(pool, spans, slots, bounds)
+            errors = _unreadable_spans(pool, spans)
         for i, cause in errors.items():
-            req_id, start, s = spans[i]
-            out[req_id] = ChunkRows(req_id, start, start + len(s), None, -1, cause)
-        spans = [span for i, span in enumerate(spans) if i not in errors]
-        if not spans:
+            req_id, start = spans.req_ids[i], spans.starts[i]
+            out[req_id] = ChunkRows(req_id, start, spans.ends[i], None, -1, cause)
+        spans = spans.without(errors)
+        if not len(spans):
             return out
-        slots, bounds = _joined(spans)
         with lock:
-            reads, has_key = _plan_reads(pool, planner, slots, bounds, len(spans))
+            reads, has_key = _plan_reads(pool, planner, spans.slots, spans.bounds, len(spans))
     deferred.flush_tasks([task for read in reads.values() for task in read.producers])
-    step = StepChunks(reads, bounds, has_key,
+    step = StepChunks(reads, spans.bounds, has_key,
                       {key: pool_key.feat_shape for key, pool_key in pool.keys.items()},
                       planner)
-    for index, (req_id, start, s) in enumerate(spans):
-        out[req_id] = ChunkRows(req_id, start, start + len(s), step, index)
+    for index, (req_id, start, end) in enumerate(zip(spans.req_ids, spans.starts, spans.ends)):
+        out[req_id] = ChunkRows(req_id, start, end, step, index)
     return out
-
-
-def _joined(spans: Sequence[tuple[str, int, np.ndarray]]) -> tuple[np.ndarray, list[int]]:
-    """The spans' slots end to end, and where each one's begin (and the last ends)."""
-    return (np.concatenate([s for _, _, s in spans]) if len(spans) > 1 else spans[0][2],
-            list(itertools.accumulate((len(s) for _, _, s in spans), initial=0)))
 
 
 def _plan_reads(pool: PrefixBlockPool, planner: ReadPlanner, slots: np.ndarray,
@@ -222,23 +261,23 @@ def _any_unreadable(reads: dict[str, RowRead]) -> bool:
         hidden is not None and hidden.present is not None and not hidden.present.all())
 
 
-def _unreadable_spans(pool: PrefixBlockPool, spans: Sequence[tuple[str, int, np.ndarray]],
-                      slots: np.ndarray, bounds: list[int]) -> dict[int, str]:
+def _unreadable_spans(pool: PrefixBlockPool, spans: ChunkSpans) -> dict[int, str]:
     """Per chunk that cannot be read, why: the first of a row lost to a failed write and a
     position without a hidden row (caller holds the lock)."""
+    slots, bounds = spans.slots, spans.bounds
     errors: dict[int, str] = {}
     for key in pool.keys:
         lost = pool.lost(key, slots)
         if lost.any():
             counts = np.add.reduceat(lost, bounds[:-1])
             for i in np.flatnonzero(counts).tolist():
-                start, span = spans[i][1], len(spans[i][2])
-                errors.setdefault(i, f"its positions {start}..{start + span - 1}: "
+                start, end = spans.starts[i], spans.ends[i]
+                errors.setdefault(i, f"its positions {start}..{end - 1}: "
                                      f"{int(counts[i])} of its rows of {key!r} were lost to a "
                                      f"failed write")
     if HIDDEN_KEY in pool.keys:
         present = pool.present(HIDDEN_KEY, slots)
-        for i, (_, start, _) in enumerate(spans):
+        for i, start in enumerate(spans.starts):
             if i not in errors and not present[bounds[i]:bounds[i + 1]].all():
                 errors[i] = unwritten_hidden_rows(start, present[bounds[i]:bounds[i + 1]])
     return errors

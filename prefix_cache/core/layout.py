@@ -26,7 +26,11 @@ class GroupView(Protocol):
     offer `step_slot_runs(req_ids, num_scheduled_tokens)`: the same slots as `[k, 2]` runs;
     and `step_layout(num_scheduled_tokens, num_rows)`: the step's order, row ends, tokens'
     total and smallest count, and those runs with their min and max slot, in one call (the
-    C path; see FullAttentionGroupView.step_layout)."""
+    C path; see FullAttentionGroupView.step_layout). The rows read back from the pool need
+    `request_positions_runs(req_id, num_positions, start)`: a request's positions' slots as
+    runs (None where the view no longer holds it); a streaming stage's chunks are planned in
+    one call where it also offers `requests_positions_runs(req_ids, starts, ends)`: every
+    request's, end to end (None unless it holds each one)."""
 
     def batch_req_ids(self) -> Sequence[str]: ...
 

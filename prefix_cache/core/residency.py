@@ -221,6 +221,8 @@ class ResidentView:
             self.step_layout = self._step_layout
         if callable(getattr(view, "request_positions_runs", None)):
             self.request_positions_runs = self._request_positions_runs
+        if callable(getattr(view, "requests_positions_runs", None)):
+            self.requests_positions_runs = self._requests_positions_runs
 
     def batch_req_ids(self) -> Sequence[str]:
         return self.inner.batch_req_ids()
@@ -249,6 +251,11 @@ class ResidentView:
                                 start: int = 0) -> np.ndarray | None:
         runs = self.inner.request_positions_runs(req_id, num_positions, start)
         return None if runs is None else self._map.runs(runs, f"request {req_id}")
+
+    def _requests_positions_runs(self, req_ids: Sequence[str], starts: Sequence[int],
+                                 ends: Sequence[int]) -> np.ndarray | None:
+        runs = self.inner.requests_positions_runs(req_ids, starts, ends)
+        return None if runs is None else self._map.runs(runs, f"requests {list(req_ids)}")
 
 
 class PoolStep:

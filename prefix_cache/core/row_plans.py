@@ -3,12 +3,13 @@
 A request's progress is the positions its steps reach: set where a step (re)starts it (new, or
 resumed after preemption) at the tokens vLLM found computed, advanced by every step's scheduled
 tokens, dropped at its finish (a step of running requests only, the common decode step, is one
-C call on the C step path: `running_step`). A (re)start computed past its progress is the
-step's prefix hit. From the progress, on the engine thread while the view holds the request's
+C call on the C step path, `running_step`, its new blocks tracked or not). A (re)start
+computed past its progress is the step's prefix hit. From the progress, on the engine thread while the view holds the request's
 blocks, the rows are planned: a request's at its finish (`request_rows`), a streaming stage's
 chunks (`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs
-the blocks vLLM gives new tenants tracked from the first step: `track_allocations`). The reads
-themselves are built by `request_reads` and `chunk_reads`.
+the blocks vLLM gives new tenants tracked from the first step: `track_allocations`); a step's
+chunks take all their requests' slots from the view in one call where it offers that. The
+reads themselves are built by `request_reads` and `chunk_reads`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import numpy as np
 
 from prefix_cache.config import HIDDEN_KEY, PrefixCacheConfig
 from prefix_cache.core import _core
-from prefix_cache.core.adapter import StepEvents, allocated_blocks
+from prefix_cache.core.adapter import RUNNING_ONLY, StepEvents, allocated_blocks
 from prefix_cache.core.block_pool import PrefixBlockPool
-from prefix_cache.core.chunk_reads import ChunkRows, plan_chunk_rows
+from prefix_cache.core.chunk_reads import ChunkRows, ChunkSpans, plan_chunk_rows
 from prefix_cache.core.deferred import DeferredWriter
 from prefix_cache.core.hits import NO_HITS, StepHits
 from prefix_cache.core.kept_tensors import keeping_tensors
@@ -79,11 +80,19 @@ class RowPlans:
     def running_step(self, scheduler_output: Any) -> dict[str, int] | None:
         """On the C step path, a step that only schedules running requests (the common decode
         step) in one call (`_core.running_step`): its scheduled tokens, its requests' progress
-        advanced by them; None, nothing changed, for any other step, on the Python path, and
-        where new tenants' blocks are tracked (a running request's new blocks are noted)."""
-        if not self._c_path or self._tracks_allocations:
+        advanced by them, and, where tracked, the new blocks vLLM gave them marked; None,
+        nothing changed, for any other step and on the Python path."""
+        if not self._c_path:
             return None
-        return _core.running_step(scheduler_output, self._progress)
+        # a running request's new blocks, found before anything changes (a step of others
+        # finds them again with the rest)
+        allocated = allocated_blocks(scheduler_output, RUNNING_ONLY, self._block_size,
+                                     self._group_id) if self._tracks_allocations else None
+        scheduled = _core.running_step(scheduler_output, self._progress)
+        if scheduled is not None and allocated:
+            with self._lock:
+                self._pool.mark_allocated(np.asarray(allocated, dtype=np.int64))
+        return scheduled
 
     def finish(self, req_id: str) -> None:
         """`req_id` finished: it stands nowhere."""
@@ -116,13 +125,30 @@ class RowPlans:
 
     def chunk_rows(self, chunks: Mapping[str, tuple[int, int]]) -> dict[str, ChunkRows]:
         """`OmniPrefixCacheManager.plan_chunk_rows`."""
-        planned = self._positions_slots(
-            "plan_chunk_rows", {req_id: end for req_id, (_, end) in chunks.items()},
-            {req_id: start for req_id, (start, _) in chunks.items()})
         # no tensor is made here but by the launch of a deferred write the chunks read,
         # which keeps its own (leaving vLLM's inference mode costs tens of µs after a forward)
         return plan_chunk_rows(self._pool, self._planner, self._deferred, self._lock,
-                               [(req_id, start, slots) for req_id, start, slots, _ in planned])
+                               self._chunk_spans(chunks))
+
+    def _chunk_spans(self, chunks: Mapping[str, tuple[int, int]]) -> ChunkSpans:
+        """Each chunk's positions `[start, end)` cut to where its request stands (none where
+        it stands behind `start`) and their slots, those of requests the view holds: in one
+        call where the view gives every request's at once (`requests_positions_runs`), else a
+        request at a time (`_positions_slots`, the reference)."""
+        all_runs = getattr(self._view, "requests_positions_runs", None)
+        if all_runs is not None:
+            progress, req_ids = self._progress, list(chunks)
+            starts = [start for start, _ in chunks.values()]
+            # a request recomputed after preemption may stand behind where its chunks reached
+            stands = [max(min(progress.get(req_id, 0), end), start)
+                      for req_id, (start, end) in chunks.items()]
+            runs = all_runs(req_ids, starts, stands)
+            if runs is not None:
+                return ChunkSpans(req_ids, starts, stands, runs_slots(runs))
+        planned = self._positions_slots(
+            "plan_chunk_rows", {req_id: end for req_id, (_, end) in chunks.items()},
+            {req_id: start for req_id, (start, _) in chunks.items()})
+        return ChunkSpans.joined([(req_id, start, slots) for req_id, start, slots, _ in planned])
 
     def _positions_slots(self, call: str, ends: Mapping[str, int | None],
                          starts: Mapping[str, int]) -> list[tuple[str, int, np.ndarray, int]]:

@@ -10,6 +10,7 @@ be mirrored.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -127,6 +128,18 @@ class FullAttentionGroupView:
         return positions_slot_runs(req_id, start, num_positions, self._block_ids(table)[row],
                                    int(table.block_size), "the runner's batch")
 
+    def requests_positions_runs(self, req_ids: Sequence[str], starts: Sequence[int],
+                                ends: Sequence[int]) -> np.ndarray | None:
+        """`request_positions_runs` of every request at once, `[starts[i], ends[i])` of
+        `req_ids[i]`, end to end; None where the batch does not hold each of them."""
+        index_of = self.input_batch.req_id_to_index
+        rows = [index_of.get(req_id) for req_id in req_ids]
+        if None in rows:
+            return None
+        table = self._table()
+        return rows_positions_runs(req_ids, rows, starts, ends, self._block_ids(table),
+                                   int(table.block_size), "the runner's batch")
+
     @staticmethod
     def _block_ids(table: Any) -> np.ndarray:
         return table.get_numpy_array() if hasattr(table, "get_numpy_array") \
@@ -143,6 +156,17 @@ def positions_slot_runs(req_id: str, start: int, end: int, block_ids: np.ndarray
     `[k, 2]` runs (see `request_slot_runs`): O(blocks of the span), wherever it starts."""
     return request_slot_runs([req_id], {req_id: max(end - start, 0)}, {req_id: 0},
                              np.array([start], dtype=np.int64), block_ids[None, :], unit, batch)
+
+
+def rows_positions_runs(req_ids: Sequence[str], rows: Sequence[int], starts: Sequence[int],
+                        ends: Sequence[int], block_ids: np.ndarray, unit: int, batch: str
+                        ) -> np.ndarray:
+    """The slots of each request's positions `[starts[i], ends[i])` given its row `rows[i]` of
+    block ids, end to end as `[k, 2]` runs (see `request_slot_runs`): one call for them all."""
+    firsts = np.zeros(len(block_ids), dtype=np.int64)
+    firsts[rows] = starts
+    return request_slot_runs(req_ids, dict(zip(req_ids, map(operator.sub, ends, starts))),
+                             dict(zip(req_ids, rows)), firsts, block_ids, unit, batch)
 
 
 def request_slot_runs(req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int],

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from prefix_cache.errors import OmniPrefixCacheUnmatchError
-from prefix_cache.integration.group_view import positions_slot_runs, request_slot_runs
+from prefix_cache.integration.group_view import (positions_slot_runs, request_slot_runs,
+                                                  rows_positions_runs)
 from prefix_cache.integration.runner_mixin import StageRunnerBase
 from prefix_cache.core.runs import runs_slots
 from prefix_cache.integration.stage_outputs import StepBatch
@@ -112,6 +113,16 @@ class StepBatchGroupView:
         if row is None:
             return None
         return positions_slot_runs(req_id, start, num_positions, self.mirror.ids[row],
+                                   self.block_size, "the V2 runner's block tables")
+
+    def requests_positions_runs(self, req_ids: Sequence[str], starts: Sequence[int],
+                                ends: Sequence[int]) -> np.ndarray | None:
+        """`request_positions_runs` of every request at once, `[starts[i], ends[i])` of
+        `req_ids[i]`, end to end; None where the runner does not hold each of them."""
+        rows = [self._row_of(req_id) for req_id in req_ids]
+        if None in rows:
+            return None
+        return rows_positions_runs(req_ids, rows, starts, ends, self.mirror.ids,
                                    self.block_size, "the V2 runner's block tables")
 
 
