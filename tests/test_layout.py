@@ -118,6 +118,20 @@ def _layout_or_refusal(view, scheduled, num_rows, *, c_path):
     return layout.order, layout.ends.tolist(), layout.runs.tolist(), layout.slots.tolist()
 
 
+def _random_view(rng: random.Random, batch: _RunnerBatch, capped: bool
+                 ) -> FullAttentionGroupView | ResidentView:
+    """`batch`'s view, or (`capped`) a capped pool's view of it, its 63 KV blocks held at
+    pool blocks in a random order."""
+    view = FullAttentionGroupView(batch, BS, backend=devices.get_backend("cpu"))
+    if not capped:
+        return view
+    pool_map = PoolMap(64, 64, BS)
+    pool_map.apply(SimpleNamespace(kv_blocks=np.arange(1, 64, dtype=np.int64),
+                                   pool_blocks=np.array(rng.sample(range(1, 64), 63),
+                                                        dtype=np.int64)))
+    return ResidentView(view, pool_map)
+
+
 @pytest.mark.parametrize("capped", [False, True], ids=["mirror", "capped"])
 def test_the_c_layout_is_the_reference_layout(capped: bool) -> None:
     """FullAttentionGroupView's one-call layout (`step_layout`, the C step path) against its
@@ -127,13 +141,7 @@ def test_the_c_layout_is_the_reference_layout(capped: bool) -> None:
     rng = random.Random(7)
     for _ in range(400):
         batch = _RunnerBatch(rng, blocks_per_req=4, num_blocks=64)
-        view = FullAttentionGroupView(batch, BS, backend=devices.get_backend("cpu"))
-        if capped:
-            pool_map = PoolMap(64, 64, BS)
-            kv = np.arange(1, 64, dtype=np.int64)
-            pool = np.array(rng.sample(range(1, 64), 63), dtype=np.int64)
-            pool_map.apply(SimpleNamespace(kv_blocks=kv, pool_blocks=pool))
-            view = ResidentView(view, pool_map)
+        view = _random_view(rng, batch, capped)
         present = [r for r in batch.req_ids if r is not None]
         scheduled = {r: rng.choice([0, 1, 1, 2, 3, 5]) for r in present if rng.random() < 0.9}
         if rng.random() < 0.2:
@@ -153,13 +161,7 @@ def test_all_requests_positions_in_one_call_are_each_ones_end_to_end(capped: boo
     rng = random.Random(11)
     for _ in range(400):
         batch = _RunnerBatch(rng, blocks_per_req=4, num_blocks=64)
-        view = FullAttentionGroupView(batch, BS, backend=devices.get_backend("cpu"))
-        if capped:
-            pool_map = PoolMap(64, 64, BS)
-            pool_map.apply(SimpleNamespace(kv_blocks=np.arange(1, 64, dtype=np.int64),
-                                           pool_blocks=np.array(rng.sample(range(1, 64), 63),
-                                                                dtype=np.int64)))
-            view = ResidentView(view, pool_map)
+        view = _random_view(rng, batch, capped)
         req_ids = [r for r in batch.req_ids if r is not None and rng.random() < 0.8]
         rng.shuffle(req_ids)
         starts = [rng.randint(0, 4 * BS) for _ in req_ids]

@@ -3,10 +3,10 @@
 Planned on the engine thread once a step made them due, while its requests run (their
 blocks stay theirs), from the chunks' slots end to end (`ChunkSpans`, which the view gives
 for all of them in one call where it can): one read per key covers every chunk's slots, so
-planning costs the same few pool lookups however many requests stream. The thread that publishes them holds
-each read once, its rows left in the pool, and hands each request its rows' span of it
-(`PoolRows` the channel's writer copies into the chunk's entry); the reads are let go
-once every span was copied or the chunks are cancelled.
+planning costs the same few pool lookups however many requests stream. The thread that
+publishes them holds each read once, its rows left in the pool, and hands each request its
+rows' span of it (`PoolRows` the channel's writer copies into the chunk's entry); the reads
+are let go once every span was copied or the chunks are cancelled.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ A request's progress is the positions its steps reach: set where a step (re)star
 resumed after preemption) at the tokens vLLM found computed, advanced by every step's scheduled
 tokens, dropped at its finish (a step of running requests only, the common decode step, is one
 C call on the C step path, `running_step`, its new blocks tracked or not). A (re)start
-computed past its progress is the step's prefix hit. From the progress, on the engine thread while the view holds the request's
-blocks, the rows are planned: a request's at its finish (`request_rows`), a streaming stage's
-chunks (`chunk_rows`), and the step's hits that earlier steps wrote (`hit_rows`, which needs
-the blocks vLLM gives new tenants tracked from the first step: `track_allocations`); a step's
-chunks take all their requests' slots from the view in one call where it offers that. The
-reads themselves are built by `request_reads` and `chunk_reads`.
+computed past its progress is the step's prefix hit. From the progress, on the engine thread
+while the view holds the request's blocks, the rows are planned: a request's at its finish
+(`request_rows`), a streaming stage's chunks (`chunk_rows`), and the step's hits that earlier
+steps wrote (`hit_rows`, which needs the blocks vLLM gives new tenants tracked from the first
+step: `track_allocations`); a step's chunks take all their requests' slots from the view in
+one call where it offers that. The reads themselves are built by `request_reads` and
+`chunk_reads`.
 """
 
 from __future__ import annotations
