@@ -6,6 +6,7 @@ import contextlib
 import threading
 from contextlib import closing
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -348,15 +349,26 @@ def test_a_steps_hits_that_earlier_steps_wrote_are_read_before_its_forward(backe
         d.advance()
         # block 4, z's until now, goes to c, which fills it in this step; e hits it at once
         e = c[:4] + [6, 6, 6, 6]
-        manager.new_step_starts(d.step(new=[("c", c, [4, 5], 0, 8), ("e", e, [4, 6], 4, 4)]))
-        assert manager.plan_hit_rows() == {}
-        sid = manager.save_outputs(d.outputs(2).to(backend.device),
-                                   {"mm_feature": d.outputs(16, salt=1).to(backend.device)},
-                                   num_tokens_unpadded=12, num_tokens_padded=12)
-        got = manager.materialize(sid, ["e"])  # the step's own reads serve it
-        assert torch.equal(got.hidden_states["e"], token_rows(e, 2))
-        d.advance()
+        _hit_is_left_to_the_step_filling_it(
+            manager, d, backend, d.step(new=[("c", c, [4, 5], 0, 8), ("e", e, [4, 6], 4, 4)]),
+            "e", e)
         assert not manager.pool.any_pinned(np.arange(manager.pool.num_slots))
+
+
+def _hit_is_left_to_the_step_filling_it(manager: OmniPrefixCacheManager, d: StepDriver,
+                                        backend: Any, scheduler_output: Any, req_id: str,
+                                        prompt: list[int]) -> None:
+    """Runs `scheduler_output`, in which `req_id` hits a block the step itself fills: no hit
+    is read before the forward, and the step's own reads give `req_id` its `prompt`'s rows."""
+    manager.new_step_starts(scheduler_output)
+    assert manager.plan_hit_rows() == {}
+    n = sum(scheduler_output.num_scheduled_tokens.values())
+    sid = manager.save_outputs(d.outputs(2).to(backend.device),
+                               {"mm_feature": d.outputs(16, salt=1).to(backend.device)},
+                               num_tokens_unpadded=n, num_tokens_padded=n)
+    got = manager.materialize(sid, [req_id])  # the step's own reads serve it
+    assert torch.equal(got.hidden_states[req_id], token_rows(prompt, 2))
+    d.advance()
 
 
 @pytest.mark.parametrize("step_path", ["c", "python"])
@@ -382,14 +394,9 @@ def test_a_block_a_running_request_got_in_a_decode_step_reads_as_its_new_tenants
             manager.discard_step(run_step(manager, d, d.step(cached={"a": 1}), backend.device,
                                           materialize=False))
         e = a[:8] + [6, 6, 6, 6]  # a fills block 4 in this step; e hits it at once
-        manager.new_step_starts(d.step(new=[("e", e, [1, 4, 5], 8, 4)], cached={"a": 1}))
-        assert manager.plan_hit_rows() == {}
-        sid = manager.save_outputs(d.outputs(2).to(backend.device),
-                                   {"mm_feature": d.outputs(16, salt=1).to(backend.device)},
-                                   num_tokens_unpadded=5, num_tokens_padded=5)
-        got = manager.materialize(sid, ["e"])  # the step's own reads serve it
-        assert torch.equal(got.hidden_states["e"], token_rows(e, 2))
-        d.advance()
+        _hit_is_left_to_the_step_filling_it(
+            manager, d, backend, d.step(new=[("e", e, [1, 4, 5], 8, 4)], cached={"a": 1}),
+            "e", e)
 
 
 def test_hits_read_before_the_forward_need_allocations_tracked_from_the_first_step(backend):

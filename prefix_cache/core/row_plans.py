@@ -138,11 +138,8 @@ class RowPlans:
         request at a time (`_positions_slots`, the reference)."""
         all_runs = getattr(self._view, "requests_positions_runs", None)
         if all_runs is not None:
-            progress, req_ids = self._progress, list(chunks)
-            starts = [start for start, _ in chunks.values()]
-            # a request recomputed after preemption may stand behind where its chunks reached
-            stands = [max(min(progress.get(req_id, 0), end), start)
-                      for req_id, (start, end) in chunks.items()]
+            req_ids, starts = list(chunks), [start for start, _ in chunks.values()]
+            stands = [self._stands(req_id, start, end) for req_id, (start, end) in chunks.items()]
             runs = all_runs(req_ids, starts, stands)
             if runs is not None:
                 return ChunkSpans(req_ids, starts, stands, runs_slots(runs))
@@ -164,14 +161,20 @@ class RowPlans:
                 f"(it lacks request_positions_runs)")
         planned = []
         for req_id, end in ends.items():
-            n, start = self._progress.get(req_id, 0), starts.get(req_id, 0)
-            # a request recomputed after preemption may stand behind where its chunks reached
-            # (`start`): it has no rows past them yet
-            stands = max(n if end is None else min(n, end), start)
+            start = starts.get(req_id, 0)
+            stands = self._stands(req_id, start, end)
             runs = positions_runs(req_id, stands, start)
             if runs is not None:
-                planned.append((req_id, start, runs_slots(runs), max(n - stands, 0)))
+                planned.append((req_id, start, runs_slots(runs),
+                                max(self._progress.get(req_id, 0) - stands, 0)))
         return planned
+
+    def _stands(self, req_id: str, start: int, end: int | None) -> int:
+        """Where `req_id`'s rows from `start` reach: its progress, cut at `end` (None: not
+        cut), and never behind `start` (a request recomputed after preemption may stand behind
+        where its chunks reached: it has no rows past them yet)."""
+        n = self._progress.get(req_id, 0)
+        return max(n if end is None else min(n, end), start)
 
     def hit_rows(self, step: PendingStep | None) -> dict[str, RequestRows]:
         """`OmniPrefixCacheManager.plan_hit_rows` of the step under way (None: none is); the
