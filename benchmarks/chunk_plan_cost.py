@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 import timeit
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -90,7 +91,7 @@ def view_us(num_requests: int) -> tuple[float, float]:
     def at_once() -> np.ndarray:
         return runs_slots(view.requests_positions_runs(ids, starts, ends))
 
-    def best_us(f) -> float:
+    def best_us(f: Callable[[], np.ndarray]) -> float:
         return min(timeit.repeat(f, number=2000, repeat=5)) / 2000 * 1e6
 
     if not hasattr(view, "requests_positions_runs"):  # a tree before it
