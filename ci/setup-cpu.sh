@@ -66,13 +66,15 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 torch_version="$(sed -n 's/^torch==//p' "$LOCK")+cpu"
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '$torch_version')" \
         2>/dev/null; then
-    pip install -q --no-deps --no-index "torch==$torch_version" 2>/dev/null ||
-        pip install -q --no-deps "torch==$torch_version" --index-url "$TORCH_INDEX_URL"
+    pip install -q --no-deps --no-compile --no-index "torch==$torch_version" 2>/dev/null ||
+        pip install -q --no-deps --no-compile "torch==$torch_version" --index-url "$TORCH_INDEX_URL"
 fi
 
 # ---- The frozen set, --no-deps: resolving it would pull the CUDA-linked torchvision,
-# torchaudio, torchcodec and triton, which break `import vllm.config` on CPU torch.
-pip install -q --no-deps -r "$LOCK"
+# torchaudio, torchcodec and triton, which break `import vllm.config` on CPU torch. No bytecode
+# compiled ahead, here and above: Python compiles a module when it is first imported, and the
+# disk holds the test run's second environment (ci/setup-vllm-omni.sh) too.
+pip install -q --no-deps --no-compile -r "$LOCK"
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true  # an older venv's
 
 # ---- This project, editable: the checkout's prefix_cache (and devices/ as prefix_cache.devices)
