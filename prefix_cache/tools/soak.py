@@ -17,7 +17,9 @@ same seed, the same faults) injects, one at a time, the heavy faults:
   SIGCONTinued;
 - consumer kill: SIGKILL, and a new consumer process; the reads the dead one held are its,
   the new one drains what is left of those entries (chunk by chunk) so no id stays dirty;
-- producer kill: the engine-core process SIGKILLed (`kill_test.kill_engine`) and the engine
+- producer kill: once a request is in the engine (a kill that cuts none tests nothing; a
+  consumer slower than the engine, the outstanding requests at `MAX_OUTSTANDING`, leaves
+  none), the engine-core process SIGKILLed (`kill_test.kill_engine`) and the engine
   started again; every request the consumer then learns died with it
   (`OmniPrefixCacheChannelProducerError`) is retried under the same id and prompt, and so is
   every cut request nobody read yet, at once and unread (its dead producer's chunks are then
@@ -750,8 +752,8 @@ class Soak:
         if now < self.stalled_until or self.consumer_restarting:
             return
         heavy = schedule.heavy_due(now)
-        if heavy is None:
-            return
+        if heavy is None or (heavy == "producer kill" and not self.live):
+            return  # a producer kill waits for a request in the engine: it must cut one
         stall_s = schedule.heavy_done()
         self.report.faults[heavy] += 1
         if heavy == "consumer stall":
