@@ -5,7 +5,7 @@
 # project (editable), so that tests/vllm_omni runs vllm-omni's engine with either prefix cache.
 # Its own environment: vllm-omni 0.30.0 needs vLLM 0.30 and transformers < 5.15, the main .venv
 # holds vLLM 0.32. Idempotent: does nothing while the locks, pyproject.toml and this script are
-# unchanged. About 5.4 GB (torch's CUDA libraries; no GPU is used).
+# unchanged. About 5.2 GB (torch's CUDA libraries; no GPU is used).
 #
 # Supports Linux x86-64 with Python 3.11 (the locks are frozen there).
 # Environment: VENV (default .venv-omni), PYTHON (default python3).
@@ -30,13 +30,13 @@ stamp="$VENV/.omni-lock-$(cat ci/vllm-omni-torch.lock ci/vllm-omni.lock pyprojec
     $(find prefix_cache -name '*.[ch]' | sort) ci/setup-vllm-omni.sh |
     sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
-# About 5.4 GB installed, 5.8 GB at the peak (measured on a new machine): refuse at once, before
+# About 5.2 GB installed, 5.6 GB at the peak (measured on a new machine): refuse at once, before
 # any download, where the disk cannot hold it
 need_mb=6500
 free_mb=$(df -Pm "$(dirname "$VENV")" | awk 'NR == 2 {print $4}')
 [ "$free_mb" -ge "$need_mb" ] || fail "$VENV needs about $need_mb MB free on its disk, it has" \
     "$free_mb MB (df -m $(dirname "$VENV")); free some, or set VENV to a larger disk"
-echo "setting up $VENV for vllm-omni 0.30.0 (a few minutes and about 5.4 GB on a new machine)"
+echo "setting up $VENV for vllm-omni 0.30.0 (a few minutes and about 5.2 GB on a new machine)"
 "$PYTHON" -m venv "$VENV"
 echo '*' >"$VENV/.gitignore"  # the checkout's .gitignore names .venv only
 pip() { "$VENV/bin/python" -m pip "$@"; }
