@@ -46,11 +46,12 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 # The disk's peak kept low: torch's CUDA libraries (2.7 GB installed) one package a call, as pip
 # keeps every wheel of a call until all are installed (1 GB more at the peak in one call), and
 # no bytecode compiled ahead (0.4 GB of it; Python compiles a module when it is first imported).
+cuda_libraries='^(nvidia|cuda)-'  # the lock's lines of torch's CUDA libraries
 pip install -q --no-deps --no-compile -r ci/vllm-omni-torch.lock
-grep -E '^(nvidia|cuda)-' ci/vllm-omni.lock | while read -r requirement; do
+grep -E "$cuda_libraries" ci/vllm-omni.lock | while read -r requirement; do
     pip install -q --no-deps --no-compile "$requirement"
 done
-pip install -q --no-deps --no-compile -r <(grep -vE '^(nvidia|cuda)-' ci/vllm-omni.lock)
+pip install -q --no-deps --no-compile -r <(grep -vE "$cuda_libraries" ci/vllm-omni.lock)
 
 # ---- This project, editable, with its vllm.general_plugins entry point
 pip install -q --no-deps -e .
